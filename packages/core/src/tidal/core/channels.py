@@ -1,0 +1,361 @@
+"""Typed ZeroMQ channels: the socket patterns Tidal's processes talk over.
+
+    push / pull       trajectories from rollout workers into the buffer (fan-in, back-pressure by HWM)
+    router / dealer   request/reply with many peers: batches to learner ranks, prompts to workers
+    pub / sub         broadcast: metrics, weight announcements, control
+
+Every channel sends and receives `tidal.core.protocol` messages through a `Codec`: large arrays leave
+as zero-copy frames, decoding is typed, and a bad message raises `ProtocolError` for that message only;
+the channel stays usable. Every receive takes a timeout (seconds). Non-loopback endpoints require CURVE.
+
+    with pull("tcp://127.0.0.1:*") as inbox, push(inbox.endpoint) as outbox:
+        outbox.send(Heartbeat(role="demo", name="a", seq=0, time=0.0))
+        print(inbox.recv(timeout=5))
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _pysocket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+
+from tidal.core.codec import Codec
+from tidal.core.errors import ChannelClosed, ChannelTimeout, ProtocolError, ProtocolVersionError, TidalError
+from tidal.core.protocol import PROTOCOL_VERSION, Error, Hello, Message
+from tidal.core.security import Curve, apply_curve, require_curve_if_remote
+
+
+class PeerUnreachable(TidalError):
+    """A ROUTER tried to send to a peer that is not (or no longer) connected."""
+
+
+def _ms(timeout: float | None) -> int:
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+class Channel:
+    """One ZeroMQ socket speaking the Tidal protocol. Use the factory functions below."""
+
+    socket_type: int = -1
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool,
+        curve: Curve | None = None,
+        hwm: int = 1000,
+        linger: float = 1.0,
+        codec: Codec | None = None,
+        context: zmq.Context | None = None,
+        identity: bytes | None = None,
+        recv_timeout: float | None = None,
+    ) -> None:
+        require_curve_if_remote(endpoint, curve)
+        self.codec = codec or Codec()
+        self.recv_timeout = recv_timeout
+        self._closed = False
+        ctx = context or zmq.Context.instance()
+        sock = ctx.socket(self.socket_type)
+        try:
+            sock.sndhwm = hwm
+            sock.rcvhwm = hwm
+            sock.linger = _ms(linger)
+            if identity is not None:
+                sock.identity = identity
+            self._configure(sock)
+            apply_curve(sock, curve)
+            if bind:
+                sock.bind(endpoint)
+                endpoint = sock.last_endpoint.decode()
+            else:
+                sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            action = "bind" if bind else "connect"
+            raise TidalError(f"cannot {action} {type(self).__name__} to {endpoint}: {e}") from None
+        self.socket = sock
+        self.endpoint = endpoint  # resolved (a "tcp://127.0.0.1:*" bind gets its real port)
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        """Socket options specific to a pattern."""
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelClosed(f"{type(self).__name__} on {self.endpoint} is closed")
+
+    def _wait(self, timeout: float | None, flags: int = zmq.POLLIN) -> None:
+        timeout = self.recv_timeout if timeout is None and flags == zmq.POLLIN else timeout
+        if timeout is not None and not self.socket.poll(_ms(timeout), flags):
+            what = "nothing received" if flags == zmq.POLLIN else "could not send (peer slow or absent)"
+            raise ChannelTimeout(f"{what} on {self.endpoint} within {timeout:g} s")
+
+    # Leading frames received as bytes (envelope and header: small, cheaper copied); the rest,
+    # array data, zero-copy. ROUTER and SUB have one envelope frame before the header.
+    _copied_frames = 1
+
+    def _recv_frames(self, timeout: float | None) -> list[Any]:
+        self._check_open()
+        self._wait(timeout)
+        sock = self.socket
+        frames: list[Any] = [sock.recv()]
+        while sock.rcvmore:
+            frames.append(sock.recv(copy=len(frames) < self._copied_frames))
+        return frames
+
+    def _send_frames(self, frames: list[Any], timeout: float | None) -> None:
+        self._check_open()
+        self._wait(timeout, zmq.POLLOUT)
+        self.socket.send_multipart(frames, copy=False)
+
+    def close(self, linger: float | None = None) -> None:
+        if not self._closed:
+            self._closed = True
+            self.socket.close(linger=None if linger is None else _ms(linger))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.endpoint!r})"
+
+
+class PushChannel(Channel):
+    socket_type = zmq.PUSH
+
+    def send(self, msg: Message, timeout: float | None = None) -> None:
+        """Queue `msg`; blocks while the high-water mark is reached (back-pressure) up to `timeout`."""
+        self._send_frames(self.codec.encode(msg), timeout)
+
+
+class PullChannel(Channel):
+    socket_type = zmq.PULL
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next message. Raises ChannelTimeout, or ProtocolError for a bad one (the next recv works)."""
+        return self.codec.decode(self._recv_frames(timeout))
+
+
+class PubChannel(Channel):
+    socket_type = zmq.PUB
+
+    def publish(self, topic: str, msg: Message) -> None:
+        """Send `msg` to every subscriber of a prefix of `topic`. Never blocks (slow subscribers drop)."""
+        self._check_open()
+        self.socket.send_multipart([topic.encode(), *self.codec.encode(msg)], copy=False)
+
+
+class SubChannel(Channel):
+    socket_type = zmq.SUB
+    _copied_frames = 2
+
+    def __init__(self, endpoint: str, *, topics: Iterable[str] = ("",), **kw: Any) -> None:
+        self._topics = list(topics)
+        super().__init__(endpoint, **kw)
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        for t in self._topics:
+            sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+
+    def recv(self, timeout: float | None = None) -> tuple[str, Message]:
+        frames = self._recv_frames(timeout)
+        if len(frames) < 2:
+            raise ProtocolError("published message lacks a topic frame")
+        topic = bytes(frames[0]).decode("utf-8", "replace")
+        return topic, self.codec.decode(frames[1:])
+
+
+class RouterChannel(Channel):
+    """Server side of request/reply with many peers. Answers `Hello` by itself (see `peers`)."""
+
+    socket_type = zmq.ROUTER
+    _copied_frames = 2
+
+    def __init__(self, endpoint: str, *, hello: Hello | None = None, reply_errors: bool = True, **kw: Any) -> None:
+        kw.setdefault("bind", True)
+        super().__init__(endpoint, **kw)
+        self.hello = hello or make_hello("server", f"router-{os.getpid()}")
+        self.reply_errors = reply_errors
+        self.peers: dict[bytes, Hello] = {}  # peer identity -> the Hello it sent
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        sock.router_mandatory = True  # sending to a vanished peer raises instead of dropping silently
+
+    def recv(self, timeout: float | None = None) -> tuple[bytes, Message]:
+        """Next (peer, message) that is not a handshake. A bad message raises ProtocolError (with
+        `.peer` set) after an `Error` has been sent back to that peer."""
+        timeout = self.recv_timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            frames = self._recv_frames(left)
+            peer = bytes(frames[0])
+            try:
+                if len(frames) < 2:
+                    raise ProtocolError("request has no message frames", peer=peer)
+                msg = self.codec.decode(frames[1:], peer=peer)
+            except ProtocolError as e:
+                e.peer = peer
+                if self.reply_errors:
+                    code = "version" if isinstance(e, ProtocolVersionError) else "protocol"
+                    self._try_send(peer, Error(code=code, detail=str(e)))
+                raise
+            if type(msg) is Hello:
+                self._answer_hello(peer, msg)
+                continue
+            return peer, msg
+
+    def _answer_hello(self, peer: bytes, hello: Hello) -> None:
+        if hello.protocol[0] != self.codec.protocol[0]:
+            err = ProtocolVersionError(ours=self.codec.protocol, theirs=tuple(hello.protocol), peer=peer)  # type: ignore[arg-type]
+            self._try_send(peer, Error(code="version", detail=str(err)))
+            return
+        self.peers[peer] = hello
+        self._try_send(peer, self.hello)
+
+    def _try_send(self, peer: bytes, msg: Message) -> None:
+        try:
+            self.send(peer, msg, timeout=0)
+        except (PeerUnreachable, ChannelTimeout):
+            pass  # the peer left; nothing to tell it
+
+    def send(self, peer: bytes, msg: Message, timeout: float | None = None) -> None:
+        try:
+            self._send_frames([peer, *self.codec.encode(msg)], timeout)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerUnreachable(f"peer {peer!r} is not connected to {self.endpoint}") from None
+            raise
+
+
+class DealerChannel(Channel):
+    """Client side of request/reply. `handshake()` exchanges `Hello` with the server."""
+
+    socket_type = zmq.DEALER
+
+    def __init__(self, endpoint: str, **kw: Any) -> None:
+        kw.setdefault("bind", False)
+        super().__init__(endpoint, **kw)
+        self.server: Hello | None = None
+
+    def send(self, msg: Message, timeout: float | None = None) -> None:
+        self._send_frames(self.codec.encode(msg), timeout)
+
+    def recv(self, timeout: float | None = None) -> Message:
+        return self.codec.decode(self._recv_frames(timeout))
+
+    def request(self, msg: Message, timeout: float | None = None) -> Message:
+        """Send `msg` and return the next reply. An `Error` reply is returned, not raised."""
+        self.send(msg, timeout)
+        return self.recv(timeout)
+
+    def handshake(self, hello: Hello, timeout: float = 10.0) -> Hello:
+        """Introduce ourselves; returns the server's Hello. Raises ProtocolVersionError when the
+        server speaks another major version, ProtocolError when it refuses us."""
+        reply = self.request(hello, timeout)
+        if type(reply) is Error:
+            if reply.code == "version":
+                raise ProtocolVersionError(ours=self.codec.protocol, theirs=_parse_theirs(reply.detail))
+            raise ProtocolError(f"{self.endpoint} refused the handshake: {reply.detail}")
+        if type(reply) is not Hello:
+            raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply).__name__}")
+        self.server = reply
+        return reply
+
+
+def _parse_theirs(detail: str) -> tuple[int, int]:
+    # The server's error says "peer speaks X.Y, this process speaks A.B": from our side, A.B is theirs.
+    import re
+
+    m = re.search(r"this process speaks (\d+)\.(\d+)", detail)
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+
+
+def make_hello(role: str, name: str, software: dict[str, str] | None = None) -> Hello:
+    """A Hello for this process, with our protocol version, pid and host filled in."""
+    return Hello(
+        role=role,
+        name=name,
+        protocol=PROTOCOL_VERSION,
+        software=software or {"tidal-core": _core_version()},
+        pid=os.getpid(),
+        host=_pysocket.gethostname(),
+    )
+
+
+def _core_version() -> str:
+    from tidal.core import __version__
+
+    return __version__
+
+
+def poll(channels: Iterable[Channel], timeout: float | None) -> list[Channel]:
+    """The channels among `channels` that have a message waiting, after at most `timeout` seconds."""
+    poller = zmq.Poller()
+    by_socket = {}
+    for ch in channels:
+        ch._check_open()
+        poller.register(ch.socket, zmq.POLLIN)
+        by_socket[ch.socket] = ch
+    return [by_socket[s] for s, _ in poller.poll(_ms(timeout))]
+
+
+# Factories: the default of bind/connect follows how Tidal uses each pattern (the long-lived
+# service binds). Every one takes the keyword options of `Channel`.
+
+
+def push(endpoint: str, *, bind: bool = False, **kw: Any) -> PushChannel:
+    return PushChannel(endpoint, bind=bind, **kw)
+
+
+def pull(endpoint: str, *, bind: bool = True, **kw: Any) -> PullChannel:
+    return PullChannel(endpoint, bind=bind, **kw)
+
+
+def pub(endpoint: str, *, bind: bool = True, **kw: Any) -> PubChannel:
+    return PubChannel(endpoint, bind=bind, **kw)
+
+
+def sub(endpoint: str, *, topics: Iterable[str] = ("",), bind: bool = False, **kw: Any) -> SubChannel:
+    return SubChannel(endpoint, topics=topics, bind=bind, **kw)
+
+
+def router(endpoint: str, *, bind: bool = True, **kw: Any) -> RouterChannel:
+    return RouterChannel(endpoint, bind=bind, **kw)
+
+
+def dealer(endpoint: str, *, bind: bool = False, **kw: Any) -> DealerChannel:
+    return DealerChannel(endpoint, bind=bind, **kw)
+
+
+__all__ = [
+    "Channel",
+    "DealerChannel",
+    "PeerUnreachable",
+    "PubChannel",
+    "PullChannel",
+    "PushChannel",
+    "RouterChannel",
+    "SubChannel",
+    "dealer",
+    "make_hello",
+    "poll",
+    "pub",
+    "pull",
+    "push",
+    "router",
+    "sub",
+]

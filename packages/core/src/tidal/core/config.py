@@ -1,0 +1,153 @@
+"""Config: TOML files into nested msgspec Structs, with dotted command-line overrides on top.
+
+    class Learner(ConfigStruct):
+        lr: float = 1e-6
+    class Run(ConfigStruct):
+        learner: Learner = msgspec.field(default_factory=Learner)
+
+    cfg = load_config("recipe.toml", Run, overrides=["learner.lr=3e-6"])
+
+Errors name the dotted field, the expected type and what was found, and suggest a near name for a
+misspelt key. Each package owns the Structs of its own section; a run's config composes them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from tidal.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class ConfigStruct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of config sections: keyword-only, unknown keys are errors (a typo never passes silently)."""
+
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"learner.lr=1e-6"`` -> (["learner", "lr"], 1e-6). Values use TOML syntax; bare words are strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*", key):
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value (e.g. learner.lr=1e-6)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word: `engine.type=vllm`
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Set each dotted override into the nested dict `data` (in place; also returned)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(path[: i + 1])
+                raise ConfigError(f"override {text!r}: {where} is a value, not a section", field=where)
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def convert(data: Mapping[str, Any], typ: type[T], *, source: str = "config") -> T:
+    """Validate a nested dict against Struct type `typ`, with errors that name the dotted field."""
+    try:
+        return msgspec.convert(data, typ)
+    except msgspec.ValidationError as e:
+        raise _config_error(str(e), typ, source) from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    typ: type[T],
+    overrides: Iterable[str] = (),
+) -> T:
+    """Read TOML at `path` (None: defaults only), apply overrides, and convert to `typ`."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        source = str(p)
+    apply_overrides(data, overrides)
+    return convert(data, typ, source=source)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (for logging the effective config of a run)."""
+    return msgspec.to_builtins(config)
+
+
+def _config_error(text: str, root: type, source: str) -> ConfigError:
+    m = _PATH.search(text)
+    path = m.group("path") if m else ""
+    detail = _PATH.sub("", text)
+    dotted = re.sub(r"\[(\d+)\]", r"[\1]", path).lstrip(".")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
+    if unknown:
+        name = unknown.group(1)
+        field = f"{dotted}.{name}" if dotted else name
+        known = _fields_at(root, dotted)
+        msg = f"{source}: unknown field {field!r}"
+        if known:
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                msg += f"; did you mean {close[0]!r}?"
+            msg += f" Fields here: {', '.join(known)}"
+        return ConfigError(msg, field=field)
+    missing = re.match(r"Object missing required field `([^`]+)`", detail)
+    if missing:
+        field = f"{dotted}.{missing.group(1)}" if dotted else missing.group(1)
+        return ConfigError(f"{source}: required field {field!r} is missing", field=field)
+    expected = re.match(r"Expected `([^`]+)`, got `([^`]+)`", detail)
+    if expected:
+        return ConfigError(
+            f"{source}: {dotted or 'config'} expects {expected.group(1)}, got {expected.group(2)}", field=dotted
+        )
+    return ConfigError(f"{source}: {dotted or 'config'}: {detail}", field=dotted or None)
+
+
+def _fields_at(root: Any, dotted: str) -> list[str]:
+    typ = root
+    for part in [p for p in re.split(r"\.|\[\d+\]", dotted) if p]:
+        struct = _struct_of(typ)
+        if struct is None:
+            return []
+        by_name = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+        typ = by_name.get(part)
+    struct = _struct_of(typ)
+    return [f.encode_name for f in msgspec.structs.fields(struct)] if struct else []
+
+
+def _struct_of(typ: Any) -> type[msgspec.Struct] | None:
+    for t in (typ, *typing.get_args(typ)):
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            return t
+        for a in typing.get_args(t):  # list[Struct], dict[str, Struct]
+            if isinstance(a, type) and issubclass(a, msgspec.Struct):
+                return a
+    return None
+
+
+__all__ = ["ConfigStruct", "apply_overrides", "convert", "load_config", "parse_override", "to_dict"]

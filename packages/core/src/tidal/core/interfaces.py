@@ -1,0 +1,243 @@
+"""What an implementation of each plugin kind must offer, as `typing.Protocol`s.
+
+These let sibling packages use each other's implementations by name without importing each other:
+rollout asks the registry for a weight receiver, the buffer for a staleness policy, the learner for a
+loss. Tensors are typed loosely (`Tensor = Any`) because tidal.core never imports torch; the
+implementing package documents shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from tidal.core.protocol import SamplingParams, WeightsAvailable
+
+Tensor = Any  # a torch.Tensor in the implementing package; core never imports torch
+NamedTensors = Iterable[tuple[str, Tensor]]
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    """One prompt to complete."""
+
+    request_id: str  # caller's id; results and aborts refer to it
+    prompt_ids: list[int]  # prompt token ids
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)  # how to sample
+
+
+class GenerationResult(msgspec.Struct, kw_only=True):
+    """A finished (or aborted) completion."""
+
+    request_id: str  # the request's id
+    completion_ids: list[int]  # generated token ids
+    logprobs: list[float]  # logprob of each token under the processed distribution it was drawn from
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop", "length", "abort"
+    sampling_mask: Any = None  # per-token kept-vocabulary bitmask, when requested
+    routing: Any = None  # per-token MoE expert ids per layer, when requested
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Generates completions with continuous batching; weights can change between decode steps."""
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> None: ...
+
+    def poll(self, timeout: float | None = None) -> list[GenerationResult]:
+        """Results finished since the last call (waits up to `timeout` for at least one)."""
+        ...
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        """Load new weights between two decode steps; later tokens carry `version`."""
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- environments, rewards
+
+
+class Task(msgspec.Struct, kw_only=True):
+    """One problem an environment poses."""
+
+    prompt: str  # text shown to the model
+    answer: str = ""  # reference answer or payload the verifier checks against
+    domain: str = ""  # task family, for per-domain metrics and mixing
+    metadata: dict[str, str] = {}  # free task data
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Makes tasks and scores completions (single turn)."""
+
+    def tasks(self, split: str, seed: int) -> Iterator[Task]:
+        """An endless (train) or finite (eval) stream of tasks for `split` ("train" / "eval")."""
+        ...
+
+    def score(self, task: Task, completion: str) -> float:
+        """Reward of `completion` for `task`."""
+        ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    """An agent loop: the model acts, the environment answers, until done."""
+
+    def reset(self, task: Task) -> str:
+        """First observation (text appended to the prompt)."""
+        ...
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        """(observation to append or None, reward of this step, done)."""
+        ...
+
+
+RewardFn = Callable[[Task, str], float]
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Per-token advantages [B, T] from rewards; see tidal-algos for the exact inputs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """Loss from a `LossInputs` (per-token tensors) to a `LossOutputs` (scalar loss + metrics)."""
+
+    def __call__(self, inputs: Any, /) -> Any: ...
+
+
+@runtime_checkable
+class GroupFilter(Protocol):
+    """Decides whether a complete group of trajectories goes to training (True) or is dropped."""
+
+    def __call__(self, rewards: Sequence[float], /) -> bool: ...
+
+
+# --------------------------------------------------------------------------- staleness
+
+
+class Admission(msgspec.Struct, kw_only=True):
+    """What a staleness policy decided about one trajectory."""
+
+    admit: bool  # False: drop the whole trajectory
+    token_mask: list[bool] | None = None  # per completion token, False = masked out; None = all kept
+    reason: str = ""  # why it was dropped or trimmed, for drop-by-reason metrics
+
+
+@runtime_checkable
+class StalenessPolicy(Protocol):
+    """Admits, trims or drops a trajectory given its per-token policy versions (no torch needed)."""
+
+    def admit(self, versions: Sequence[int], current_version: int) -> Admission: ...
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+@runtime_checkable
+class WeightSender(Protocol):
+    """Learner side: publishes a named set of tensors as one version."""
+
+    def send(self, weights: NamedTensors, version: int) -> WeightsAvailable: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """Generator side: fetches an announced version and hands (name, tensor) pairs to `apply`."""
+
+    def receive(self, announcement: WeightsAvailable, apply: Callable[[NamedTensors], None]) -> int:
+        """Fetch, verify and apply; returns the version now held. Keeps the old one on failure."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """A way to move weights; the registry maps a transport name to one of these."""
+
+    def sender(self, config: Mapping[str, Any]) -> WeightSender: ...
+
+    def receiver(self, config: Mapping[str, Any]) -> WeightReceiver: ...
+
+
+# --------------------------------------------------------------------------- training and launching
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    """Owns the model's parallelism: forward/backward, optimizer step, checkpoints, weight export."""
+
+    def forward_backward(self, batch: Any, loss_fn: Callable[..., Any]) -> Mapping[str, float]: ...
+
+    def optimizer_step(self) -> Mapping[str, float]: ...
+
+    def named_weights(self) -> NamedTensors:
+        """Full (unsharded) weights, gathered one tensor at a time, for weight sync."""
+        ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+
+@runtime_checkable
+class RunHandle(Protocol):
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts the roles of a run and watches them."""
+
+    def launch(self, config: Any) -> RunHandle: ...
+
+
+__all__ = [
+    "Admission",
+    "AdvantageEstimator",
+    "Engine",
+    "Environment",
+    "GenerationRequest",
+    "GenerationResult",
+    "GroupFilter",
+    "Launcher",
+    "MultiTurnEnvironment",
+    "NamedTensors",
+    "PolicyLoss",
+    "RewardFn",
+    "RunHandle",
+    "StalenessPolicy",
+    "Task",
+    "Tensor",
+    "TrainBackend",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightTransport",
+]

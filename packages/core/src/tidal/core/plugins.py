@@ -1,0 +1,237 @@
+"""Plugins: pluggy hookspecs for every kind, and the registry that finds implementations by name.
+
+Every package, Tidal's own included, registers through the entry-point group ``tidal``, exactly as a
+third party does::
+
+    # pyproject.toml of a plugin distribution
+    [project.entry-points.tidal]
+    my_env = "my_package.tidal_plugin"
+
+    # my_package/tidal_plugin.py
+    from tidal.core.plugins import hookimpl
+
+    @hookimpl
+    def tidal_envs():
+        return {"my-env": MyEnvironment}     # name -> factory (class or function)
+
+Then anyone asks by name, without importing the package: ``registry.get("env", "my-env")``.
+The interface each kind must offer is a `typing.Protocol` in `tidal.core.interfaces`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pluggy
+
+from tidal.core.errors import PluginConflict, PluginNotFound
+
+log = logging.getLogger(__name__)
+
+PROJECT = "tidal"
+ENTRY_POINT_GROUP = "tidal"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Factory = Callable[..., Any]
+
+
+class TidalSpecs:
+    """One hook per kind. Each returns ``{name: factory}``; the factory builds an implementation of
+    the kind's interface (tidal.core.interfaces) from that implementation's config."""
+
+    @hookspec
+    def tidal_engines(self) -> Mapping[str, Factory]:
+        """Generation engines (`Engine`): e.g. "embedded", "vllm"."""
+
+    @hookspec
+    def tidal_envs(self) -> Mapping[str, Factory]:
+        """Environments / tasks that make prompts and verify completions (`Environment`)."""
+
+    @hookspec
+    def tidal_rewards(self) -> Mapping[str, Factory]:
+        """Reward functions usable by any environment (`RewardFn`)."""
+
+    @hookspec
+    def tidal_advantage_estimators(self) -> Mapping[str, Factory]:
+        """Advantage estimators (`AdvantageEstimator`): e.g. "grpo", "rloo", "gae"."""
+
+    @hookspec
+    def tidal_policy_losses(self) -> Mapping[str, Factory]:
+        """Policy losses (`PolicyLoss`): e.g. "ppo", "gspo", "cispo"."""
+
+    @hookspec
+    def tidal_staleness_policies(self) -> Mapping[str, Factory]:
+        """Off-policy control (`StalenessPolicy`): rejection, depth bound, IS correction."""
+
+    @hookspec
+    def tidal_group_filters(self) -> Mapping[str, Factory]:
+        """Filters the buffer applies to complete groups (`GroupFilter`): e.g. "zero-variance"."""
+
+    @hookspec
+    def tidal_weight_transports(self) -> Mapping[str, Factory]:
+        """Weight transports (`WeightTransport`): e.g. "zmq", "torch_dist", "shm", "fs"."""
+
+    @hookspec
+    def tidal_train_backends(self) -> Mapping[str, Factory]:
+        """Training backends (`TrainBackend`): e.g. "single", "fsdp2", "deepspeed"."""
+
+    @hookspec
+    def tidal_launchers(self) -> Mapping[str, Factory]:
+        """Launchers that start and watch a run's roles (`Launcher`): e.g. "local", "ray"."""
+
+
+# kind name (as users write it in configs and errors) -> hook name
+KINDS: dict[str, str] = {
+    "engine": "tidal_engines",
+    "env": "tidal_envs",
+    "reward": "tidal_rewards",
+    "advantage_estimator": "tidal_advantage_estimators",
+    "policy_loss": "tidal_policy_losses",
+    "staleness_policy": "tidal_staleness_policies",
+    "group_filter": "tidal_group_filters",
+    "weight_transport": "tidal_weight_transports",
+    "train_backend": "tidal_train_backends",
+    "launcher": "tidal_launchers",
+}
+
+
+# Which Tidal distribution ships the built-in plugins of each kind (for error hints only).
+BUILTIN_PROVIDERS: dict[str, str] = {
+    "engine": "tidal-rollout",
+    "env": "tidal-rollout",
+    "reward": "tidal-rollout",
+    "advantage_estimator": "tidal-algos",
+    "policy_loss": "tidal-algos",
+    "staleness_policy": "tidal-staleness",
+    "group_filter": "tidal-algos",
+    "weight_transport": "tidal-weight-sync",
+    "train_backend": "tidal",
+    "launcher": "tidal",
+}
+
+
+class Registry:
+    """Finds plugin implementations by kind and name. Loads the ``tidal`` entry points on first use.
+
+    A plugin whose import fails does not break the others: its error is kept and shown when a lookup
+    misses, so "why is my engine not there" has an answer.
+    """
+
+    def __init__(self, *, load_entry_points: bool = True) -> None:
+        self._load_entry_points = load_entry_points
+        self._lock = threading.RLock()
+        self._pm: pluggy.PluginManager | None = None
+        self._table: dict[str, dict[str, tuple[Factory, str]]] | None = None
+        self._extra: list[tuple[object, str]] = []
+        self.failed: dict[str, str] = {}  # entry point name -> error text
+
+    # ------------------------------------------------------------------ loading
+
+    def _build(self) -> dict[str, dict[str, tuple[Factory, str]]]:
+        pm = pluggy.PluginManager(PROJECT)
+        pm.add_hookspecs(TidalSpecs)
+        self.failed = {}
+        if self._load_entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if pm.has_plugin(ep.name):
+                    continue
+                try:
+                    plugin = ep.load()
+                    pm.register(plugin, name=ep.name)
+                except Exception as e:  # a broken plugin must not take the others down
+                    dist = ep.dist.name if ep.dist else "?"
+                    self.failed[ep.name] = f"{type(e).__name__}: {e} (entry point {ep.value!r} of {dist})"
+                    log.warning("tidal plugin %r failed to load: %s", ep.name, self.failed[ep.name])
+        for plugin, name in self._extra:
+            pm.register(plugin, name=name)
+        table: dict[str, dict[str, tuple[Factory, str]]] = {kind: {} for kind in KINDS}
+        for kind, hook_name in KINDS.items():
+            hook = getattr(pm.hook, hook_name)
+            for impl in hook.get_hookimpls():
+                provided = impl.function() or {}
+                for name, factory in dict(provided).items():
+                    if name in table[kind]:
+                        other = table[kind][name][1]
+                        raise PluginConflict(
+                            f"{kind} {name!r} is registered by both plugin {other!r} and plugin "
+                            f"{impl.plugin_name!r}; uninstall one or rename its {kind}"
+                        )
+                    table[kind][name] = (factory, impl.plugin_name)
+        self._pm = pm
+        return table
+
+    def _loaded(self) -> dict[str, dict[str, tuple[Factory, str]]]:
+        with self._lock:
+            if self._table is None:
+                self._table = self._build()
+            return self._table
+
+    def reload(self) -> None:
+        """Rescan entry points (after installing a plugin into a running process)."""
+        with self._lock:
+            self._table = None
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Register a plugin object (module or instance with hookimpls) without an entry point."""
+        with self._lock:
+            self._extra.append((plugin, name or getattr(plugin, "__name__", repr(plugin))))
+            self._table = None
+
+    # ------------------------------------------------------------------ lookup
+
+    def _kind(self, kind: str) -> dict[str, tuple[Factory, str]]:
+        table = self._loaded()
+        if kind not in table:
+            raise PluginNotFound(f"unknown plugin kind {kind!r}; kinds are: {', '.join(KINDS)}")
+        return table[kind]
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._kind(kind))
+
+    def provider(self, kind: str, name: str) -> str:
+        """Name of the plugin (entry point) that registered `name`."""
+        self.get(kind, name)
+        return self._kind(kind)[name][1]
+
+    def get(self, kind: str, name: str) -> Factory:
+        """The factory registered as `name` for `kind`; PluginNotFound lists the registered names."""
+        entries = self._kind(kind)
+        if name in entries:
+            return entries[name][0]
+        known = sorted(entries)
+        msg = f"no {kind} named {name!r}; registered {kind} names: {', '.join(known) or '(none)'}"
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            msg += f". Did you mean {close[0]!r}?"
+        if self.failed:
+            msg += ". Plugins that failed to load: " + "; ".join(f"{k}: {v}" for k, v in self.failed.items())
+        elif not known and kind in BUILTIN_PROVIDERS:
+            msg += f". Tidal's built-in {kind} plugins come with `pip install {BUILTIN_PROVIDERS[kind]}`"
+        raise PluginNotFound(msg)
+
+    def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Look up `name` and call its factory."""
+        return self.get(kind, name)(*args, **kwargs)
+
+    def table(self) -> dict[str, dict[str, str]]:
+        """kind -> name -> providing plugin, for listings such as `tidal plugins`."""
+        return {kind: {n: p for n, (_, p) in sorted(entries.items())} for kind, entries in self._loaded().items()}
+
+
+registry = Registry()
+"""The process-wide registry, loaded from entry points on first use."""
+
+
+def get(kind: str, name: str) -> Factory:
+    """Shortcut for ``registry.get(kind, name)``."""
+    return registry.get(kind, name)
+
+
+__all__ = ["ENTRY_POINT_GROUP", "KINDS", "Registry", "TidalSpecs", "get", "hookimpl", "hookspec", "registry"]

@@ -1,0 +1,246 @@
+"""The Tidal wire protocol: every message any two Tidal processes exchange.
+
+Each message is a msgspec Struct in one tagged union (`Message`), encoded as a msgpack array
+(`array_like=True`: field order is the schema, so fields are only ever appended, with defaults).
+Arrays are `tidal.core.arrays.Array`: small ones inline, large ones as extra zero-copy frames; see
+`tidal.core.codec` for the frame layout and the version preamble that every message carries.
+
+Compatibility rule: a new optional field at the end of a message, or a new message type, bumps
+PROTOCOL_MINOR; anything else bumps PROTOCOL_MAJOR, and peers of different majors refuse each other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from tidal.core.arrays import Array
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
+    """Base of every wire message (tag = class name)."""
+
+
+class _Part(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Base of structs nested inside messages (no tag)."""
+
+
+# --------------------------------------------------------------------------- handshake & errors
+
+
+class Hello(_Msg):
+    """First message on a request/reply connection, sent by each side; majors must match."""
+
+    role: str  # what the sender is: "rollout", "buffer", "learner", "controller", "client", ...
+    name: str  # unique name of the sender within the run, e.g. "rollout-3"
+    # (major, minor) wire protocol the sender speaks. No default on purpose: omit_defaults would
+    # drop it from the wire and the peer would read its own version instead.
+    protocol: tuple[int, int]
+    software: dict[str, str] = {}  # distribution name -> version, for diagnostics
+    pid: int = 0  # sender's process id, for diagnostics
+    host: str = ""  # sender's host name, for diagnostics
+
+
+class Error(_Msg):
+    """A refusal or failure reported to the peer that caused it."""
+
+    code: str  # machine-readable kind: "protocol", "version", "refused", "internal", ...
+    detail: str  # human-readable explanation: what was wrong and what to do
+    ref: str = ""  # id of the message this answers, when there is one
+
+
+class Ack(_Msg):
+    """Acknowledges messages by id: durable trajectories, consumed batches, applied weights."""
+
+    kind: str  # what is acknowledged: "trajectory", "batch", "weights", ...
+    ids: list[str]  # ids of the acknowledged items (trajectory ids, batch ids, "v<version>")
+    ok: bool = True  # False: the items were received but rejected (see `detail`)
+    detail: str = ""  # why they were rejected, when ok is False
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+class Heartbeat(_Msg):
+    """Liveness signal; a role that misses several is presumed dead and restarted."""
+
+    role: str  # sender's role
+    name: str  # sender's unique name
+    seq: int  # increments by one per heartbeat from this sender
+    time: float  # sender's wall clock (time.time()) when sent
+    version: int = -1  # policy version the sender holds, -1 when not applicable
+    status: dict[str, float] = {}  # small gauges worth seeing live: queue depth, in-flight, ...
+
+
+ControlCommand = Literal["pause", "resume", "stop", "drain", "checkpoint", "status"]
+
+
+class Control(_Msg):
+    """A command from the controller (or launcher) to a role."""
+
+    command: ControlCommand  # what to do
+    reason: str = ""  # why, for the logs
+    version: int = -1  # policy version the command refers to, when relevant
+    args: dict[str, str] = {}  # command-specific options
+
+
+class Metrics(_Msg):
+    """Numbers a role reports for plotting: one step's scalars and optional histograms."""
+
+    source: str  # reporting role name, e.g. "learner-0"
+    step: int  # step counter of the source (policy version for the learner)
+    time: float  # wall clock when measured
+    scalars: dict[str, float]  # metric name -> value, names slash-separated ("loss/policy")
+    histograms: dict[str, Array] = {}  # metric name -> 1-D array of samples (e.g. lag per sample)
+
+
+# --------------------------------------------------------------------------- data plane
+
+
+class SamplingParams(_Part):
+    """How to sample a completion. Defaults are plain ancestral sampling."""
+
+    temperature: float = 1.0  # softmax temperature; logprobs are reported after it
+    top_p: float = 1.0  # nucleus mass kept; 1.0 disables
+    top_k: int = -1  # number of top tokens kept; -1 disables
+    max_tokens: int = 256  # most completion tokens generated
+    stop_token_ids: list[int] = []  # generation ends after any of these tokens
+    seed: int | None = None  # per-request seed for reproducible sampling
+    return_sampling_mask: bool = False  # record which vocab entries top-k/top-p kept
+    return_routing: bool = False  # record MoE expert ids per token per layer
+
+
+class Assignment(_Msg):
+    """Controller -> rollout worker: generate one group of samples for one prompt."""
+
+    group_id: str  # unique id of the group; every sample of it carries this id
+    prompt_ids: Array  # int32 [prompt_len] prompt token ids
+    num_samples: int  # G: how many samples to generate for this prompt
+    task: str  # environment / task name that scores the samples (plugin name)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)  # how to sample
+    answer: str = ""  # reference answer or task payload the environment verifies against
+    metadata: dict[str, str] = {}  # free task metadata passed through to the trajectories
+
+
+class Trajectory(_Msg):
+    """One sampled completion with everything the learner needs to train on it."""
+
+    id: str  # unique and stable across resends, so receivers can deduplicate
+    group_id: str  # prompt group this sample belongs to (G samples share it)
+    sample_index: int  # index of this sample within its group, 0..G-1
+    task: str  # environment / task name that produced the reward
+    prompt_ids: Array  # int32 [prompt_len] prompt token ids
+    completion_ids: Array  # int32 [completion_len] generated token ids
+    logprobs: Array  # float32 [completion_len] logprob of each token under the sampler's processed distribution
+    versions: Array  # int32 [completion_len] policy version that produced each completion token
+    reward: float  # scalar reward of the whole completion
+    finish_reason: str  # "stop", "length", "abort", ...
+    step_rewards: Array | None = None  # float32 [num_steps] per-step (process) rewards, if any
+    step_ends: Array | None = None  # int32 [num_steps] completion index where each step ends (exclusive)
+    loss_mask: Array | None = None  # uint8 [completion_len] 0 = not trained on (tool output, env text)
+    routing: Array | None = None  # uint8/int16 [completion_len, layers, top_k] MoE expert ids chosen at sampling
+    sampling_mask: Array | None = None  # packed bits [completion_len, ceil(vocab/8)] of vocab entries kept
+    metadata: dict[str, str] = {}  # free metadata from the task or the worker
+
+
+class Batch(_Msg):
+    """Buffer -> learner rank: trajectories to train on, identified for acknowledgement."""
+
+    batch_id: str  # unique id; the learner acks it once trained so the buffer can forget it
+    rank: int  # data-parallel rank this share is for
+    world_size: int  # number of data-parallel ranks the batch was split across
+    trajectories: list[Trajectory]  # the samples, complete groups unless partial release is on
+    step: int = -1  # learner step this batch is meant for, when the buffer knows it
+    num_tokens: int = 0  # total prompt + completion tokens in this share
+
+
+class BatchRequest(_Msg):
+    """Learner rank -> buffer: ask for the next batch share."""
+
+    rank: int  # requesting data-parallel rank
+    world_size: int  # data-parallel world size
+    version: int  # policy version the learner currently holds (for admission against lag)
+    max_samples: int = 0  # cap on samples in the reply; 0 = buffer's configured batch size
+    max_tokens: int = 0  # cap on tokens in the reply; 0 = no token cap
+
+
+class TensorSpec(_Part):
+    """One tensor of a weight transfer: where its bytes sit and how to check them."""
+
+    name: str  # parameter name as the receiving model expects it
+    dtype: str  # dtype name (tidal.core.arrays.ITEMSIZE keys)
+    shape: tuple[int, ...]  # full (unsharded) shape
+    bucket: int = 0  # index of the bucket that carries the bytes
+    offset: int = 0  # byte offset inside the bucket
+    nbytes: int = 0  # byte length inside the bucket
+    encoding: str = "dense"  # "dense", or "delta" (index + value pairs against the previous version)
+
+
+class WeightsAvailable(_Msg):
+    """Learner -> generators: a new policy version can be fetched over the named transport."""
+
+    version: int  # policy version of these weights; strictly increasing
+    transport: str  # weight transport plugin name: "zmq", "torch_dist", "shm", "fs", ...
+    manifest: list[TensorSpec]  # every tensor of the update, in bucket order
+    bucket_sizes: list[int] = []  # byte size of each bucket
+    checksums: list[int] = []  # per-bucket checksum (crc32 / xxhash as named in `checksum`)
+    checksum: str = "crc32"  # checksum algorithm name
+    base_version: int = -1  # for delta updates: version the delta applies to; -1 = full weights
+    location: str = ""  # transport-specific address: endpoint, shm name, folder, group name
+    lora_only: bool = False  # True when only LoRA adapter tensors are included
+
+
+Message = (
+    Hello
+    | Error
+    | Ack
+    | Heartbeat
+    | Control
+    | Metrics
+    | Assignment
+    | Trajectory
+    | Batch
+    | BatchRequest
+    | WeightsAvailable
+)
+
+MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
+    Hello,
+    Error,
+    Ack,
+    Heartbeat,
+    Control,
+    Metrics,
+    Assignment,
+    Trajectory,
+    Batch,
+    BatchRequest,
+    WeightsAvailable,
+)
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Assignment",
+    "Batch",
+    "BatchRequest",
+    "Control",
+    "ControlCommand",
+    "Error",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "Metrics",
+    "SamplingParams",
+    "TensorSpec",
+    "Trajectory",
+    "WeightsAvailable",
+]

@@ -1,0 +1,97 @@
+"""Helpers for tests of Tidal and of plugins: one valid instance of every wire message."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Assignment,
+    Batch,
+    BatchRequest,
+    Control,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Metrics,
+    SamplingParams,
+    TensorSpec,
+    Trajectory,
+    WeightsAvailable,
+)
+
+
+def make_trajectory(
+    i: int = 0, *, prompt_len: int = 32, completion_len: int = 64, rich: bool = False, seed: int = 0
+) -> Trajectory:
+    """A trajectory with deterministic pseudo-random content; `rich` fills every optional field."""
+    rng = np.random.default_rng(seed + i)
+    n = completion_len
+    extra = {}
+    if rich:
+        extra = dict(
+            step_rewards=Array.from_numpy(np.array([0.5, 1.0], np.float32)),
+            step_ends=Array.from_numpy(np.array([n // 2, n], np.int32)),
+            loss_mask=Array.from_numpy(np.ones(n, np.uint8)),
+            routing=Array.from_numpy(rng.integers(0, 8, (n, 2, 2), dtype=np.uint8)),
+            sampling_mask=Array.from_numpy(rng.integers(0, 255, (n, 4), dtype=np.uint8)),
+            metadata={"answer": "42"},
+        )
+    return Trajectory(
+        id=f"traj-{i}",
+        group_id=f"group-{i // 4}",
+        sample_index=i % 4,
+        task="arith",
+        prompt_ids=Array.from_numpy(rng.integers(0, 32000, prompt_len, dtype=np.int32)),
+        completion_ids=Array.from_numpy(rng.integers(0, 32000, n, dtype=np.int32)),
+        logprobs=Array.from_numpy(-rng.random(n, dtype=np.float32)),
+        versions=Array.from_numpy(np.full(n, 3, np.int32)),
+        reward=float(i % 2),
+        finish_reason="stop",
+        **extra,
+    )
+
+
+def sample_messages() -> list[Message]:
+    """One instance of every message type (Trajectory twice: plain and with every optional field)."""
+    weights = np.arange(12, dtype=np.float32)
+    return [
+        Hello(role="test", name="t0", protocol=PROTOCOL_VERSION, software={"tidal-core": "0"}, pid=1, host="h"),
+        Error(code="protocol", detail="bad", ref="x"),
+        Ack(kind="trajectory", ids=["a", "b"]),
+        Heartbeat(role="rollout", name="r0", seq=7, time=1.5, version=3, status={"in_flight": 2.0}),
+        Control(command="pause", reason="weights", version=4, args={"k": "v"}),
+        Metrics(
+            source="learner-0",
+            step=3,
+            time=2.0,
+            scalars={"loss/policy": 0.25},
+            histograms={"lag": Array.from_numpy(weights)},
+        ),
+        Assignment(
+            group_id="g",
+            prompt_ids=Array.from_list([1, 2, 3], "int32"),
+            num_samples=4,
+            task="arith",
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5),
+            answer="7",
+        ),
+        make_trajectory(0),
+        make_trajectory(1, rich=True),
+        Batch(batch_id="b0", rank=0, world_size=2, trajectories=[make_trajectory(i) for i in range(3)], step=1),
+        BatchRequest(rank=1, world_size=2, version=3, max_samples=8),
+        WeightsAvailable(
+            version=5,
+            transport="zmq",
+            manifest=[TensorSpec(name="w", dtype="float32", shape=(3, 4), nbytes=48)],
+            bucket_sizes=[48],
+            checksums=[123],
+            location="tcp://127.0.0.1:5555",
+        ),
+    ]
+
+
+__all__ = ["make_trajectory", "sample_messages"]
