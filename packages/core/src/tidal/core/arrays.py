@@ -68,6 +68,15 @@ class Array:
         self.shape = shape
 
     @classmethod
+    def _trusted(cls, data: memoryview, dtype: str, shape: tuple[int, ...]) -> Array:
+        """Construct without validation: for the decoder, which has already checked everything."""
+        self = object.__new__(cls)
+        self.data = data
+        self.dtype = dtype
+        self.shape = shape
+        return self
+
+    @classmethod
     def from_numpy(cls, arr: np.ndarray) -> Array:
         """Wrap a numpy array without copying when it is already C-contiguous and little-endian."""
         import numpy as np
@@ -126,27 +135,41 @@ class Array:
         return f"Array(dtype={self.dtype}, shape={self.shape}, nbytes={self.nbytes})"
 
 
-def check_wire_array(obj: Any, n_frames: int) -> tuple[str, tuple[int, ...], Any]:
-    """Validate the `[dtype, shape, data_or_frame_index]` triple of a decoded header.
+def check_wire_array(obj: Any, frames: Any, used: list[bool]) -> Array:
+    """Build an Array from the `[dtype, shape, data_or_frame_index]` triple of a decoded header.
 
-    Raises ValueError/TypeError (which msgspec turns into a ValidationError that names the field).
+    This runs once per array per received message, so it is written for speed; it still checks
+    everything. Raises ValueError/TypeError, which msgspec turns into a ValidationError naming the field.
     """
-    if not isinstance(obj, (list, tuple)) or len(obj) != 3:
+    if type(obj) is not list or len(obj) != 3:
         raise TypeError("expected an array header [dtype, shape, data]")
     dtype, shape, data = obj
-    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+    size = ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if size is None:
         raise ValueError(f"unknown array dtype {dtype!r}")
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
+    if type(shape) is not list or len(shape) > MAX_NDIM:
         raise TypeError(f"array shape must be a list of at most {MAX_NDIM} ints")
     for d in shape:
         if type(d) is not int or d < 0:
             raise ValueError(f"array shape {shape!r} has a dimension that is not a non-negative int")
-    if type(data) is int:
-        if not 0 <= data < n_frames:
-            raise ValueError(f"array refers to frame {data} but the message has {n_frames} data frames")
-    elif not isinstance(data, (bytes, memoryview)):
+        size *= d
+    if type(data) is bytes:
+        view = memoryview(data)
+    elif type(data) is int:
+        if not 0 <= data < len(frames):
+            raise ValueError(f"array refers to frame {data} but the message has {len(frames)} data frames")
+        if used[data]:
+            raise ValueError(f"data frame {data} is referenced twice")
+        used[data] = True
+        frame = frames[data]
+        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    else:
         raise TypeError("array data must be bytes or a frame index")
-    return dtype, tuple(shape), data
+    if view.nbytes != size:
+        raise ValueError(f"{view.nbytes} bytes of data do not fit dtype {dtype} and shape {tuple(shape)}")
+    return Array._trusted(view, dtype, tuple(shape))
 
 
 __all__ = ["ITEMSIZE", "Array", "ProtocolError", "check_wire_array"]

@@ -101,18 +101,28 @@ class Channel:
     _copied_frames = 1
 
     def _recv_frames(self, timeout: float | None) -> list[Any]:
-        self._check_open()
-        self._wait(timeout)
+        if self._closed:
+            self._check_open()
         sock = self.socket
-        frames: list[Any] = [sock.recv()]
-        while sock.rcvmore:
+        try:  # a busy stream has a message waiting: skip the poll system call
+            first = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            self._wait(timeout)
+            first = sock.recv()
+        frames: list[Any] = [first]
+        while sock.getsockopt(zmq.RCVMORE):
             frames.append(sock.recv(copy=len(frames) < self._copied_frames))
         return frames
 
     def _send_frames(self, frames: list[Any], timeout: float | None) -> None:
-        self._check_open()
-        self._wait(timeout, zmq.POLLOUT)
-        self.socket.send_multipart(frames, copy=False)
+        if self._closed:
+            self._check_open()
+        if timeout is not None:
+            self._wait(timeout, zmq.POLLOUT)
+        if len(frames) == 1:
+            self.socket.send(frames[0])
+        else:
+            self.socket.send_multipart(frames, copy=False)
 
     def close(self, linger: float | None = None) -> None:
         if not self._closed:
@@ -195,8 +205,8 @@ class RouterChannel(Channel):
         sock.router_mandatory = True  # sending to a vanished peer raises instead of dropping silently
 
     def recv(self, timeout: float | None = None) -> tuple[bytes, Message]:
-        """Next (peer, message) that is not a handshake. A bad message raises ProtocolError (with
-        `.peer` set) after an `Error` has been sent back to that peer."""
+        """Next (peer, message) that is not a handshake. A bad message, or a Hello of another major
+        version, raises ProtocolError (with `.peer` set) after an `Error` has been sent back to that peer."""
         timeout = self.recv_timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -222,7 +232,7 @@ class RouterChannel(Channel):
         if hello.protocol[0] != self.codec.protocol[0]:
             err = ProtocolVersionError(ours=self.codec.protocol, theirs=tuple(hello.protocol), peer=peer)  # type: ignore[arg-type]
             self._try_send(peer, Error(code="version", detail=str(err)))
-            return
+            raise err
         self.peers[peer] = hello
         self._try_send(peer, self.hello)
 

@@ -89,63 +89,62 @@ class Codec:
 
     def _dec_hook(self, typ: type, obj: Any) -> Any:
         if typ is Array:
-            dtype, shape, data = check_wire_array(obj, len(self._in_frames))
-            if type(data) is int:
-                if self._used[data]:
-                    raise ValueError(f"data frame {data} is referenced twice")
-                self._used[data] = True
-                data = self._in_frames[data]
-                data = data.buffer if hasattr(data, "buffer") else data
-            return Array(data, dtype, shape)  # ValueError here names a size mismatch
+            return check_wire_array(obj, self._in_frames, self._used)
         raise NotImplementedError(typ)
 
     def check_preamble(self, header: Any, peer: bytes | None = None) -> memoryview:
-        view = memoryview(header)
-        if view.nbytes < PREAMBLE_BYTES or view[:2] != MAGIC:
+        """The msgpack body of a header frame, after checking magic and major version."""
+        if len(header) < PREAMBLE_BYTES or header[:2] != MAGIC:
             raise ProtocolError(
                 "not a Tidal message: the first frame lacks the Tidal preamble "
                 "(is another program sending to this endpoint?)",
                 peer=peer,
             )
-        theirs = (view[2], view[3])
-        if theirs[0] != self.protocol[0]:
-            raise ProtocolVersionError(ours=self.protocol, theirs=theirs, peer=peer)
-        return view[PREAMBLE_BYTES:]
+        if header[2] != self.protocol[0]:
+            raise ProtocolVersionError(ours=self.protocol, theirs=(header[2], header[3]), peer=peer)
+        return memoryview(header)[PREAMBLE_BYTES:]
 
     def decode(self, frames: Sequence[Any], peer: bytes | None = None) -> Message:
         """Decode one message. Raises ProtocolError for anything that is not a valid message."""
-        if not frames:
+        n = len(frames)
+        if n == 0:
             raise ProtocolError("empty message: no frames", peer=peer)
-        if len(frames) > self.max_frames:
-            raise ProtocolError(f"message has {len(frames)} frames; limit is {self.max_frames}", peer=peer)
+        if n > self.max_frames:
+            raise ProtocolError(f"message has {n} frames; limit is {self.max_frames}", peer=peer)
         header = frames[0]
-        header = header.buffer if hasattr(header, "buffer") else header
+        if type(header) is not bytes:
+            header = memoryview(header.buffer if hasattr(header, "buffer") else header)
         body = self.check_preamble(header, peer)
-        if body.nbytes > self.max_header_bytes:
-            raise ProtocolError(
-                f"message header is {body.nbytes} bytes; limit is {self.max_header_bytes}", peer=peer
-            )
-        data_frames = frames[1:]
-        total = body.nbytes + sum(len(f) for f in data_frames)
-        if total > self.max_message_bytes:
-            raise ProtocolError(
-                f"message is {total} bytes; limit is {self.max_message_bytes} "
-                "(raise max_message_bytes on the receiving channel if this is intended)",
-                peer=peer,
-            )
-        self._in_frames = data_frames
-        self._used = [False] * len(data_frames)
+        size = len(body)
+        if size > self.max_header_bytes:
+            raise ProtocolError(f"message header is {size} bytes; limit is {self.max_header_bytes}", peer=peer)
+        if n > 1:
+            data_frames = frames[1:]
+            size += sum(len(f) for f in data_frames)
+            if size > self.max_message_bytes:
+                raise ProtocolError(
+                    f"message is {size} bytes; limit is {self.max_message_bytes} "
+                    "(raise max_message_bytes on the receiving channel if this is intended)",
+                    peer=peer,
+                )
+            self._in_frames = data_frames
+            self._used = used = [False] * (n - 1)
+        else:
+            used = None
         try:
             msg = self._decoder.decode(body)
         except msgspec.ValidationError as e:
             field = _field_of(str(e), body)
-            raise ProtocolError(f"invalid {field or 'message'}: {_strip_path(str(e))}", field=field, peer=peer) from None
+            text = f"invalid {field or 'message'}: {_strip_path(str(e))}"
+            raise ProtocolError(text, field=field, peer=peer) from None
         except msgspec.DecodeError as e:
             raise ProtocolError(f"malformed message header: {e}", peer=peer) from None
         finally:
-            self._in_frames = ()
-        if not all(self._used):
-            unused = [i + 1 for i, u in enumerate(self._used) if not u]
+            if used is not None:
+                self._in_frames = ()
+                self._used = []
+        if used is not None and not all(used):
+            unused = [i + 1 for i, u in enumerate(used) if not u]
             raise ProtocolError(f"frames {unused} are not referenced by the {type(msg).__name__} header", peer=peer)
         return msg
 

@@ -1,0 +1,53 @@
+"""The `tidal` command, run as a user runs it: a real process, a real plugin installed on its path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def tidal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("tidal")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "tidal.integration.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_help_names_the_commands():
+    out = tidal("--help")
+    assert out.returncode == 0
+    assert "plugins" in out.stdout and "version" in out.stdout
+
+
+def test_version_lists_protocol_and_packages():
+    out = tidal("version")
+    assert out.returncode == 0
+    assert "Tidal wire protocol 1.0" in out.stdout and "tidal-core 0.1.0" in out.stdout
+
+
+def test_plugins_lists_a_third_party_plugin(tmp_path):
+    (tmp_path / "acme_tidal.py").write_text(textwrap.dedent("""
+        from tidal.core.plugins import hookimpl
+
+        @hookimpl
+        def tidal_rewards():
+            return {"acme-exact": lambda task, completion: 1.0}
+    """))
+    info = tmp_path / "acme_tidal-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-tidal\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tidal]\nacme = acme_tidal\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tidal("plugins", "reward", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "acme-exact" in out.stdout and "from acme" in out.stdout
+
+
+@pytest.mark.parametrize("kind", ["bogus"])
+def test_plugins_rejects_unknown_kind(kind):
+    out = tidal("plugins", kind)
+    assert out.returncode == 2 and "kinds are: engine" in out.stderr

@@ -1,0 +1,73 @@
+"""TOML configs into Structs; errors name the dotted field; dotted overrides apply on top."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tidal.core import ConfigError
+from tidal.core.config import ConfigStruct, apply_overrides, load_config, parse_override
+
+
+class Learner(ConfigStruct):
+    lr: float = 1e-6
+    steps: int = 100
+    loss: str = "ppo"
+
+
+class Worker(ConfigStruct):
+    engine: str = "embedded"
+    temperature: float = 1.0
+
+
+class Run(ConfigStruct):
+    name: str
+    learner: Learner = msgspec.field(default_factory=Learner)
+    workers: list[Worker] = []
+
+
+def write(tmp_path, text):
+    p = tmp_path / "recipe.toml"
+    p.write_text(text)
+    return p
+
+
+def test_toml_loads_into_nested_structs_with_overrides(tmp_path):
+    p = write(tmp_path, 'name = "demo"\n[learner]\nlr = 1e-5\n[[workers]]\ntemperature = 0.7\n')
+    cfg = load_config(p, Run, overrides=["learner.lr=3e-6", "learner.loss=gspo", "name=other"])
+    assert cfg == Run(name="other", learner=Learner(lr=3e-6, loss="gspo"), workers=[Worker(temperature=0.7)])
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "field", "needle"),
+    [
+        ('name = "x"\n[learner]\nlr = "fast"\n', [], "learner.lr", "learner.lr expects float, got str"),
+        ('name = "x"\n', ["learner.steps=1.5"], "learner.steps", "expects int, got float"),
+        ('name = "x"\n[learner]\nlrr = 1\n', [], "learner.lrr", "did you mean 'lr'"),
+        ('[learner]\nlr = 1\n', [], "name", "required field 'name' is missing"),
+        ('name = "x"\n[[workers]]\ntemperature = "hot"\n', [], "workers[0].temperature", "expects float"),
+        ('name = "x"\n', ["name.first=1"], "name", "is a value, not a section"),
+    ],
+)
+def test_errors_name_the_dotted_field(tmp_path, toml, overrides, field, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("(", r"\(")) as e:
+        load_config(write(tmp_path, toml), Run, overrides=overrides)
+    assert e.value.field == field
+    assert str(tmp_path / "recipe.toml") in str(e.value) or "override" in str(e.value)
+
+
+def test_bad_files_and_overrides_are_explained(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", Run)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "name = \n"), Run)
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        parse_override("learner.lr")
+
+
+def test_override_values_use_toml_syntax():
+    assert parse_override("a.b=1e-6") == (["a", "b"], 1e-6)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+    assert parse_override("engine=vllm") == (["engine"], "vllm")
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}

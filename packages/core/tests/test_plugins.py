@@ -1,0 +1,104 @@
+"""The registry finds plugins through real `tidal` entry points and explains every miss."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tidal.core import PluginConflict, PluginNotFound
+from tidal.core.interfaces import Environment, Task
+from tidal.core.plugins import KINDS, Registry, TidalSpecs, hookimpl
+
+
+def write_plugin_dist(root, dist: str, entry: str, module: str, source: str) -> None:
+    """Lay out an installed distribution (dist-info + module) the way pip would, on a path entry."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[tidal]\n{entry} = {module}\n")
+
+
+PLUGIN = """
+    from tidal.core.interfaces import Task
+    from tidal.core.plugins import hookimpl
+
+    class EchoEnv:
+        def tasks(self, split, seed):
+            while True:
+                yield Task(prompt="say hi", answer="hi")
+
+        def score(self, task, completion):
+            return float(completion.strip() == task.answer)
+
+    @hookimpl
+    def tidal_envs():
+        return {"echo": EchoEnv}
+
+    @hookimpl
+    def tidal_rewards():
+        return {"exact-match": lambda task, completion: float(completion == task.answer)}
+"""
+
+
+def test_plugin_from_an_entry_point_is_found(tmp_path, monkeypatch):
+    write_plugin_dist(tmp_path, "tidal-test-echo", "test-echo", "tidal_test_echo", PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry()
+    env = reg.create("env", "echo")
+    assert isinstance(env, Environment)  # satisfies the kind's Protocol
+    task = next(env.tasks("train", 0))
+    assert env.score(task, "hi") == 1.0
+    assert reg.get("reward", "exact-match")(Task(prompt="", answer="x"), "x") == 1.0
+    assert reg.provider("env", "echo") == "test-echo"
+    assert reg.table()["env"]["echo"] == "test-echo"
+
+
+def test_unknown_name_lists_the_registered_ones(tmp_path, monkeypatch):
+    write_plugin_dist(tmp_path, "tidal-test-echo", "test-echo", "tidal_test_echo", PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry()
+    with pytest.raises(PluginNotFound, match=r"no env named 'ecoh'; registered env names: echo\. Did you mean 'echo'\?"):
+        reg.get("env", "ecoh")
+    with pytest.raises(PluginNotFound, match="unknown plugin kind 'engines'; kinds are: engine, env"):
+        reg.get("engines", "x")
+
+
+def test_empty_kind_says_which_package_provides_builtins():
+    reg = Registry(load_entry_points=False)
+    with pytest.raises(PluginNotFound, match=r"\(none\).*pip install tidal-weight-sync"):
+        reg.get("weight_transport", "zmq")
+
+
+def test_a_broken_plugin_is_reported_and_does_not_hide_the_others(tmp_path, monkeypatch):
+    write_plugin_dist(tmp_path, "tidal-test-echo", "test-echo", "tidal_test_echo", PLUGIN)
+    write_plugin_dist(tmp_path, "tidal-test-broken", "test-broken", "tidal_test_broken", "import not_a_module_at_all\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry()
+    assert reg.names("env") == ["echo"]
+    with pytest.raises(PluginNotFound, match="test-broken: ModuleNotFoundError"):
+        reg.get("env", "other")
+
+
+def test_two_plugins_claiming_one_name_conflict():
+    class A:
+        @hookimpl
+        def tidal_policy_losses(self):
+            return {"ppo": object}
+
+    class B:
+        @hookimpl
+        def tidal_policy_losses(self):
+            return {"ppo": object}
+
+    reg = Registry(load_entry_points=False)
+    reg.register(A(), "plugin-a")
+    reg.register(B(), "plugin-b")
+    with pytest.raises(PluginConflict, match="'ppo' is registered by both plugin 'plugin-a' and plugin 'plugin-b'"):
+        reg.names("policy_loss")
+
+
+def test_every_kind_has_a_hookspec():
+    for kind, hook in KINDS.items():
+        assert hasattr(TidalSpecs, hook), kind

@@ -1,0 +1,56 @@
+"""The monorepo's house rules, checked: PEP 420 namespace, one folder per package with its own
+metadata, no sibling dependencies, and an import-linter contract that covers every package."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
+def _import_name(folder: Path) -> str:
+    return folder.name.replace("-", "_")
+
+
+def test_no_distribution_ships_tidal_init():
+    offenders = [str(p.relative_to(ROOT)) for p in ROOT.glob("*/**/src/tidal/__init__.py")]
+    offenders += [str(p.relative_to(ROOT)) for p in ROOT.glob("integration/src/tidal/__init__.py")]
+    assert not offenders, f"`tidal` is a PEP 420 namespace; remove {offenders}"
+
+
+def test_every_package_has_its_own_metadata_and_layout():
+    assert PACKAGES, "no packages found"
+    for folder in PACKAGES:
+        meta = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        assert meta["name"] == f"tidal-{folder.name}", folder
+        assert meta["version"], folder
+        for needed in ("README.md", "CHANGELOG.md", "tests"):
+            assert (folder / needed).exists(), f"{folder.name} lacks {needed}"
+        assert (folder / "src" / "tidal" / _import_name(folder) / "__init__.py").is_file(), folder
+
+
+def test_siblings_do_not_depend_on_each_other():
+    siblings = {f"tidal-{p.name}" for p in PACKAGES} - {"tidal-core"}
+    for folder in PACKAGES:
+        deps = tomllib.loads((folder / "pyproject.toml").read_text())["project"].get("dependencies", [])
+        names = {d.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip() for d in deps}
+        assert not (names & siblings), f"{folder.name} depends on sibling(s) {names & siblings}"
+
+
+def test_import_contract_covers_every_package():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    modules = {f"tidal.{_import_name(p)}" for p in PACKAGES}
+    assert modules | {"tidal.integration"} <= set(cfg["root_packages"])
+    contracts = cfg["contracts"]
+    core = [c for c in contracts if c["type"] == "forbidden" and c["source_modules"] == ["tidal.core"]]
+    assert core and "torch" in core[0]["forbidden_modules"]
+    siblings = modules - {"tidal.core"}
+    if len(siblings) >= 2:
+        indep = [c for c in contracts if c["type"] == "independence"]
+        assert indep and set(indep[0]["modules"]) == siblings, "independence contract must list every sibling"
+    # and no package under packages/ may import the integration layer
+    if siblings:
+        up = [c for c in contracts if c["type"] == "forbidden" and "tidal.integration" in c["forbidden_modules"]]
+        assert up and set(up[0]["source_modules"]) >= modules
