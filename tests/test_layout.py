@@ -54,3 +54,11 @@ def test_import_contract_covers_every_package():
     if siblings:
         up = [c for c in contracts if c["type"] == "forbidden" and "tidal.integration" in c["forbidden_modules"]]
         assert up and set(up[0]["source_modules"]) >= modules
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = readme.split("```bash\n")
+    test_cmd = next(b.split("\n")[0] for b in blocks[1:] if "pytest" in b.split("\n")[0])
+    assert test_cmd in ci.splitlines(), f"CI must run the README's test command: {test_cmd}"
