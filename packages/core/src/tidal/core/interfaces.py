@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from tidal.core.protocol import SamplingParams, WeightsAvailable
+from tidal.core.protocol import SamplingParams, Trajectory, WeightsAvailable
 
 Tensor = Any  # a torch.Tensor in the implementing package; core never imports torch
 NamedTensors = Iterable[tuple[str, Tensor]]
@@ -130,9 +130,10 @@ class PolicyLoss(Protocol):
 
 @runtime_checkable
 class GroupFilter(Protocol):
-    """Decides whether a complete group of trajectories goes to training (True) or is dropped."""
+    """Decides whether a complete group of trajectories goes to training (True) or is dropped.
+    Runs inside the buffer, which has no torch: implementations must not need it."""
 
-    def __call__(self, rewards: Sequence[float], /) -> bool: ...
+    def __call__(self, group: Sequence[Trajectory], /) -> bool: ...
 
 
 # --------------------------------------------------------------------------- staleness

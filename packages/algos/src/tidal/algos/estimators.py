@@ -1,0 +1,89 @@
+"""A uniform face over the advantage estimators, for use by name through the plugin registry.
+
+Each registered estimator is called as ``estimator(batch) -> AdvantageOutputs`` with an
+`AdvantageInputs`; the plain functions in tidal.algos.advantages remain the direct API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from tidal.algos import advantages as adv
+
+
+@dataclass(kw_only=True, slots=True)
+class AdvantageInputs:
+    rewards: Tensor  # [B] scalar reward per sequence
+    mask: Tensor  # [B, T] completion tokens that are trained on
+    group_index: Tensor | None = None  # [B] group (prompt) of each sample
+    values: Tensor | None = None  # [B, T] critic values (GAE)
+    token_rewards: Tensor | None = None  # [B, T] per-token rewards; default: reward on the last token
+    token_penalty: Tensor | None = None  # [B, T] per-token penalty (e.g. beta * KL), subtracted
+    step_rewards: Tensor | None = None  # [B, S] process rewards
+    step_ends: Tensor | None = None  # [B, S] end (exclusive) token of each step, -1 = unused
+
+
+@dataclass(kw_only=True, slots=True)
+class AdvantageOutputs:
+    advantages: Tensor  # [B, T]
+    returns: Tensor | None = None  # [B, T] value targets (GAE only)
+
+
+def _need(batch: AdvantageInputs, name: str, who: str) -> Tensor:
+    value = getattr(batch, name)
+    if value is None:
+        raise ValueError(f"advantage estimator {who!r} needs AdvantageInputs.{name}")
+    return value
+
+
+class GroupEstimator:
+    """GRPO / Dr.GRPO / RLOO / OPO: a sequence advantage from the group, broadcast to tokens.
+    With `step_rewards`, "grpo" uses process supervision instead of the outcome reward."""
+
+    def __init__(self, kind: str, eps: float = 1e-6, unbiased_std: bool = True) -> None:
+        if kind not in ("grpo", "dr_grpo", "rloo", "opo"):
+            raise ValueError(f"unknown group estimator {kind!r}")
+        self.kind, self.eps, self.unbiased_std = kind, eps, unbiased_std
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", self.kind)
+        if self.kind == "grpo" and batch.step_rewards is not None:
+            ends = _need(batch, "step_ends", "grpo (process)")
+            a = adv.grpo_process_advantages(batch.step_rewards, ends, g, batch.mask.shape[-1], eps=self.eps)
+            return AdvantageOutputs(advantages=a * batch.mask.to(a.dtype))
+        if self.kind == "grpo":
+            seq = adv.grpo_advantages(batch.rewards, g, eps=self.eps, unbiased_std=self.unbiased_std)
+        elif self.kind == "dr_grpo":
+            seq = adv.dr_grpo_advantages(batch.rewards, g)
+        elif self.kind == "rloo":
+            seq = adv.rloo_advantages(batch.rewards, g)
+        else:
+            seq = adv.opo_advantages(batch.rewards, g, batch.mask.sum(-1))
+        return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))
+
+
+class ReinforcePPEstimator:
+    def __init__(self, gamma: float = 1.0, group_baseline: bool = False) -> None:
+        self.gamma, self.group_baseline = gamma, group_baseline
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", "reinforce_pp (group_baseline)") if self.group_baseline else None
+        a = adv.reinforce_pp_advantages(
+            batch.rewards, batch.mask, group_index=g, token_penalty=batch.token_penalty, gamma=self.gamma
+        )
+        return AdvantageOutputs(advantages=a)
+
+
+class GAEEstimator:
+    def __init__(self, gamma: float = 1.0, lam: float = 0.95) -> None:
+        self.gamma, self.lam = gamma, lam
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        values = _need(batch, "values", "gae")
+        r = batch.token_rewards if batch.token_rewards is not None else adv.last_token_rewards(batch.rewards, batch.mask)
+        if batch.token_penalty is not None:
+            r = r - batch.token_penalty.detach()
+        a, ret = adv.gae_advantages(r, values, batch.mask, gamma=self.gamma, lam=self.lam)
+        return AdvantageOutputs(advantages=a, returns=ret)

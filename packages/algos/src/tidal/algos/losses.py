@@ -1,0 +1,245 @@
+"""Policy losses: each takes a `LossInputs` and returns a `LossOutputs` (scalar loss + detached metrics).
+
+All share the options `agg` (see tidal.algos.aggregation), `kl_coef`/`kl_estimator` (KL to
+`ref_logprobs` as a loss term), `entropy_coef` (bonus on `entropy`), and multiply per-token terms by
+`is_weights` when tidal-staleness supplies them. The ratio is taken against `old_logprobs` when given
+(decoupled PPO's proximal policy), else against the sampler's `behaviour_logprobs`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tidal.algos.aggregation import aggregate, masked_mean
+from tidal.algos.kl import kl_estimate
+from tidal.algos.types import LossInputs, LossOutputs, require
+
+
+def _finish(
+    per_token: Tensor,
+    inputs: LossInputs,
+    metrics: dict[str, Tensor],
+    *,
+    agg: str,
+    kl_coef: float,
+    kl_estimator: str,
+    entropy_coef: float,
+    norm_length: float | None,
+) -> LossOutputs:
+    """Apply IS weights, aggregate, add KL and entropy terms, and fill the shared metrics."""
+    mask = inputs.mask
+    if inputs.is_weights is not None:
+        per_token = per_token * inputs.is_weights.detach()
+    loss = aggregate(per_token, mask, agg, norm_length)
+    metrics["loss/policy"] = loss.detach()
+    if kl_coef:
+        ref = require(inputs, "ref_logprobs", f"kl_coef={kl_coef}")
+        kl = kl_estimate(inputs.logprobs, ref.detach(), kl_estimator)
+        kl_term = aggregate(kl, mask, agg, norm_length)
+        loss = loss + kl_coef * kl_term
+        metrics["kl/ref"] = kl_term.detach()
+    elif inputs.ref_logprobs is not None:
+        metrics["kl/ref"] = masked_mean(kl_estimate(inputs.logprobs.detach(), inputs.ref_logprobs, "k3"), mask)
+    if inputs.entropy is not None:
+        ent = aggregate(inputs.entropy, mask, agg, norm_length)
+        metrics["entropy"] = ent.detach()
+        if entropy_coef:
+            loss = loss - entropy_coef * ent
+    metrics["loss/total"] = loss.detach()
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    lr = log_ratio.detach()
+    m = mask.bool()
+    ratio = lr.exp()
+    valid = ratio[m]
+    return {
+        "ratio/mean": masked_mean(ratio, mask),
+        "ratio/max": valid.max() if valid.numel() else ratio.new_zeros(()),
+        "ratio/min": valid.min() if valid.numel() else ratio.new_zeros(()),
+        # k3 estimate of KL(anchor || current) from anchor samples: the "approx KL" PPO logs
+        "kl/approx": masked_mean(torch.expm1(lr) - lr, mask),
+    }
+
+
+def ppo_loss(
+    inputs: LossInputs,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    norm_length: float | None = None,
+) -> LossOutputs:
+    """PPO clipped surrogate, token level (Schulman et al. 2017, eq. 7):
+    L_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), r_t = pi/pi_anchor.
+
+    `clip_high > clip_low` is DAPO's clip-higher (Yu et al. 2025; 0.2 / 0.28). `dual_clip = c > 1`
+    bounds the loss of negative-advantage tokens by c |A| (Ye et al. 2020, "Mastering Complex Control in
+    MOBA Games"), so a huge ratio cannot blow the update up. Where the clip is active the gradient is 0.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (typically 3), got {dual_clip}")
+    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    ratio = log_ratio.exp()
+    adv = inputs.advantages.detach()
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(surr1, surr2)
+    mask = inputs.mask
+    metrics = _ratio_metrics(log_ratio, mask)
+    r = ratio.detach()
+    metrics["clip/high"] = masked_mean(((r > 1 + clip_high) & (adv > 0)).to(r.dtype), mask)
+    metrics["clip/low"] = masked_mean(((r < 1 - clip_low) & (adv < 0)).to(r.dtype), mask)
+    if dual_clip is not None:
+        bound = -dual_clip * adv  # positive for negative advantages
+        dual = (adv < 0) & (per_token.detach() > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+        metrics["clip/dual"] = masked_mean(dual.to(r.dtype), mask)
+    return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                   entropy_coef=entropy_coef, norm_length=norm_length)
+
+
+def gspo_loss(
+    inputs: LossInputs,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    norm_length: float | None = None,
+) -> LossOutputs:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a sequence-level, length-normalised
+    ratio s_i = exp(mean_t log(pi/pi_anchor)) clipped as in PPO: L_i = -min(s_i A_i, clip(s_i) A_i).
+
+    Implemented in the paper's GSPO-token form, s_{i,t} = sg[s_i] * pi_t / sg[pi_t], which has the same
+    value and gradient as the sequence form when A is constant over a sequence and also accepts per-token
+    advantages. Clip ranges are tiny because s_i is a geometric mean (paper: 3e-4 / 4e-4).
+    """
+    mask = inputs.mask
+    m = mask.to(inputs.logprobs.dtype)
+    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    seq_log_ratio = (log_ratio.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+    token_ratio = torch.exp(seq_log_ratio[:, None] + inputs.logprobs - inputs.logprobs.detach())
+    adv = inputs.advantages.detach()
+    surr1 = token_ratio * adv
+    surr2 = token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(surr1, surr2)
+    metrics = _ratio_metrics(log_ratio, mask)
+    s = seq_log_ratio.exp()
+    has = m.sum(-1) > 0
+    seq_adv = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
+    n = has.sum().clamp(min=1).to(s.dtype)
+    metrics["clip/high"] = (((s > 1 + clip_high) & (seq_adv > 0) & has).to(s.dtype).sum() / n)
+    metrics["clip/low"] = (((s < 1 - clip_low) & (seq_adv < 0) & has).to(s.dtype).sum() / n)
+    metrics["ratio/seq_mean"] = (s * has).sum() / n
+    return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                   entropy_coef=entropy_coef, norm_length=norm_length)
+
+
+def cispo_loss(
+    inputs: LossInputs,
+    *,
+    clip_low: float | None = None,
+    clip_high: float = 0.28,
+    agg: str = "token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    norm_length: float | None = None,
+) -> LossOutputs:
+    """CISPO (MiniMax 2025, "MiniMax-M1", eq. 4): clip the importance weight, not the update:
+    L_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi_t, token-mean over the batch.
+
+    Every token keeps a gradient (scaled by the clipped weight), so rare "fork" tokens with large
+    ratios still learn. The paper tunes only the upper bound and leaves the lower one open:
+    `clip_low=None` means no lower bound.
+    """
+    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    r = log_ratio.detach().exp()
+    lower = 0.0 if clip_low is None else 1.0 - clip_low
+    weight = r.clamp(lower, 1.0 + clip_high)
+    adv = inputs.advantages.detach()
+    per_token = -weight * adv * inputs.logprobs
+    mask = inputs.mask
+    metrics = _ratio_metrics(log_ratio, mask)
+    metrics["clip/high"] = masked_mean((r > 1 + clip_high).to(r.dtype), mask)
+    metrics["clip/low"] = masked_mean((r < lower).to(r.dtype), mask)
+    return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                   entropy_coef=entropy_coef, norm_length=norm_length)
+
+
+def reinforce_loss(
+    inputs: LossInputs,
+    *,
+    agg: str = "token-mean",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    norm_length: float | None = None,
+) -> LossOutputs:
+    """REINFORCE (Williams 1992): L_t = -A_t log pi_t. Off-policy samples are reweighted only through
+    `is_weights` (from tidal-staleness); there is no ratio clipping."""
+    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    per_token = -inputs.advantages.detach() * inputs.logprobs
+    metrics = _ratio_metrics(log_ratio, inputs.mask)
+    return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                   entropy_coef=entropy_coef, norm_length=norm_length)
+
+
+def distillation_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the per-token negative
+    reverse KL, A_t = log p_teacher(x_t) - log p_student(x_t), on the student's own samples."""
+    return (teacher_logprobs - student_logprobs).detach() * mask.to(student_logprobs.dtype)
+
+
+def distillation_loss(
+    inputs: LossInputs,
+    *,
+    agg: str = "token-mean",
+    norm_length: float | None = None,
+) -> LossOutputs:
+    """Reverse-KL distillation as policy gradient: the teacher's logprobs come in `ref_logprobs`, the
+    advantage is `distillation_advantages` (inputs.advantages are ignored), and the loss is REINFORCE on
+    it, whose expected gradient is that of KL(student || teacher)."""
+    teacher = require(inputs, "ref_logprobs", "distillation_loss")
+    adv = distillation_advantages(inputs.logprobs, teacher, inputs.mask)
+    per_token = -adv * inputs.logprobs
+    metrics = _ratio_metrics(inputs.logprobs - inputs.anchor_logprobs.detach(), inputs.mask)
+    metrics["kl/teacher_reverse"] = masked_mean(-adv, inputs.mask)
+    return _finish(per_token, inputs, metrics, agg=agg, kl_coef=0.0, kl_estimator="k3",
+                   entropy_coef=0.0, norm_length=norm_length)
+
+
+def value_loss(
+    inputs: LossInputs, *, clip: float | None = 0.2, agg: str = "token-mean", norm_length: float | None = None
+) -> LossOutputs:
+    """PPO clipped value loss (Schulman et al. 2017; as in OpenAI baselines):
+    L_t = 1/2 max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -c, c) - R_t)^2). `clip=None` disables clipping."""
+    values = require(inputs, "values", "value_loss")
+    returns = require(inputs, "returns", "value_loss").detach()
+    err = (values - returns).square()
+    metrics: dict[str, Tensor] = {}
+    if clip is not None:
+        old = require(inputs, "old_values", "value_loss with clip").detach()
+        clipped = old + (values - old).clamp(-clip, clip)
+        err_clipped = (clipped - returns).square()
+        metrics["value/clip_frac"] = masked_mean((err_clipped > err).detach().to(err.dtype), inputs.mask)
+        err = torch.maximum(err, err_clipped)
+    loss = 0.5 * aggregate(err, inputs.mask, agg, norm_length)
+    var_r = _masked_var(returns, inputs.mask)
+    metrics["value/loss"] = loss.detach()
+    metrics["value/explained_variance"] = 1 - _masked_var(returns - values.detach(), inputs.mask) / var_r.clamp(min=1e-8)
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+def _masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean).square(), mask)
