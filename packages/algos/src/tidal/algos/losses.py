@@ -50,15 +50,17 @@ def _finish(
     return LossOutputs(loss=loss, metrics=metrics)
 
 
+@torch.no_grad()
 def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     lr = log_ratio.detach()
     m = mask.bool()
     ratio = lr.exp()
-    valid = ratio[m]
+    any_valid = m.any()
+    zero = ratio.new_zeros(())
     return {
         "ratio/mean": masked_mean(ratio, mask),
-        "ratio/max": valid.max() if valid.numel() else ratio.new_zeros(()),
-        "ratio/min": valid.min() if valid.numel() else ratio.new_zeros(()),
+        "ratio/max": torch.where(any_valid, ratio.masked_fill(~m, -torch.inf).max(), zero),
+        "ratio/min": torch.where(any_valid, ratio.masked_fill(~m, torch.inf).min(), zero),
         # k3 estimate of KL(anchor || current) from anchor samples: the "approx KL" PPO logs
         "kl/approx": masked_mean(torch.expm1(lr) - lr, mask),
     }
