@@ -1,0 +1,33 @@
+"""tidal-staleness' built-ins, registered through the `tidal` entry point. No torch at import time:
+the buffer loads this to find "version_rejection"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tidal.core.plugins import hookimpl
+
+
+def _make(name: str) -> Callable[..., Any]:
+    def factory(**options: Any) -> Any:
+        if name == "version_rejection":
+            from tidal.staleness.rejection import VersionRejection
+
+            return VersionRejection(**options)
+        if name == "depth_gate":
+            from tidal.staleness.depth import DepthGate
+
+            return DepthGate(**options)
+        from tidal.staleness.correction import FACTORIES
+
+        return FACTORIES[name][0](**options)
+
+    factory.__name__ = f"make_{name}"
+    return factory
+
+
+@hookimpl
+def tidal_staleness_policies() -> dict[str, Callable[..., Any]]:
+    names = ["version_rejection", "depth_gate", "tis", "seq_tis", "masked_is", "off_policy_seq_mask", "decoupled_ppo"]
+    return {n: _make(n) for n in names}
