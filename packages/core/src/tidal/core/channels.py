@@ -24,13 +24,16 @@ from typing import Any
 import zmq
 
 from tidal.core.codec import Codec
-from tidal.core.errors import ChannelClosed, ChannelTimeout, ProtocolError, ProtocolVersionError, TidalError
+from tidal.core.errors import (
+    ChannelClosed,
+    ChannelTimeout,
+    PeerUnreachable,
+    ProtocolError,
+    ProtocolVersionError,
+    TidalError,
+)
 from tidal.core.protocol import PROTOCOL_VERSION, Error, Hello, Message
 from tidal.core.security import Curve, apply_curve, require_curve_if_remote
-
-
-class PeerUnreachable(TidalError):
-    """A ROUTER tried to send to a peer that is not (or no longer) connected."""
 
 
 def _ms(timeout: float | None) -> int:

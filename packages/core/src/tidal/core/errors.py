@@ -38,6 +38,10 @@ class ChannelTimeout(TidalError, TimeoutError):
     """Nothing arrived (or could be sent) within the timeout."""
 
 
+class PeerUnreachable(TidalError):
+    """A ROUTER tried to send to a peer that is not (or no longer) connected."""
+
+
 class ChannelClosed(TidalError):
     """The channel was closed; no further send or receive is possible."""
 

@@ -146,6 +146,8 @@ class Trajectory(_Msg):
     routing: Array | None = None  # uint8/int16 [completion_len, layers, top_k] MoE expert ids chosen at sampling
     sampling_mask: Array | None = None  # packed bits [completion_len, ceil(vocab/8)] of vocab entries kept
     metadata: dict[str, str] = {}  # free metadata from the task or the worker
+    source: str = ""  # name of the rollout worker that produced it; the buffer acks to this name
+    group_size: int = 0  # G of its group; 0 = the buffer's configured group size
 
 
 class Batch(_Msg):

@@ -1,0 +1,5 @@
+import sys
+
+from tidal.buffer.service import main
+
+sys.exit(main())

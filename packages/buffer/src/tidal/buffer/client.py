@@ -1,0 +1,102 @@
+"""The learner's side of the buffer: request a batch share, acknowledge it once trained.
+
+Contract: a rank acknowledges its batch before requesting the next one. A request while a batch is
+still unacknowledged means the rank restarted, and the buffer serves that same batch (same id) again.
+Requests and acks are retried across buffer restarts. Batches already acknowledged by this client are
+acknowledged again and skipped if they are ever served again, so nothing is trained twice; across a
+learner restart, keep the last acknowledged batch ids in the checkpoint and pass them as `trained`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from tidal.core.channels import dealer, make_hello
+from tidal.core.errors import ChannelTimeout, ProtocolError
+from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics
+from tidal.core.security import Curve
+
+
+class BatchClient:
+    def __init__(
+        self,
+        endpoint: str,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        name: str | None = None,
+        curve: Curve | None = None,
+        retry_every: float = 2.0,
+        trained: Iterable[str] = (),
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.retry_every = retry_every
+        self.name = name or f"learner-{rank}"
+        self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode())
+        self.trained: set[str] = set(trained)  # acknowledged batch ids
+
+    def handshake(self, timeout: float = 10.0) -> None:
+        self._ch.handshake(make_hello("learner", self.name), timeout)
+
+    def next_batch(self, version: int, timeout: float = 60.0) -> Batch:
+        """The next share for this rank (waits while the buffer has too little data)."""
+        deadline = time.monotonic() + timeout
+        req = BatchRequest(rank=self.rank, world_size=self.world_size, version=version)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelTimeout(f"no batch from the buffer within {timeout:g} s")
+            self._ch.send(req, timeout=left)
+            reply = self._wait((Batch, Error), min(self.retry_every, left))
+            if reply is None:
+                continue  # buffer busy, empty, or restarting: ask again
+            if type(reply) is Error:
+                raise ProtocolError(f"buffer refused the batch request: {reply.detail}")
+            if reply.batch_id in self.trained:
+                self.ack(reply.batch_id, timeout=max(left, 1.0))  # served again after a lost ack
+                continue
+            return reply
+
+    def ack(self, batch_id: str, timeout: float = 60.0) -> None:
+        """Acknowledge a trained batch; retried until the buffer confirms."""
+        self.trained.add(batch_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelTimeout(f"buffer did not confirm the ack of {batch_id} within {timeout:g} s")
+            self._ch.send(Ack(kind="batch", ids=[batch_id]), timeout=left)
+            reply = self._wait((Ack,), min(self.retry_every, left))
+            if reply is not None and batch_id in reply.ids:
+                return
+
+    def status(self, timeout: float = 10.0) -> Metrics:
+        self._ch.send(Control(command="status"), timeout=timeout)
+        reply = self._wait((Metrics,), timeout)
+        if reply is None:
+            raise ChannelTimeout(f"no status from the buffer within {timeout:g} s")
+        return reply
+
+    def _wait(self, types: tuple[type, ...], timeout: float):
+        """The next reply of one of `types`; stale replies of other kinds are discarded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                msg = self._ch.recv(timeout=left)
+            except ChannelTimeout:
+                return None
+            if isinstance(msg, types):
+                return msg
+
+    def close(self) -> None:
+        self._ch.close(linger=0)
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

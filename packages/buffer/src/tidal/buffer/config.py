@@ -1,0 +1,55 @@
+"""Buffer configuration (the `[buffer]` section of a run, or a TOML file of its own)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tidal.core.config import ConfigStruct
+
+
+class PluginRef(ConfigStruct):
+    name: str  # registered plugin name
+    options: dict[str, Any] = {}  # keyword arguments of its factory
+
+
+class BufferConfig(ConfigStruct):
+    # endpoints
+    ingest: str = "tcp://127.0.0.1:5601"  # PULL: trajectories from rollout workers
+    serve: str = "tcp://127.0.0.1:5602"  # ROUTER: batch requests and acks from learner ranks; status
+    publish: str = "tcp://127.0.0.1:5603"  # PUB: trajectory acks (topic ack/<source>/) and metrics
+    curve_secret_key: str = ""  # server key pair file; required when an endpoint is not loopback
+    curve_authorized_keys: str = ""  # folder of client public keys allowed in ("" = any holder of our key)
+
+    # groups
+    group_size: int = 8  # G, unless a trajectory says otherwise
+    group_timeout_s: float = 600.0  # an incomplete group older than this is dropped or released
+    incomplete: Literal["drop", "release"] = "drop"  # what happens to a timed-out group
+
+    # depth
+    max_groups: int = 256  # bounded mode: stop ingesting while this many complete groups wait; 0 = unbounded
+    batch_samples: int = 64  # samples per learner step (over all ranks), whole groups
+    batch_tokens: int = 0  # if > 0, size steps by prompt + completion tokens instead
+
+    # admission and filtering
+    admission: PluginRef | None = None  # staleness policy (e.g. version_rejection); also applied when serving
+    filters: list[PluginRef] = []  # group filters applied to complete groups (e.g. zero_variance)
+
+    # durability
+    wal_dir: str = "buffer-wal"  # write-ahead log folder
+    fsync: Literal["always", "batch", "never"] = "batch"  # when acknowledged data is fsynced
+    max_batch_records: int = 256  # group commit: at most this many records per fsync
+    compact_bytes: int = 256 * 1024**2  # compact the log when it grows past this
+    dedupe_window: int = 1_000_000  # consumed trajectory ids remembered to refuse late resends
+
+    # observability
+    metrics_interval_s: float = 2.0  # period of Metrics messages on the PUB socket
+    hwm: int = 1000  # ZeroMQ high-water mark on every socket
+
+    def admission_or_none(self) -> PluginRef | None:
+        return self.admission
+
+
+def default_config(**overrides: Any) -> BufferConfig:
+    return msgspec.structs.replace(BufferConfig(), **overrides)

@@ -1,0 +1,385 @@
+"""The buffer service process: rollout workers push trajectories in, learner ranks pull batches out.
+
+    tidal-buffer [--config buffer.toml] [dotted.overrides ...]
+    python -m tidal.buffer ...
+
+Sockets (from config): PULL `ingest` for trajectories; ROUTER `serve` for BatchRequest / batch Acks /
+Control("status" | "stop"); PUB `publish` for trajectory acks (topic ``ack/<source>/``) and Metrics
+(topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group commit:
+one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from tidal.buffer import wal
+from tidal.buffer.batching import split_groups
+from tidal.buffer.config import BufferConfig
+from tidal.buffer.store import Group, Store, encode_trajectory, num_tokens
+from tidal.core.arrays import Array
+from tidal.core.channels import PullChannel, RouterChannel, make_hello, poll, pub, pull, router
+from tidal.core.config import load_config
+from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
+from tidal.core.plugins import registry
+from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory
+from tidal.core.reliable import ack_topic
+from tidal.core.security import CurveServer
+
+log = logging.getLogger("tidal.buffer")
+
+
+def validate(t: Trajectory) -> str | None:
+    """Why a decoded trajectory cannot be trained on, or None."""
+    n = t.completion_ids.shape[0] if len(t.completion_ids.shape) == 1 else -1
+    if n < 0 or len(t.prompt_ids.shape) != 1:
+        return "prompt_ids and completion_ids must be 1-D"
+    for name in ("logprobs", "versions"):
+        a = getattr(t, name)
+        if a.shape != (n,):
+            return f"{name} has shape {a.shape}, completion_ids has ({n},)"
+    if t.loss_mask is not None and t.loss_mask.shape != (n,):
+        return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
+    if not t.id or not t.group_id:
+        return "id and group_id must be non-empty"
+    return None
+
+
+class BufferService:
+    def __init__(self, cfg: BufferConfig) -> None:
+        self.cfg = cfg
+        t0 = time.monotonic()
+        self.wal = wal.WriteAheadLog(cfg.wal_dir, cfg.fsync)
+        records, report = self.wal.replay()
+        self.store = Store(cfg.group_size, cfg.dedupe_window)
+        for rec in records:
+            self.store.apply(rec)
+        self.corrupt_bytes = report.corrupt_bytes
+        log.info(
+            "replayed %d WAL records in %.2fs: %d live trajectories, %d outstanding batches%s",
+            report.records, time.monotonic() - t0, self.store.live_trajectories, len(self.store.outstanding),
+            f"; SKIPPED {report.corrupt_bytes} corrupt bytes" if report.corrupt_bytes else "",
+        )
+        self.admission = (
+            registry.create("staleness_policy", cfg.admission.name, **cfg.admission.options) if cfg.admission else None
+        )
+        self.filters = [(f.name, registry.create("group_filter", f.name, **f.options)) for f in cfg.filters]
+        curve = CurveServer.from_files(cfg.curve_secret_key, cfg.curve_authorized_keys or None) if cfg.curve_secret_key else None
+        common: dict[str, Any] = {"curve": curve, "hwm": cfg.hwm, "linger": 1.0}
+        self.ingest: PullChannel = pull(cfg.ingest, **common)
+        self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), **common)
+        self.pub = pub(cfg.publish, curve=curve, hwm=100_000, linger=1.0)
+        self.learner_version = 0
+        self.parked: dict[int, tuple[bytes, BatchRequest]] = {}
+        self.protocol_errors = 0
+        self.rejected = 0
+        self._stop = False
+        self._ingested_since = 0
+        self._served_since = 0
+        self._last_metrics = time.monotonic()
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        log.info("buffer serving: ingest %s, serve %s, publish %s", self.ingest.endpoint, self.server.endpoint, self.pub.endpoint)
+        try:
+            while not self._stop:
+                chans = [self.server] if self.backpressured() else [self.server, self.ingest]
+                for ch in poll(chans, timeout=0.1):
+                    if ch is self.ingest:
+                        self.drain_ingest()
+                    else:
+                        self.handle_requests()
+                self.tick()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def backpressured(self) -> bool:
+        return self.cfg.max_groups > 0 and len(self.store.ready) >= self.cfg.max_groups
+
+    # ------------------------------------------------------------------ ingest
+
+    def drain_ingest(self) -> None:
+        acks: dict[str, list[str]] = defaultdict(list)
+        refusals: list[tuple[str, str, str]] = []
+        n = 0
+        while n < self.cfg.max_batch_records and not self.backpressured():
+            try:
+                msg = self.ingest.recv(timeout=0)
+            except ChannelTimeout:
+                break
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
+                continue
+            n += 1
+            if type(msg) is not Trajectory:
+                self.protocol_errors += 1
+                log.warning("ingest expects Trajectory messages, got %s; ignored", type(msg).__name__)
+                continue
+            verdict = self.accept(msg)
+            if verdict is None:
+                acks[msg.source].append(msg.id)
+            else:
+                refusals.append((msg.source, msg.id, verdict))
+        if n:
+            self.wal.sync()  # group commit: one fsync for the whole drained batch
+        for source, ids in acks.items():
+            self.publish_ack(source, Ack(kind="trajectory", ids=ids))
+        for source, tid, why in refusals:
+            self.rejected += 1
+            self.publish_ack(source, Ack(kind="trajectory", ids=[tid], ok=False, detail=why))
+        self._ingested_since += n
+        self.maybe_compact()
+
+    def accept(self, t: Trajectory) -> str | None:
+        """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
+        if self.store.known(t.id):
+            self.store.stats["duplicates"] += 1
+            return None  # durable already: acknowledge again
+        why = validate(t)
+        if why is not None:
+            return f"invalid trajectory {t.id}: {why}"
+        if self.admission is not None:
+            adm = self.admission.admit(t.versions.numpy(), self.learner_version)
+            if not adm.admit:
+                self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
+                return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})"
+            if adm.token_mask is not None:
+                t.loss_mask = _and_mask(t.loss_mask, adm.token_mask)
+        frame = encode_trajectory(t)
+        self.wal.append(wal.Put(frame))
+        group = self.store.put(t, len(frame))
+        if group is not None:
+            self.on_group_complete(group)
+        return None
+
+    def on_group_complete(self, group: Group) -> None:
+        rewards_group = list(group.members.values())
+        for name, keep in self.filters:
+            if not keep(rewards_group):
+                ids = list(group.members)
+                self.wal.append(wal.Drop(ids, f"filter:{name}"))
+                self.store.drop(ids, f"filter:{name}")
+                return
+
+    def publish_ack(self, source: str, ack: Ack) -> None:
+        if not source:
+            log.warning("trajectories %s carry no source name; they cannot be acknowledged", ack.ids[:3])
+            return
+        self.pub.publish(ack_topic(source), ack)
+
+    # ------------------------------------------------------------------ serving
+
+    def handle_requests(self) -> None:
+        for _ in range(64):
+            try:
+                peer, msg = self.server.recv(timeout=0)
+            except ChannelTimeout:
+                return
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                log.warning("rejected a malformed request from %r: %s", e.peer, e)
+                continue
+            if type(msg) is BatchRequest:
+                self.learner_version = max(self.learner_version, msg.version)
+                self.parked[msg.rank] = (peer, msg)
+                self.try_serve(msg.rank)
+            elif type(msg) is Ack and msg.kind == "batch":
+                for batch_id in msg.ids:
+                    if self.store.consume(batch_id):
+                        self.wal.append(wal.Consume(batch_id))
+                self.wal.sync()
+                self._reply(peer, Ack(kind="batch", ids=msg.ids))
+            elif type(msg) is Control and msg.command == "status":
+                self._reply(peer, self.metrics())
+            elif type(msg) is Control and msg.command == "stop":
+                self._reply(peer, Ack(kind="control", ids=["stop"]))
+                self.stop()
+            else:
+                self._reply(peer, Error(code="refused", detail=f"the buffer does not handle {type(msg).__name__} here"))
+
+    def _reply(self, peer: bytes, msg: Any) -> None:
+        try:
+            self.server.send(peer, msg, timeout=1.0)
+        except (PeerUnreachable, ChannelTimeout) as e:
+            log.info("could not reply to %r: %s", peer, e)
+
+    def try_serve(self, rank: int) -> None:
+        parked = self.parked.get(rank)
+        if parked is None:
+            return
+        peer, req = parked
+        q = self.store.pending_shares.get(rank)
+        if not q and not self.form_step(req.world_size):
+            return  # wait for data; the request stays parked
+        q = self.store.pending_shares.get(rank)
+        if not q:
+            return
+        served = self.store.outstanding[q[0]]
+        del self.parked[rank]
+        trajs = [self._prepare(t) for t in served.trajectories]
+        batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
+                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in trajs))
+        self._reply(peer, batch)
+        self._served_since += len(trajs)
+
+    def _prepare(self, t: Trajectory) -> Trajectory:
+        """Apply the admission policy again at serving time: the hard staleness guarantee."""
+        if self.admission is None:
+            return t
+        adm = self.admission.admit(t.versions.numpy(), self.learner_version)
+        if adm.admit and adm.token_mask is None:
+            return t
+        mask = [False] * (t.completion_ids.shape[0]) if not adm.admit else adm.token_mask
+        import msgspec
+
+        return msgspec.structs.replace(t, loss_mask=_and_mask(t.loss_mask, mask))
+
+    def form_step(self, world_size: int) -> bool:
+        """Take whole ready groups for one learner step and serve a share to every rank."""
+        if self.admission is not None:
+            self._drop_stale_ready()
+        chosen: list[Group] = []
+        samples = tokens = 0
+        for g in self.store.ready.values():
+            if self._step_full(samples, tokens):
+                break
+            chosen.append(g)
+            samples += len(g.members)
+            tokens += g.tokens
+        if not chosen or not self._step_full(samples, tokens):
+            return False
+        seq = self.store.next_batch_seq
+        for rank, share in enumerate(split_groups(chosen, world_size)):
+            ids = [tid for g in share for tid in g.members]
+            batch_id = f"b{seq}-r{rank}"
+            self.wal.append(wal.Serve(batch_id, rank, world_size, ids))
+            self.store.serve(batch_id, rank, world_size, ids)
+        self.store.next_batch_seq = seq + 1
+        self.wal.sync()
+        return True
+
+    def _step_full(self, samples: int, tokens: int) -> bool:
+        if self.cfg.batch_tokens > 0:
+            return tokens >= self.cfg.batch_tokens
+        return samples >= self.cfg.batch_samples
+
+    def _drop_stale_ready(self) -> None:
+        stale = [
+            tid
+            for g in self.store.ready.values()
+            for tid, t in g.members.items()
+            if not self.admission.admit(t.versions.numpy(), self.learner_version).admit
+        ]
+        if stale:
+            self.wal.append(wal.Drop(stale, "stale"))
+            self.store.drop(stale, "stale")
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        expired = [g for g in self.store.assembling.values() if now - g.first_seen > self.cfg.group_timeout_s]
+        for g in expired:
+            if self.cfg.incomplete == "release":
+                self.wal.append(wal.Release(g.group_id))
+                self.store.release(g.group_id)
+                self.on_group_complete(g)
+            else:
+                ids = list(g.members)
+                self.wal.append(wal.Drop(ids, "timeout"))
+                self.store.drop(ids, "timeout")
+        if expired:
+            self.wal.sync()
+        for rank in list(self.parked):
+            self.try_serve(rank)
+        if now - self._last_metrics >= self.cfg.metrics_interval_s:
+            self.pub.publish("metrics", self.metrics())
+        self.maybe_compact()
+
+    def maybe_compact(self) -> None:
+        # Compact once the log exceeds the live state twice over plus compact_bytes: a large live state is
+        # not rewritten over and over, so the cost stays linear in what is appended.
+        if self.wal.bytes_written > self.cfg.compact_bytes + 2 * self.store.live_bytes:
+            t0 = time.monotonic()
+            self.wal.compact(self.store.snapshot())
+            log.info("compacted the WAL to %d bytes in %.2fs", self.wal.bytes_written, time.monotonic() - t0)
+
+    def metrics(self) -> Metrics:
+        now = time.monotonic()
+        dt = max(now - self._last_metrics, 1e-9)
+        s = self.store
+        lags = [self.learner_version - int(t.versions.numpy().min()) if t.versions.shape[0] else 0
+                for g in s.ready.values() for t in g.members.values()]
+        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16).astype(np.int64)
+        scalars = {
+            "depth/ready_groups": float(len(s.ready)),
+            "depth/ready_samples": float(s.ready_samples),
+            "depth/assembling_groups": float(len(s.assembling)),
+            "depth/outstanding_batches": float(len(s.outstanding)),
+            "depth/live_trajectories": float(s.live_trajectories),
+            "rate/ingest_per_s": self._ingested_since / dt,
+            "rate/serve_per_s": self._served_since / dt,
+            "total/accepted": float(s.stats["accepted"]),
+            "total/consumed": float(s.stats["consumed"]),
+            "total/served": float(s.stats["served"]),
+            "total/duplicates": float(s.stats["duplicates"]),
+            "total/dropped": float(s.stats["dropped"]),
+            "total/rejected": float(self.rejected),
+            "errors/protocol": float(self.protocol_errors),
+            "wal/bytes": float(self.wal.bytes_written),
+            "wal/appended_bytes": float(self.wal.appended_total),
+            "wal/corrupt_bytes_skipped": float(self.corrupt_bytes),
+            "backpressure": float(self.backpressured()),
+            "learner_version": float(self.learner_version),
+        }
+        scalars.update({f"drops/{k}": float(v) for k, v in s.drops.items()})
+        self._ingested_since = self._served_since = 0
+        self._last_metrics = now
+        return Metrics(source="buffer", step=self.learner_version, time=time.time(), scalars=scalars,
+                       histograms={"lag": Array.from_numpy(hist)})
+
+    def close(self) -> None:
+        self.wal.close()
+        for ch in (self.ingest, self.server, self.pub):
+            ch.close(linger=0.5)
+
+
+def _and_mask(existing: Array | None, keep: list[bool]) -> Array:
+    m = np.asarray(keep, dtype=np.uint8)
+    if existing is not None:
+        m = m & existing.numpy().astype(np.uint8)
+    return Array.from_numpy(m)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="tidal-buffer",
+        description="Run the Tidal buffer service (trajectories in over PULL, batches out over ROUTER).",
+        epilog="Overrides use dotted TOML syntax, e.g. group_size=16 fsync=always admission.name=version_rejection",
+    )
+    ap.add_argument("--config", help="TOML file with buffer settings (defaults otherwise)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, BufferConfig, args.overrides)
+    BufferService(cfg).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The buffer's state as a deterministic state machine over WAL records.
+
+The live service and replay after a crash go through the same transitions: every decision that
+changes what will be trained on (a trajectory accepted, a group dropped or released, a batch served or
+consumed) is a record, applied here and appended to the log by the service. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tidal.buffer import wal
+from tidal.core.codec import Codec
+from tidal.core.protocol import Trajectory
+
+# One codec with every array inline: a WAL record is a single self-contained frame.
+_codec = Codec(inline_threshold=1 << 62)
+
+
+def encode_trajectory(t: Trajectory) -> bytes:
+    return bytes(_codec.encode(t)[0])
+
+
+def decode_trajectory(frame: bytes) -> Trajectory:
+    msg = _codec.decode([frame])
+    if type(msg) is not Trajectory:
+        raise ValueError(f"WAL Put holds a {type(msg).__name__}, not a Trajectory")
+    return msg
+
+
+def num_tokens(t: Trajectory) -> int:
+    return (t.prompt_ids.shape[0] if t.prompt_ids.shape else 0) + (
+        t.completion_ids.shape[0] if t.completion_ids.shape else 0
+    )
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int  # expected number of samples
+    members: dict[str, Trajectory] = field(default_factory=dict)  # trajectory id -> trajectory
+    first_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return sum(num_tokens(t) for t in self.members.values())
+
+
+@dataclass
+class Served:
+    batch_id: str
+    rank: int
+    world_size: int
+    trajectories: list[Trajectory]
+
+
+class Store:
+    def __init__(self, group_size: int, dedupe_window: int = 1_000_000) -> None:
+        self.group_size = group_size
+        self.dedupe_window = dedupe_window
+        self.assembling: dict[str, Group] = {}  # incomplete groups
+        self.ready: OrderedDict[str, Group] = OrderedDict()  # complete (or released) groups, FIFO
+        self.outstanding: dict[str, Served] = {}  # served, not yet consumed
+        self.pending_shares: dict[int, deque[str]] = {}  # rank -> served batch ids not yet handed over
+        self.where: dict[str, str] = {}  # live trajectory id -> group id or batch id
+        self.consumed_ids: OrderedDict[str, None] = OrderedDict()
+        self.consumed_batches: OrderedDict[str, None] = OrderedDict()
+        self.next_batch_seq = 0
+        self.sizes: dict[str, int] = {}  # live trajectory id -> encoded size (for compaction decisions)
+        self.live_bytes = 0
+        self.stats = {"accepted": 0, "consumed": 0, "served": 0, "dropped": 0, "duplicates": 0}
+        self.drops: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    def known(self, traj_id: str) -> bool:
+        return traj_id in self.where or traj_id in self.consumed_ids
+
+    @property
+    def ready_samples(self) -> int:
+        return sum(len(g.members) for g in self.ready.values())
+
+    @property
+    def live_trajectories(self) -> int:
+        return len(self.where)
+
+    # ------------------------------------------------------------------ transitions
+
+    def put(self, t: Trajectory, size: int = 0) -> Group | None:
+        """Add an accepted trajectory (`size`: its encoded bytes). Returns its group when this completed it."""
+        if self.known(t.id):
+            self.stats["duplicates"] += 1
+            return None
+        self.sizes[t.id] = size
+        self.live_bytes += size
+        g = self.assembling.get(t.group_id) or self.ready.get(t.group_id)
+        if g is None:
+            g = Group(t.group_id, t.group_size or self.group_size)
+            self.assembling[t.group_id] = g
+        g.members[t.id] = t
+        self.where[t.id] = t.group_id
+        self.stats["accepted"] += 1
+        if t.group_id in self.assembling and len(g.members) >= g.size:
+            del self.assembling[t.group_id]
+            self.ready[t.group_id] = g
+            return g
+        return None
+
+    def release(self, group_id: str) -> None:
+        g = self.assembling.pop(group_id, None)
+        if g is not None:
+            self.ready[group_id] = g
+
+    def drop(self, ids: list[str], reason: str) -> None:
+        for i in ids:
+            gid = self.where.pop(i, None)
+            if gid is None:
+                continue
+            self.live_bytes -= self.sizes.pop(i, 0)
+            for groups in (self.assembling, self.ready):
+                g = groups.get(gid)
+                if g is not None:
+                    g.members.pop(i, None)
+                    if not g.members:
+                        del groups[gid]
+            self.stats["dropped"] += 1
+            self.drops[reason] = self.drops.get(reason, 0) + 1
+
+    def serve(self, batch_id: str, rank: int, world_size: int, ids: list[str]) -> Served:
+        trajs = []
+        for i in ids:
+            gid = self.where.get(i)
+            g = self.ready.get(gid) if gid is not None else None
+            if g is None or i not in g.members:
+                raise KeyError(f"trajectory {i} is not ready to serve")
+            trajs.append(g.members.pop(i))
+            if not g.members:
+                del self.ready[gid]
+            self.where[i] = batch_id
+        served = Served(batch_id, rank, world_size, trajs)
+        self.outstanding[batch_id] = served
+        self.pending_shares.setdefault(rank, deque()).append(batch_id)
+        self.stats["served"] += len(trajs)
+        seq = int(batch_id.split("-")[0][1:]) if batch_id.startswith("b") else -1
+        self.next_batch_seq = max(self.next_batch_seq, seq + 1)
+        return served
+
+    def consume(self, batch_id: str) -> bool:
+        """Mark a served batch trained. False when unknown (already consumed: idempotent)."""
+        served = self.outstanding.pop(batch_id, None)
+        if served is None:
+            return False
+        for t in served.trajectories:
+            self.where.pop(t.id, None)
+            self.live_bytes -= self.sizes.pop(t.id, 0)
+            self.consumed_ids[t.id] = None
+        q = self.pending_shares.get(served.rank)
+        if q is not None and batch_id in q:
+            q.remove(batch_id)
+        self.consumed_batches[batch_id] = None
+        self.stats["consumed"] += len(served.trajectories)
+        while len(self.consumed_ids) > self.dedupe_window:
+            self.consumed_ids.popitem(last=False)
+        while len(self.consumed_batches) > 100_000:
+            self.consumed_batches.popitem(last=False)
+        return True
+
+    def apply(self, rec: wal.Record) -> None:
+        """Replay one WAL record."""
+        if type(rec) is wal.Put:
+            self.put(decode_trajectory(rec.frame), len(rec.frame))
+        elif type(rec) is wal.Serve:
+            self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
+        elif type(rec) is wal.Consume:
+            self.consume(rec.batch_id)
+        elif type(rec) is wal.Drop:
+            self.drop(rec.ids, rec.reason)
+        elif type(rec) is wal.Release:
+            self.release(rec.group_id)
+        elif type(rec) is wal.Restore:
+            self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames],
+                         [len(f) for f in rec.frames])
+        elif type(rec) is wal.Snapshot:
+            self.next_batch_seq = rec.next_batch_seq
+            self.consumed_ids = OrderedDict.fromkeys(rec.consumed_ids)
+            self.consumed_batches = OrderedDict.fromkeys(rec.consumed_batches)
+
+    def restore(self, batch_id: str, rank: int, world_size: int, trajs: list[Trajectory], sizes: list[int]) -> None:
+        for t, size in zip(trajs, sizes, strict=True):
+            self.where[t.id] = batch_id
+            self.sizes[t.id] = size
+            self.live_bytes += size
+        self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs)
+        self.pending_shares.setdefault(rank, deque()).append(batch_id)
+
+    def snapshot(self) -> Iterator[wal.Record]:
+        """The live state as records (for compaction): replaying them rebuilds this store."""
+        yield wal.Snapshot(self.next_batch_seq, list(self.consumed_ids), list(self.consumed_batches))
+        for gid, g in self.ready.items():
+            for t in g.members.values():
+                yield wal.Put(encode_trajectory(t))
+            if len(g.members) < g.size:  # released early or thinned by drops: still ready
+                yield wal.Release(gid)
+        for g in self.assembling.values():
+            for t in g.members.values():
+                yield wal.Put(encode_trajectory(t))
+        for s in self.outstanding.values():
+            yield wal.Restore(s.batch_id, s.rank, s.world_size, [encode_trajectory(t) for t in s.trajectories])

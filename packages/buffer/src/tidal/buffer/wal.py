@@ -1,0 +1,239 @@
+"""The buffer's write-ahead log: append-only, length-prefixed, checksummed msgspec records.
+
+Record on disk: ``u32 length | u32 crc32(payload) | payload`` (little-endian); payload is a msgpack
+tagged `Record`. The log is a sequence of segment files ``wal-<n>.log``; compaction writes a new
+segment that starts with a `Snapshot` of the live state and deletes the older ones, so the log stays
+bounded. Replay reads from the newest segment that starts with a snapshot.
+
+A torn or corrupted record (a crash mid-write, a bad disk block) is detected by its length or checksum,
+reported, and skipped: replay resynchronises on the next record whose checksum holds, and the file is
+truncated after the last good record before new records are appended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<II")
+MAX_RECORD = 1 << 30
+
+
+class Put(msgspec.Struct, tag=True, array_like=True, gc=False):
+    frame: bytes  # the Trajectory, encoded by tidal.core's codec with every array inline
+
+
+class Serve(msgspec.Struct, tag=True, array_like=True, gc=False):
+    batch_id: str  # id of the served share
+    rank: int  # learner rank it was served to
+    world_size: int  # data-parallel world size of the step
+    ids: list[str]  # trajectory ids in the share, in order
+
+
+class Consume(msgspec.Struct, tag=True, array_like=True, gc=False):
+    batch_id: str  # acknowledged by the learner: its trajectories are trained on
+
+
+class Drop(msgspec.Struct, tag=True, array_like=True, gc=False):
+    ids: list[str]  # trajectory ids removed without training
+    reason: str  # "filter:<name>", "timeout", "stale", ...
+
+
+class Release(msgspec.Struct, tag=True, array_like=True, gc=False):
+    group_id: str  # an incomplete group released to training as it is (timeout policy "release")
+
+
+class Snapshot(msgspec.Struct, tag=True, array_like=True, gc=False):
+    next_batch_seq: int  # next global batch number
+    consumed_ids: list[str]  # recent consumed trajectory ids (dedupe window)
+    consumed_batches: list[str]  # recent consumed batch ids (idempotent acks)
+
+
+class Restore(msgspec.Struct, tag=True, array_like=True, gc=False):
+    batch_id: str  # a served, unconsumed batch carried over by compaction
+    rank: int  # learner rank it was served to
+    world_size: int  # data-parallel world size of the step
+    frames: list[bytes]  # its trajectories, encoded like Put.frame
+
+
+Record = Put | Serve | Consume | Drop | Release | Snapshot | Restore
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def encode_record(rec: Record) -> bytes:
+    payload = _encoder.encode(rec)
+    return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass
+class ReplayReport:
+    records: int = 0
+    corrupt_regions: list[tuple[str, int, int]] = field(default_factory=list)  # (file, start, length)
+
+    @property
+    def corrupt_bytes(self) -> int:
+        return sum(n for _, _, n in self.corrupt_regions)
+
+
+def read_segment(path: Path, report: ReplayReport) -> tuple[list[Record], int]:
+    """All good records of one segment and the offset just after the last good one."""
+    data = path.read_bytes()
+    out: list[Record] = []
+    pos = 0
+    good_end = 0
+    bad_start = -1
+    while pos + HEADER.size <= len(data):
+        length, crc = HEADER.unpack_from(data, pos)
+        end = pos + HEADER.size + length
+        ok = length <= MAX_RECORD and end <= len(data) and zlib.crc32(data[pos + HEADER.size : end]) == crc
+        rec = None
+        if ok:
+            try:
+                rec = _decoder.decode(data[pos + HEADER.size : end])
+            except msgspec.MsgspecError:
+                ok = False
+        if not ok:
+            if bad_start < 0:
+                bad_start = pos
+            pos += 1  # resynchronise byte by byte
+            continue
+        if bad_start >= 0:
+            report.corrupt_regions.append((path.name, bad_start, pos - bad_start))
+            bad_start = -1
+        out.append(rec)  # type: ignore[arg-type]
+        pos = end
+        good_end = end
+    if bad_start >= 0 or good_end < len(data):
+        start = bad_start if bad_start >= 0 else good_end
+        report.corrupt_regions.append((path.name, start, len(data) - start))
+    report.records += len(out)
+    return out, good_end
+
+
+class WriteAheadLog:
+    """Appends records; `sync()` makes everything appended so far durable per the fsync policy."""
+
+    def __init__(self, directory: str | os.PathLike[str], fsync: str = "batch") -> None:
+        if fsync not in ("always", "batch", "never"):
+            raise ValueError(f"fsync must be 'always', 'batch' or 'never', got {fsync!r}")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync_policy = fsync
+        self._file = None
+        self._segment = 0
+        self.bytes_written = 0  # size of the current segment
+        self.appended_total = 0  # bytes appended by this process (diagnostics)
+        self.compacted_size = 0  # size of the segment the last compaction wrote
+
+    # ------------------------------------------------------------------ segments
+
+    def segments(self) -> list[Path]:
+        return sorted(self.dir.glob("wal-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+
+    def replay(self) -> tuple[list[Record], ReplayReport]:
+        """Every live record, oldest first; older garbage segments are deleted; the current segment is
+        truncated after its last good record and opened for appending."""
+        report = ReplayReport()
+        segs = self.segments()
+        for p in self.dir.glob("wal-*.log.tmp"):
+            p.unlink()  # an interrupted compaction
+        records: list[Record] = []
+        start = 0
+        parsed: list[tuple[Path, list[Record], int]] = []
+        for i, seg in enumerate(segs):
+            recs, good_end = read_segment(seg, report)
+            parsed.append((seg, recs, good_end))
+            if recs and isinstance(recs[0], Snapshot):
+                start = i
+        for seg, _, _ in parsed[:start]:
+            seg.unlink()
+        for _, recs, _ in parsed[start:]:
+            records.extend(recs)
+        if report.corrupt_regions:
+            log.warning("write-ahead log: skipped %d corrupt bytes in %s", report.corrupt_bytes, report.corrupt_regions)
+        if parsed[start:]:
+            last, _, good_end = parsed[-1]
+            with open(last, "r+b") as f:
+                f.truncate(good_end)
+            self._segment = int(last.stem.split("-")[1])
+            self._file = open(last, "ab")
+            self.bytes_written = good_end
+        else:
+            self._open_new(1)
+        return records, report
+
+    def _open_new(self, n: int) -> None:
+        self._segment = n
+        self._file = open(self.dir / f"wal-{n:08d}.log", "ab")
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, rec: Record) -> None:
+        if self._file is None:
+            self._open_new(1)
+        data = encode_record(rec)
+        self._file.write(data)
+        self.bytes_written += len(data)
+        self.appended_total += len(data)
+        if self.fsync_policy == "always":
+            self.sync()
+
+    def sync(self) -> None:
+        """Flush to the OS; fsync unless the policy is "never" (then data survives a process crash but
+        not a power loss)."""
+        if self._file is None:
+            return
+        self._file.flush()
+        if self.fsync_policy != "never":
+            os.fsync(self._file.fileno())
+
+    def compact(self, live: Iterator[Record]) -> None:
+        """Write a new segment holding only `live` (which starts with a Snapshot), then drop the old ones."""
+        n = self._segment + 1
+        final = self.dir / f"wal-{n:08d}.log"
+        tmp = final.with_name(final.name + ".tmp")
+        size = 0
+        with open(tmp, "wb") as f:
+            for rec in live:
+                data = encode_record(rec)
+                f.write(data)
+                size += len(data)
+            f.flush()
+            os.fsync(f.fileno())
+        old = self.segments()
+        if self._file is not None:
+            self._file.close()
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        for seg in old:
+            seg.unlink()
+        self._segment = n
+        self._file = open(final, "ab")
+        self.bytes_written = size
+        self.compacted_size = size
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.sync()
+            self._file.close()
+            self._file = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,199 @@
+"""The buffer service as a real process with real sockets: producers and learners in other processes
+and threads, kill -9 and restarts, back-pressure, malformed input, corrupted logs."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tidal.buffer.client import BatchClient
+from tidal.core.channels import push
+
+
+def read_ids(*files: Path) -> list[str]:
+    out: list[str] = []
+    for f in files:
+        if f.exists():
+            out += [line for line in f.read_text().splitlines() if line]
+    return out
+
+
+def assert_exactly_once(acked: list[str], trained: list[str]) -> None:
+    dupes = [i for i, c in Counter(trained).items() if c > 1]
+    assert not dupes, f"{len(dupes)} trajectories trained more than once, e.g. {dupes[:5]}"
+    missing = set(acked) - set(trained)
+    assert not missing, f"{len(missing)} acknowledged trajectories never trained, e.g. {sorted(missing)[:5]}"
+    assert set(trained) <= set(acked)
+
+
+@pytest.mark.timeout(300)
+def test_many_producers_two_learner_ranks_exactly_once(buffer_process, producers, make_learners):
+    G = 4
+    buf = buffer_process(group_size=G, batch_samples=16)
+    files = [producers.start(buf, f"w{i}", 200, G) for i in range(4)]
+    learners = make_learners(buf.serve, world_size=2, group_size=G)
+    try:
+        producers.wait(timeout=240)
+        acked = read_ids(*files)
+        assert len(acked) == 800
+        learners.wait_for(800, timeout=120)
+    finally:
+        learners.stop()
+    assert not learners.errors, learners.errors
+    assert_exactly_once(acked, learners.trained)
+    assert not learners.incomplete_groups  # groups are released whole, never split
+    assert {rank for rank, _, _ in learners.batches} == {0, 1}
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_of_the_buffer_loses_nothing_and_duplicates_nothing(buffer_process, producers, make_learners):
+    G = 4
+    buf = buffer_process(group_size=G, batch_samples=8, fsync="batch")
+    files = [producers.start(buf, f"k{i}", 320, G, resend_after=0.5) for i in range(3)]  # 960: whole steps of 8
+    learners = make_learners(buf.serve, world_size=1, group_size=G)
+    rng = random.Random(7)
+    try:
+        for _ in range(4):  # kill at random moments, restart on the same log and ports
+            time.sleep(rng.uniform(0.5, 2.5))
+            buf.kill9()
+            time.sleep(rng.uniform(0.0, 0.5))
+            buf.start()
+        producers.wait(timeout=300)
+        acked = read_ids(*files)
+        assert len(acked) == 960
+        learners.wait_for(960, timeout=120)
+    finally:
+        learners.stop()
+    assert not learners.errors, learners.errors
+    assert_exactly_once(acked, learners.trained)
+    assert "replayed" in buf.log_text()
+
+
+@pytest.mark.timeout(300)
+def test_back_pressure_bounds_memory_and_loses_nothing(buffer_process, producers, make_learners):
+    G, max_groups = 2, 4
+    buf = buffer_process(group_size=G, batch_samples=2, max_groups=max_groups, max_batch_records=8)
+    files = [producers.start(buf, f"p{i}", 200, G, window=64) for i in range(2)]
+    learners = make_learners(buf.serve, delay=0.03)  # consumption ~10x slower than ingest
+    peak_ready = peak_live = 0
+    saw_backpressure = False
+    try:
+        with BatchClient(buf.serve) as probe:
+            deadline = time.monotonic() + 240
+            while len(learners.trained) < 400 and time.monotonic() < deadline:
+                s = probe.status(timeout=10).scalars
+                peak_ready = max(peak_ready, int(s["depth/ready_groups"]))
+                peak_live = max(peak_live, int(s["depth/live_trajectories"]))
+                saw_backpressure |= s["backpressure"] == 1.0
+                time.sleep(0.05)
+        producers.wait(timeout=60)
+    finally:
+        learners.stop()
+    assert saw_backpressure
+    assert peak_ready <= max_groups
+    assert peak_live <= max_groups * G + 2 * G + 2 * G  # ready + assembling + served shares
+    assert_exactly_once(read_ids(*files), learners.trained)
+
+
+@pytest.mark.timeout(300)
+def test_malformed_messages_are_rejected_and_others_still_served(buffer_process, producers, make_learners):
+    G = 2
+    buf = buffer_process(group_size=G, batch_samples=4)
+    bad = producers.start(buf, "broken", 40, G, malformed_every=5)
+    good = producers.start(buf, "fine", 40, G)
+    # a peer sending something that is not Tidal at all
+    with push(buf.ingest) as rogue:
+        rogue.socket.send_multipart([b"GET / HTTP/1.1\r\n\r\n"])
+    learners = make_learners(buf.serve)
+    try:
+        producers.wait(timeout=240)
+        learners.wait_for(80, timeout=60)
+        with BatchClient(buf.serve) as probe:
+            errors = probe.status(timeout=10).scalars["errors/protocol"]
+    finally:
+        learners.stop()
+    assert errors >= 9  # 8 from the broken producer, 1 rogue
+    assert_exactly_once(read_ids(bad, good), learners.trained)
+    text = buf.log_text()
+    assert "rejected a malformed message" in text and "not a Tidal message" in text
+
+
+@pytest.mark.timeout(300)
+def test_corrupted_tail_is_reported_and_skipped_without_losing_earlier_records(buffer_process, producers, tmp_path, make_learners):
+    G = 2
+    buf = buffer_process(group_size=G, batch_samples=2, fsync="always")
+    acked_file = producers.start(buf, "c", 20, G)
+    producers.wait(timeout=120)
+    buf.stop()
+    seg = sorted((tmp_path / "wal").glob("wal-*.log"))[-1]
+    with open(seg, "ab") as f:  # a torn write: header promising more than was written, then junk
+        f.write(b"\x00\x10\x00\x00\xde\xad\xbe\xef" + b"partial")
+    buf.start()
+    with BatchClient(buf.serve) as probe:
+        s = probe.status(timeout=10).scalars
+    assert s["wal/corrupt_bytes_skipped"] == 15
+    assert "SKIPPED 15 corrupt bytes" in buf.log_text()
+    learners = make_learners(buf.serve)
+    try:
+        learners.wait_for(20, timeout=60)
+    finally:
+        learners.stop()
+    assert_exactly_once(read_ids(acked_file), learners.trained)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["drop", "release"])
+def test_incomplete_groups_wait_then_follow_the_timeout_policy(buffer_process, producers, policy, make_learners):
+    G = 4
+    buf = buffer_process(group_size=G, batch_samples=4, group_timeout_s=2.0, incomplete=policy)
+    full = producers.start(buf, "full", 8, G)
+    partial = producers.start(buf, "part", 3, G)  # one group of 3 out of 4: never completes
+    producers.wait(timeout=120)
+    learners = make_learners(buf.serve)
+    try:
+        learners.wait_for(8, timeout=30)
+        time.sleep(0.5)
+        assert sorted(learners.trained) == sorted(read_ids(full))  # only complete groups so far
+        time.sleep(3.0)  # past the timeout
+        with BatchClient(buf.serve) as probe:
+            s = probe.status(timeout=10).scalars
+    finally:
+        learners.stop()
+    if policy == "drop":
+        assert s["drops/timeout"] == 3
+    else:
+        # a released group of 3 is ready but smaller than a step of 4: it waits for more data
+        assert s["depth/ready_samples"] == 3 and "drops/timeout" not in s
+    assert len(read_ids(partial)) == 3
+
+
+@pytest.mark.timeout(300)
+def test_compaction_keeps_the_log_bounded_and_state_intact(buffer_process, producers, tmp_path, make_learners):
+    G = 2
+    buf = buffer_process(group_size=G, batch_samples=2, compact_bytes=20_000)
+    learners = make_learners(buf.serve)
+    files = [producers.start(buf, f"z{i}", 300, G, tokens=128) for i in range(2)]
+    try:
+        producers.wait(timeout=240)
+        learners.wait_for(500, timeout=120)
+        learners.stop()  # whatever is not consumed yet stays live across the restart
+        time.sleep(1.0)  # a housekeeping tick compacts after the last consumes
+        with BatchClient(buf.serve) as probe:
+            s = probe.status(timeout=10).scalars
+        buf.stop()
+        wal_bytes = sum(p.stat().st_size for p in (tmp_path / "wal").glob("wal-*"))
+        live = s["depth/live_trajectories"]
+        assert s["wal/appended_bytes"] > 300_000
+        # what stays on disk is the live state plus less than one compaction interval
+        assert wal_bytes < 20_000 + 2_000 * (live + 10), (wal_bytes, live)
+        buf.start()
+        rest = make_learners(buf.serve)
+        rest.wait_for(600 - len(learners.trained), timeout=120)
+        rest.stop()
+    finally:
+        learners.stop()
+    assert_exactly_once(read_ids(*files), learners.trained + rest.trained)

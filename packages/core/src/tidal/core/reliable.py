@@ -1,0 +1,131 @@
+"""At-least-once delivery with acknowledgements, for producers whose data must not be lost.
+
+A producer pushes messages that carry an ``id`` over PUSH, and listens on a SUB socket for
+``Ack`` messages published under the topic ``ack/<name>``. Unacknowledged messages are resent after
+`resend_after` seconds; receivers deduplicate by id, so a resend is harmless. At most `window` messages
+are unacknowledged at once: when the receiver stops acknowledging (back-pressure), `send` waits.
+
+    pusher = AckedPusher(buffer_ingest, buffer_pub, name="rollout-0")
+    pusher.send(trajectory)          # returns once queued; blocks while the window is full
+    pusher.flush(timeout=30)         # every message acknowledged (or rejected)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from tidal.core.channels import push, sub
+from tidal.core.errors import ChannelTimeout
+from tidal.core.protocol import Ack, Message
+from tidal.core.security import Curve
+
+
+def ack_topic(name: str) -> str:
+    return f"ack/{name}/"
+
+
+class AckedPusher:
+    def __init__(
+        self,
+        push_endpoint: str,
+        ack_endpoint: str,
+        name: str,
+        *,
+        window: int = 1024,
+        resend_after: float = 5.0,
+        curve_push: Curve | None = None,
+        curve_ack: Curve | None = None,
+        hwm: int = 1000,
+        on_ack: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.on_ack = on_ack  # called with the ids of every Ack as it is processed (also inside send)
+        self.window = window
+        self.resend_after = resend_after
+        self._push = push(push_endpoint, curve=curve_push, hwm=hwm, linger=0)
+        self._acks = sub(ack_endpoint, topics=[ack_topic(name)], curve=curve_ack, hwm=100_000, linger=0)
+        self.pending: OrderedDict[str, tuple[Message, float]] = OrderedDict()  # id -> (message, last sent)
+        self.acked = 0
+        self.rejected: dict[str, str] = {}  # id -> why the receiver refused it (not resent)
+        self.resent = 0
+
+    def send(self, msg: Message, timeout: float | None = None) -> None:
+        """Queue `msg` (which must have an `id`). Waits while `window` messages are unacknowledged;
+        raises ChannelTimeout if that lasts longer than `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self.pending) >= self.window:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ChannelTimeout(f"{len(self.pending)} messages unacknowledged; receiver applies back-pressure")
+            self.poll(timeout=0.05 if left is None else min(0.05, left))
+        self._transmit(msg)
+
+    def _transmit(self, msg: Message) -> None:
+        msg_id: str = msg.id  # type: ignore[attr-defined]
+        try:
+            self._push.send(msg, timeout=0)
+            sent = time.monotonic()
+        except ChannelTimeout:
+            sent = 0.0  # the socket is full: resend on the next poll
+        self.pending[msg_id] = (msg, sent)
+        # kept ordered by last send time, so the overdue ones are always at the front
+        self.pending.move_to_end(msg_id, last=sent != 0.0)
+
+    def poll(self, timeout: float = 0.0) -> list[str]:
+        """Process acknowledgements that arrived (waiting up to `timeout` for the first) and resend
+        overdue messages. Returns the ids acknowledged by this call."""
+        done: list[str] = []
+        wait = timeout
+        while True:
+            try:
+                _, msg = self._acks.recv(timeout=wait)
+            except ChannelTimeout:
+                break
+            wait = 0.0
+            if type(msg) is Ack:
+                for i in msg.ids:
+                    if self.pending.pop(i, None) is not None:
+                        if msg.ok:
+                            self.acked += 1
+                            done.append(i)
+                        else:
+                            self.rejected[i] = msg.detail
+        self._resend_overdue()
+        if done and self.on_ack is not None:
+            self.on_ack(done)
+        return done
+
+    def _resend_overdue(self) -> None:
+        now = time.monotonic()
+        for msg_id, (msg, sent) in list(self.pending.items()):
+            if now - sent < self.resend_after:
+                break  # ordered by last send time
+            try:
+                self._push.send(msg, timeout=0)
+            except ChannelTimeout:
+                return  # still full; try again later
+            self.resent += 1
+            self.pending[msg_id] = (msg, now)
+            self.pending.move_to_end(msg_id)
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every message is acknowledged or rejected."""
+        deadline = time.monotonic() + timeout
+        while self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelTimeout(f"{len(self.pending)} messages still unacknowledged after {timeout:g} s")
+            self.poll(timeout=min(0.1, left))
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._acks.close(linger=0)
+
+    def __enter__(self) -> AckedPusher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
