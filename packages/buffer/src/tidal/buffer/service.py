@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from tidal.buffer import wal
@@ -27,6 +28,7 @@ from tidal.buffer.config import BufferConfig
 from tidal.buffer.store import Group, Store, encode_trajectory, num_tokens
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, poll, pub, pull, router
+from tidal.core.codec import PREAMBLE_BYTES
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
@@ -117,7 +119,7 @@ class BufferService:
         n = 0
         while n < self.cfg.max_batch_records and not self.backpressured():
             try:
-                msg = self.ingest.recv(timeout=0)
+                msg, frames = self.ingest.recv_with_frames(timeout=0)
             except ChannelTimeout:
                 break
             except ProtocolError as e:
@@ -129,7 +131,8 @@ class BufferService:
                 self.protocol_errors += 1
                 log.warning("ingest expects Trajectory messages, got %s; ignored", type(msg).__name__)
                 continue
-            verdict = self.accept(msg)
+            # a single-frame message is already the WAL encoding (every array inline): no re-encode
+            verdict = self.accept(msg, frames[0] if len(frames) == 1 else None)
             if verdict is None:
                 acks[msg.source].append(msg.id)
             else:
@@ -144,7 +147,7 @@ class BufferService:
         self._ingested_since += n
         self.maybe_compact()
 
-    def accept(self, t: Trajectory) -> str | None:
+    def accept(self, t: Trajectory, frame: bytes | None = None) -> str | None:
         """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
         if self.store.known(t.id):
             self.store.stats["duplicates"] += 1
@@ -159,9 +162,11 @@ class BufferService:
                 return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})"
             if adm.token_mask is not None:
                 t.loss_mask = _and_mask(t.loss_mask, adm.token_mask)
-        frame = encode_trajectory(t)
+                frame = None  # changed: encode again
+        if frame is None:
+            frame = encode_trajectory(t)
         self.wal.append(wal.Put(frame))
-        group = self.store.put(t, len(frame))
+        group = self.store.put(t, frame)
         if group is not None:
             self.on_group_complete(group)
         return None
@@ -232,20 +237,20 @@ class BufferService:
         del self.parked[rank]
         trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
-                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in trajs))
+                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories))
         self._reply(peer, batch)
         self._served_since += len(trajs)
 
-    def _prepare(self, t: Trajectory) -> Trajectory:
-        """Apply the admission policy again at serving time: the hard staleness guarantee."""
+    def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
+        """Apply the admission policy again at serving time (the hard staleness guarantee). An unchanged
+        trajectory goes out as its stored encoding, spliced into the Batch without re-encoding."""
+        raw = msgspec.Raw(memoryview(self.store.frames[t.id])[PREAMBLE_BYTES:])
         if self.admission is None:
-            return t
+            return raw
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)
         if adm.admit and adm.token_mask is None:
-            return t
+            return raw
         mask = [False] * (t.completion_ids.shape[0]) if not adm.admit else adm.token_mask
-        import msgspec
-
         return msgspec.structs.replace(t, loss_mask=_and_mask(t.loss_mask, mask))
 
     def form_step(self, world_size: int) -> bool:

@@ -69,7 +69,7 @@ class Store:
         self.consumed_ids: OrderedDict[str, None] = OrderedDict()
         self.consumed_batches: OrderedDict[str, None] = OrderedDict()
         self.next_batch_seq = 0
-        self.sizes: dict[str, int] = {}  # live trajectory id -> encoded size (for compaction decisions)
+        self.frames: dict[str, bytes] = {}  # live trajectory id -> its encoded frame (WAL record, served raw)
         self.live_bytes = 0
         self.stats = {"accepted": 0, "consumed": 0, "served": 0, "dropped": 0, "duplicates": 0}
         self.drops: dict[str, int] = {}
@@ -89,13 +89,14 @@ class Store:
 
     # ------------------------------------------------------------------ transitions
 
-    def put(self, t: Trajectory, size: int = 0) -> Group | None:
-        """Add an accepted trajectory (`size`: its encoded bytes). Returns its group when this completed it."""
+    def put(self, t: Trajectory, frame: bytes | None = None) -> Group | None:
+        """Add an accepted trajectory with its encoded frame. Returns its group when this completed it."""
         if self.known(t.id):
             self.stats["duplicates"] += 1
             return None
-        self.sizes[t.id] = size
-        self.live_bytes += size
+        frame = encode_trajectory(t) if frame is None else frame
+        self.frames[t.id] = frame
+        self.live_bytes += len(frame)
         g = self.assembling.get(t.group_id) or self.ready.get(t.group_id)
         if g is None:
             g = Group(t.group_id, t.group_size or self.group_size)
@@ -119,7 +120,7 @@ class Store:
             gid = self.where.pop(i, None)
             if gid is None:
                 continue
-            self.live_bytes -= self.sizes.pop(i, 0)
+            self.live_bytes -= len(self.frames.pop(i, b""))
             for groups in (self.assembling, self.ready):
                 g = groups.get(gid)
                 if g is not None:
@@ -155,7 +156,7 @@ class Store:
             return False
         for t in served.trajectories:
             self.where.pop(t.id, None)
-            self.live_bytes -= self.sizes.pop(t.id, 0)
+            self.live_bytes -= len(self.frames.pop(t.id, b""))
             self.consumed_ids[t.id] = None
         q = self.pending_shares.get(served.rank)
         if q is not None and batch_id in q:
@@ -171,7 +172,7 @@ class Store:
     def apply(self, rec: wal.Record) -> None:
         """Replay one WAL record."""
         if type(rec) is wal.Put:
-            self.put(decode_trajectory(rec.frame), len(rec.frame))
+            self.put(decode_trajectory(rec.frame), rec.frame)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
@@ -181,18 +182,17 @@ class Store:
         elif type(rec) is wal.Release:
             self.release(rec.group_id)
         elif type(rec) is wal.Restore:
-            self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames],
-                         [len(f) for f in rec.frames])
+            self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames], rec.frames)
         elif type(rec) is wal.Snapshot:
             self.next_batch_seq = rec.next_batch_seq
             self.consumed_ids = OrderedDict.fromkeys(rec.consumed_ids)
             self.consumed_batches = OrderedDict.fromkeys(rec.consumed_batches)
 
-    def restore(self, batch_id: str, rank: int, world_size: int, trajs: list[Trajectory], sizes: list[int]) -> None:
-        for t, size in zip(trajs, sizes, strict=True):
+    def restore(self, batch_id: str, rank: int, world_size: int, trajs: list[Trajectory], frames: list[bytes]) -> None:
+        for t, frame in zip(trajs, frames, strict=True):
             self.where[t.id] = batch_id
-            self.sizes[t.id] = size
-            self.live_bytes += size
+            self.frames[t.id] = frame
+            self.live_bytes += len(frame)
         self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs)
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
 
@@ -201,11 +201,11 @@ class Store:
         yield wal.Snapshot(self.next_batch_seq, list(self.consumed_ids), list(self.consumed_batches))
         for gid, g in self.ready.items():
             for t in g.members.values():
-                yield wal.Put(encode_trajectory(t))
+                yield wal.Put(self.frames[t.id])
             if len(g.members) < g.size:  # released early or thinned by drops: still ready
                 yield wal.Release(gid)
         for g in self.assembling.values():
             for t in g.members.values():
-                yield wal.Put(encode_trajectory(t))
+                yield wal.Put(self.frames[t.id])
         for s in self.outstanding.values():
-            yield wal.Restore(s.batch_id, s.rank, s.world_size, [encode_trajectory(t) for t in s.trajectories])
+            yield wal.Restore(s.batch_id, s.rank, s.world_size, [self.frames[t.id] for t in s.trajectories])

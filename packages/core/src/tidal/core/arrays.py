@@ -135,6 +135,9 @@ class Array:
         return f"Array(dtype={self.dtype}, shape={self.shape}, nbytes={self.nbytes})"
 
 
+_new = object.__new__
+
+
 def check_wire_array(obj: Any, frames: Any, used: list[bool]) -> Array:
     """Build an Array from the `[dtype, shape, data_or_frame_index]` triple of a decoded header.
 
@@ -147,12 +150,22 @@ def check_wire_array(obj: Any, frames: Any, used: list[bool]) -> Array:
     size = ITEMSIZE.get(dtype) if type(dtype) is str else None
     if size is None:
         raise ValueError(f"unknown array dtype {dtype!r}")
-    if type(shape) is not list or len(shape) > MAX_NDIM:
+    if type(shape) is not list:
         raise TypeError(f"array shape must be a list of at most {MAX_NDIM} ints")
-    for d in shape:
+    if len(shape) == 1:  # the common case, token ids and logprobs
+        d = shape[0]
         if type(d) is not int or d < 0:
             raise ValueError(f"array shape {shape!r} has a dimension that is not a non-negative int")
         size *= d
+        shape_t: tuple[int, ...] = (d,)
+    else:
+        if len(shape) > MAX_NDIM:
+            raise TypeError(f"array shape must be a list of at most {MAX_NDIM} ints")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise ValueError(f"array shape {shape!r} has a dimension that is not a non-negative int")
+            size *= d
+        shape_t = tuple(shape)
     if type(data) is bytes:
         view = memoryview(data)
     elif type(data) is int:
@@ -168,8 +181,12 @@ def check_wire_array(obj: Any, frames: Any, used: list[bool]) -> Array:
     else:
         raise TypeError("array data must be bytes or a frame index")
     if view.nbytes != size:
-        raise ValueError(f"{view.nbytes} bytes of data do not fit dtype {dtype} and shape {tuple(shape)}")
-    return Array._trusted(view, dtype, tuple(shape))
+        raise ValueError(f"{view.nbytes} bytes of data do not fit dtype {dtype} and shape {shape_t}")
+    arr = _new(Array)
+    arr.data = view
+    arr.dtype = dtype
+    arr.shape = shape_t
+    return arr
 
 
 __all__ = ["ITEMSIZE", "Array", "ProtocolError", "check_wire_array"]

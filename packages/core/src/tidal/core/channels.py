@@ -96,7 +96,7 @@ class Channel:
     def _wait(self, timeout: float | None, flags: int = zmq.POLLIN) -> None:
         timeout = self.recv_timeout if timeout is None and flags == zmq.POLLIN else timeout
         if timeout is not None and not self.socket.poll(_ms(timeout), flags):
-            what = "nothing received" if flags == zmq.POLLIN else "could not send (peer slow or absent)"
+            what = "nothing received" if flags == zmq.POLLIN else "could not send: queue full (peer slow or absent)"
             raise ChannelTimeout(f"{what} on {self.endpoint} within {timeout:g} s")
 
     # Leading frames received as bytes (envelope and header: small, cheaper copied); the rest,
@@ -120,12 +120,24 @@ class Channel:
     def _send_frames(self, frames: list[Any], timeout: float | None) -> None:
         if self._closed:
             self._check_open()
-        if timeout is not None:
+        if timeout is None:
+            self._send_now(frames, 0)
+            return
+        try:  # room in the queue is the common case: no poll system call
+            self._send_now(frames, zmq.NOBLOCK)
+        except zmq.Again:
             self._wait(timeout, zmq.POLLOUT)
+            try:
+                self._send_now(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                raise ChannelTimeout(f"could not send on {self.endpoint}: queue full (peer slow or absent)") from None
+
+    def _send_now(self, frames: list[Any], flags: int) -> None:
         if len(frames) == 1:
-            self.socket.send(frames[0])
+            self.socket.send(frames[0], flags)
         else:
-            self.socket.send_multipart(frames, copy=False)
+            # a multipart message is queued atomically: EAGAIN can only happen on its first frame
+            self.socket.send_multipart(frames, flags, copy=False)
 
     def close(self, linger: float | None = None) -> None:
         if not self._closed:
@@ -160,6 +172,11 @@ class PullChannel(Channel):
     def recv(self, timeout: float | None = None) -> Message:
         """Next message. Raises ChannelTimeout, or ProtocolError for a bad one (the next recv works)."""
         return self.codec.decode(self._recv_frames(timeout))
+
+    def recv_with_frames(self, timeout: float | None = None) -> tuple[Message, list[Any]]:
+        """Next message and the frames it came in (frame 0 as bytes), e.g. to store it without re-encoding."""
+        frames = self._recv_frames(timeout)
+        return self.codec.decode(frames), frames
 
 
 class PubChannel(Channel):

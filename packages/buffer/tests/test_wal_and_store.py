@@ -1,0 +1,102 @@
+"""The write-ahead log and the state machine, without processes."""
+
+from __future__ import annotations
+
+from tidal.buffer import wal
+from tidal.buffer.batching import split_groups
+from tidal.buffer.store import Group, Store, encode_trajectory
+from tidal.core.testing import make_trajectory
+
+
+def traj(i: int, group: str = "g0", n: int = 16):
+    t = make_trajectory(i, completion_len=n)
+    t.group_id = group
+    return t
+
+
+def test_records_survive_a_round_trip(tmp_path):
+    log = wal.WriteAheadLog(tmp_path)
+    log.replay()
+    recs = [wal.Put(encode_trajectory(traj(0))), wal.Serve("b0-r0", 0, 1, ["traj-0"]), wal.Consume("b0-r0"),
+            wal.Drop(["x"], "stale"), wal.Release("g")]
+    for r in recs:
+        log.append(r)
+    log.close()
+    again, report = wal.WriteAheadLog(tmp_path).replay()
+    assert again == recs and report.corrupt_bytes == 0
+
+
+def test_corruption_in_the_middle_is_skipped_and_later_records_recovered(tmp_path):
+    log = wal.WriteAheadLog(tmp_path)
+    log.replay()
+    for i in range(5):
+        log.append(wal.Drop([f"id{i}"], "x"))
+    log.close()
+    seg = log.segments()[0]
+    data = bytearray(seg.read_bytes())
+    size = len(wal.encode_record(wal.Drop(["id0"], "x")))
+    data[2 * size + 9] ^= 0xFF  # flip a payload byte of the third record
+    seg.write_bytes(bytes(data))
+    recs, report = wal.WriteAheadLog(tmp_path).replay()
+    assert [r.ids[0] for r in recs] == ["id0", "id1", "id3", "id4"]
+    assert report.corrupt_regions == [(seg.name, 2 * size, size)]
+
+
+def test_torn_tail_is_truncated_before_appending(tmp_path):
+    log = wal.WriteAheadLog(tmp_path)
+    log.replay()
+    log.append(wal.Drop(["a"], "x"))
+    log.close()
+    seg = log.segments()[0]
+    with open(seg, "ab") as f:
+        f.write(wal.encode_record(wal.Drop(["b"], "x"))[:-3])  # crash mid-write
+    log2 = wal.WriteAheadLog(tmp_path)
+    recs, report = log2.replay()
+    assert [r.ids for r in recs] == [["a"]] and report.corrupt_bytes > 0
+    log2.append(wal.Drop(["c"], "x"))
+    log2.close()
+    recs, report = wal.WriteAheadLog(tmp_path).replay()
+    assert [r.ids for r in recs] == [["a"], ["c"]] and report.corrupt_bytes == 0
+
+
+def test_compaction_replaces_history_with_a_snapshot(tmp_path):
+    log = wal.WriteAheadLog(tmp_path)
+    log.replay()
+    store = Store(group_size=2)
+    for i in range(4):
+        t = traj(i, group=f"g{i // 2}")
+        log.append(wal.Put(encode_trajectory(t)))
+        store.put(t)
+    store.serve("b0-r0", 0, 1, ["traj-0", "traj-1"])
+    store.consume("b0-r0")
+    store.serve("b1-r0", 0, 1, ["traj-2", "traj-3"])
+    log.compact(store.snapshot())
+    (tmp_path / "wal-00000099.log.tmp").write_bytes(b"half a compaction")
+    log.close()
+    assert len(log.segments()) == 1
+    recs, _ = wal.WriteAheadLog(tmp_path).replay()
+    assert not list(tmp_path.glob("*.tmp"))
+    again = Store(group_size=2)
+    for r in recs:
+        again.apply(r)
+    assert list(again.outstanding) == ["b1-r0"] and again.known("traj-0") and not again.ready
+    assert again.next_batch_seq == 2
+
+
+def test_groups_are_ready_only_when_complete():
+    store = Store(group_size=3)
+    assert store.put(traj(0)) is None and store.put(traj(1)) is None
+    assert not store.ready
+    assert store.put(traj(1)) is None and store.stats["duplicates"] == 1
+    assert store.put(traj(2)) is not None and list(store.ready) == ["g0"]
+
+
+def test_lpt_split_balances_tokens_by_whole_groups():
+    groups = []
+    for i, n in enumerate([100, 90, 50, 40, 30, 10]):
+        g = Group(f"g{i}", 1)
+        g.members["t"] = traj(i, n=n)
+        groups.append(g)
+    shares = split_groups(groups, 2)
+    loads = [sum(g.tokens for g in s) for s in shares]
+    assert sorted(len(s) for s in shares) == [3, 3] and max(loads) - min(loads) <= 32 + 10
