@@ -5,7 +5,7 @@ beside the raw tidal.core channel throughput of the same ~1 KiB trajectories, me
 
 Path measured: a producer process pushes N trajectories through AckedPusher (resend until acked), the
 buffer process acknowledges each once durable, and a learner (this process) pulls 256-sample batch
-shares and acknowledges them; the rate is N / (first send -> last batch consumed). The baseline is
+shares, acknowledging each with the next request; the rate is N / (first send -> last batch received). The baseline is
 `tools/bench/transport.py`'s tidal push -> pull of the same messages. Goal: ratio >= 0.5.
 """
 
@@ -79,12 +79,13 @@ def run_buffer(n: int, fsync: str) -> dict[str, float]:
             assert parent.recv() == "ready"
             time.sleep(0.5)  # let the ack subscription settle
             parent.send("go")
-            consumed, version = 0, 0
+            consumed, version, done = 0, 0, None
             while consumed < n:
-                batch = learner.next_batch(version, timeout=120)
+                batch = learner.next_batch(version, timeout=120, ack=done)  # acks the previous batch
                 consumed += len(batch.trajectories)
-                learner.ack(batch.batch_id)
+                done = batch.batch_id
                 version += 1
+            learner.ack(done)
             t_end = time.perf_counter()
             t0, t_acked, resent = parent.recv()
     finally:

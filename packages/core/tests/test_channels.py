@@ -39,7 +39,7 @@ def test_64_mib_array_arrives_zero_copy_with_dtype_and_shape():
         outbox.send(msg, timeout=10)
         got = inbox.recv(timeout=30).histograms["w"]
     assert got.dtype == "float32" and got.shape == (4096, 4096)
-    assert isinstance(got.data.obj, zmq.Frame)  # a view of the received frame, not a copy
+    assert isinstance(got.buffer.obj, zmq.Frame)  # a view of the received frame, not a copy
     np.testing.assert_array_equal(got.numpy(), payload)
 
 

@@ -8,7 +8,7 @@ import pytest
 from tidal.core import Codec, ProtocolError, ProtocolVersionError
 from tidal.core.testing import make_trajectory
 
-CODEC = Codec(inline_threshold=0)  # every array out of line, so frame errors are reachable
+CODEC = Codec()
 
 
 def _frames_with_header(header_obj, frames):
@@ -16,7 +16,8 @@ def _frames_with_header(header_obj, frames):
 
 
 def _traj_frames():
-    frames = CODEC.encode(make_trajectory(0))
+    # every array out of line, so frame errors are reachable
+    frames = CODEC.encode(make_trajectory(0, out_of_line=True))
     return frames, msgspec.msgpack.decode(bytes(frames[0][4:]))
 
 
@@ -45,12 +46,13 @@ def test_missing_required_fields_are_reported():
 @pytest.mark.parametrize(
     ("mutate", "needle", "field"),
     [
-        (lambda h: h[5].__setitem__(0, "int99"), "unknown array dtype", "Trajectory.prompt_ids"),
-        (lambda h: h[6].__setitem__(1, [-1]), "non-negative", "Trajectory.completion_ids"),
+        (lambda h: h[5].__setitem__(0, "int99"), "Invalid enum value 'int99'", "Trajectory.prompt_ids.dtype"),
+        (lambda h: h[6].__setitem__(1, [-1]), "Expected `int` >= 0", "Trajectory.completion_ids.shape[0]"),
+        (lambda h: h[6].__setitem__(1, [1] * 40), "length <= 32", "Trajectory.completion_ids.shape"),
         (lambda h: h[6].__setitem__(1, [10**6]), "do not fit dtype", "Trajectory.completion_ids"),
         (lambda h: h[7].__setitem__(2, 99), "refers to frame 99", "Trajectory.logprobs"),
         (lambda h: h[8].__setitem__(2, 0), "referenced twice", "Trajectory.versions"),
-        (lambda h: h.__setitem__(7, "no"), "array header", "Trajectory.logprobs"),
+        (lambda h: h.__setitem__(7, "no"), "Expected `array`, got `str`", "Trajectory.logprobs"),
     ],
 )
 def test_bad_array_headers_name_the_array(mutate, needle, field):
@@ -64,7 +66,8 @@ def test_bad_array_headers_name_the_array(mutate, needle, field):
 def test_nested_field_paths_go_through_lists():
     from tidal.core.protocol import Batch
 
-    frames = CODEC.encode(Batch(batch_id="b", rank=0, world_size=1, trajectories=[make_trajectory(i) for i in range(3)]))
+    frames = CODEC.encode(Batch(batch_id="b", rank=0, world_size=1,
+                                trajectories=[make_trajectory(i, out_of_line=True) for i in range(3)]))
     header = msgspec.msgpack.decode(bytes(frames[0][4:]))
     header[4][2][3] = 5  # trajectories[2].sample_index fine; make task (index 4) wrong instead
     header[4][2][4] = 5
@@ -94,7 +97,7 @@ def test_not_a_tidal_message():
 
 def test_oversized_messages_are_refused_before_decoding():
     small = Codec(max_message_bytes=1000, max_header_bytes=150, max_frames=3)
-    frames = Codec(inline_threshold=0).encode(make_trajectory(0, completion_len=1000))
+    frames = Codec().encode(make_trajectory(0, completion_len=1000, out_of_line=True))
     with pytest.raises(ProtocolError, match="limit is 3"):
         small.decode(frames)
     with pytest.raises(ProtocolError, match=r"bytes; limit is 1000"):
@@ -105,7 +108,7 @@ def test_oversized_messages_are_refused_before_decoding():
 
 def test_other_major_version_is_refused_naming_both():
     future = Codec(protocol=(2, 3))
-    frames = future.encode(make_trajectory(0))
+    frames = future.encode(make_trajectory(0, out_of_line=True))
     with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 2\.3, this process speaks 1\.0"):
         CODEC.decode(frames)
 
@@ -116,7 +119,7 @@ def test_other_minor_version_is_accepted():
 
 
 def test_codec_is_usable_after_errors():
-    good = CODEC.encode(make_trajectory(1))
+    good = CODEC.encode(make_trajectory(1, out_of_line=True))
     for bad in ([b"junk"], [good[0][:10]], good[:1]):
         with pytest.raises(ProtocolError):
             CODEC.decode(bad)

@@ -15,8 +15,9 @@ from tidal.core.protocol import Ack, Control, Error, Hello
 from tidal.core.testing import make_trajectory, sample_messages
 
 EXAMPLES = int(os.environ.get("TIDAL_FUZZ_EXAMPLES", "10000"))
-CODEC = Codec(inline_threshold=64)  # small threshold so that data frames are in play
-VALID = [CODEC.encode(m) for m in sample_messages() if type(m) is not Control]
+CODEC = Codec()
+# inline and out-of-line variants, so that data frames are in play
+VALID = [CODEC.encode(m) for ool in (False, True) for m in sample_messages(out_of_line=ool) if type(m) is not Control]
 VALID = [[bytes(f) for f in frames] for frames in VALID]
 
 

@@ -16,12 +16,20 @@ def test_sample_messages_cover_every_message_type():
     assert {type(m) for m in sample_messages()} == set(MESSAGE_TYPES)
 
 
-@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
-@pytest.mark.parametrize("inline_threshold", [1 << 30, 0], ids=["inline", "frames"])
-def test_every_message_round_trips(msg, inline_threshold):
-    codec = Codec(inline_threshold=inline_threshold)
-    frames = codec.encode(msg)
-    assert codec.decode([bytes(f) for f in frames]) == msg
+@pytest.mark.parametrize("out_of_line", [False, True], ids=["inline", "frames"])
+def test_every_message_round_trips(out_of_line):
+    codec = Codec()
+    for msg in sample_messages(out_of_line=out_of_line):
+        frames = codec.encode(msg)
+        assert (len(frames) > 1) == (out_of_line and type(msg).__name__ in ("Metrics", "Assignment", "Trajectory", "Batch"))
+        assert codec.decode([bytes(f) for f in frames]) == msg
+
+
+def test_inline_codec_puts_everything_in_one_frame():
+    codec = Codec(inline_threshold=1 << 62)
+    for msg in sample_messages(out_of_line=True):
+        frames = codec.encode(msg)
+        assert len(frames) == 1 and codec.decode(frames) == msg
 
 
 def test_every_message_field_has_a_comment():
@@ -46,10 +54,10 @@ def test_arrays_keep_dtype_shape_and_bytes(dtype, shape):
     rng = np.random.default_rng(0)
     nbytes = int(np.prod(shape)) * ITEMSIZE[dtype]
     raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    arr = Array(raw, dtype, shape)
-    msg = Metrics(source="s", step=0, time=0.0, scalars={}, histograms={"x": arr})
-    for threshold in (0, 1 << 30):
-        codec = Codec(inline_threshold=threshold)
+    for out_of_line in (False, True):
+        arr = Array.from_buffer(raw, dtype, shape, out_of_line=out_of_line)
+        msg = Metrics(source="s", step=0, time=0.0, scalars={}, histograms={"x": arr})
+        codec = Codec()
         out = codec.decode([bytes(f) for f in codec.encode(msg)]).histograms["x"]
         assert (out.dtype, out.shape, out.tobytes()) == (dtype, shape, raw.tobytes())
 
@@ -60,12 +68,12 @@ def test_numpy_view_matches_source_and_big_endian_is_normalised():
     assert arr.dtype == "float32" and arr.shape == (2, 3, 4)
     np.testing.assert_array_equal(arr.numpy(), src)
     with pytest.raises(TypeError, match="torch.frombuffer"):
-        Array(b"\0\0", "bfloat16", (1,)).numpy()
+        Array.from_buffer(b"\0\0", "bfloat16", (1,)).numpy()
 
 
 def test_large_arrays_travel_as_separate_frames_without_copies():
-    codec = Codec()  # default threshold: 64 KiB
-    big = np.arange(1 << 20, dtype=np.float32)
+    codec = Codec()
+    big = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: out of line by default (>= 64 KiB)
     traj = make_trajectory(0)
     traj.completion_ids = Array.from_numpy(big.view(np.int32))
     frames = codec.encode(traj)
@@ -75,24 +83,29 @@ def test_large_arrays_travel_as_separate_frames_without_copies():
     # Decoding does not copy either: the Array views the received frame.
     received = [bytes(frames[0]), bytearray(frames[1])]
     out = codec.decode(received)
-    assert out.completion_ids.data.obj is received[1]
+    assert out.completion_ids.buffer.obj is received[1]
+    assert out.completion_ids.out_of_line  # and it stays a frame if the message is sent on
+    assert len(codec.encode(out)) == 2
 
 
 def test_batch_of_many_trajectories_round_trips():
-    codec = Codec(inline_threshold=256)
-    batch = Batch(batch_id="b", rank=0, world_size=1, trajectories=[make_trajectory(i, rich=True) for i in range(50)])
+    codec = Codec()
+    batch = Batch(batch_id="b", rank=0, world_size=1,
+                  trajectories=[make_trajectory(i, rich=True, out_of_line=i % 2 == 0) for i in range(50)])
     frames = codec.encode(batch)
     assert len(frames) > 1
     assert codec.decode(frames) == batch
 
 
 def test_array_rejects_inconsistent_construction():
-    with pytest.raises(ValueError, match="expected 12 bytes"):
-        Array(b"\0" * 8, "float32", (3,))
+    with pytest.raises(ValueError, match="expected 12"):
+        Array.from_buffer(b"\0" * 8, "float32", (3,))
     with pytest.raises(ValueError, match="unknown dtype"):
-        Array(b"", "complex64", (0,))
+        Array.from_buffer(b"", "complex64", (0,))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        Array("complex64", (0,), b"")
     with pytest.raises(ValueError, match="C-contiguous"):
-        Array(np.zeros((4, 4), np.float32)[:, 1], "float32", (4,))
+        Array.from_buffer(np.zeros((4, 4), np.float32)[:, 1], "float32", (4,))
 
 
 def test_trajectory_fields_are_what_the_learner_needs():

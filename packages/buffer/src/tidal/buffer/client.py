@@ -39,10 +39,14 @@ class BatchClient:
     def handshake(self, timeout: float = 10.0) -> None:
         self._ch.handshake(make_hello("learner", self.name), timeout)
 
-    def next_batch(self, version: int, timeout: float = 60.0) -> Batch:
-        """The next share for this rank (waits while the buffer has too little data)."""
+    def next_batch(self, version: int, timeout: float = 60.0, ack: str | None = None) -> Batch:
+        """The next share for this rank (waits while the buffer has too little data). `ack` names the
+        batch just trained, acknowledged in the same message (one round trip per step instead of two)."""
         deadline = time.monotonic() + timeout
-        req = BatchRequest(rank=self.rank, world_size=self.world_size, version=version)
+        if ack is not None:
+            self.trained.add(ack)
+        req = BatchRequest(rank=self.rank, world_size=self.world_size, version=version,
+                           acked=[ack] if ack is not None else [])
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

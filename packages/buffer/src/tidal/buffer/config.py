@@ -39,7 +39,8 @@ class BufferConfig(ConfigStruct):
     # durability
     wal_dir: str = "buffer-wal"  # write-ahead log folder
     fsync: Literal["always", "batch", "never"] = "batch"  # when acknowledged data is fsynced
-    max_batch_records: int = 256  # group commit: at most this many records per fsync
+    max_batch_records: int = 512  # group commit: fsync once this many records wait for it...
+    commit_interval_s: float = 0.005  # ...or once the oldest has waited this long (acks go out after)
     compact_bytes: int = 256 * 1024**2  # compact the log when it grows past this
     dedupe_window: int = 1_000_000  # consumed trajectory ids remembered to refuse late resends
 

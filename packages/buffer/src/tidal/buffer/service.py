@@ -87,6 +87,11 @@ class BufferService:
         self._ingested_since = 0
         self._served_since = 0
         self._last_metrics = time.monotonic()
+        # group commit: records appended but not yet durable, and the acks that wait for them
+        self._uncommitted = 0
+        self._commit_due: float | None = None
+        self._acks: dict[str, list[str]] = defaultdict(list)
+        self._refusals: list[tuple[str, str, str]] = []
 
     # ------------------------------------------------------------------ main loop
 
@@ -96,13 +101,16 @@ class BufferService:
         try:
             while not self._stop:
                 chans = [self.server] if self.backpressured() else [self.server, self.ingest]
-                for ch in poll(chans, timeout=0.1):
+                wait = 0.1 if self._commit_due is None else max(0.0, self._commit_due - time.monotonic())
+                for ch in poll(chans, timeout=wait):
                     if ch is self.ingest:
                         self.drain_ingest()
                     else:
                         self.handle_requests()
+                self.commit()
                 self.tick()
         finally:
+            self.commit(force=True)
             self.close()
 
     def stop(self) -> None:
@@ -114,8 +122,6 @@ class BufferService:
     # ------------------------------------------------------------------ ingest
 
     def drain_ingest(self) -> None:
-        acks: dict[str, list[str]] = defaultdict(list)
-        refusals: list[tuple[str, str, str]] = []
         n = 0
         while n < self.cfg.max_batch_records and not self.backpressured():
             try:
@@ -134,18 +140,33 @@ class BufferService:
             # a single-frame message is already the WAL encoding (every array inline): no re-encode
             verdict = self.accept(msg, frames[0] if len(frames) == 1 else None)
             if verdict is None:
-                acks[msg.source].append(msg.id)
+                self._acks[msg.source].append(msg.id)
             else:
-                refusals.append((msg.source, msg.id, verdict))
+                self._refusals.append((msg.source, msg.id, verdict))
         if n:
-            self.wal.sync()  # group commit: one fsync for the whole drained batch
-        for source, ids in acks.items():
-            self.publish_ack(source, Ack(kind="trajectory", ids=ids))
-        for source, tid, why in refusals:
-            self.rejected += 1
-            self.publish_ack(source, Ack(kind="trajectory", ids=[tid], ok=False, detail=why))
+            self._uncommitted += n
+            if self._commit_due is None:
+                self._commit_due = time.monotonic() + self.cfg.commit_interval_s
         self._ingested_since += n
         self.maybe_compact()
+
+    def commit(self, force: bool = False) -> None:
+        """Group commit: make the appended records durable with one fsync, then acknowledge them.
+        Runs when enough records wait, when the oldest has waited commit_interval_s, or when forced."""
+        if self._commit_due is None:
+            return
+        if not force and self._uncommitted < self.cfg.max_batch_records and time.monotonic() < self._commit_due:
+            return
+        self.wal.sync()
+        self._uncommitted = 0
+        self._commit_due = None
+        for source, ids in self._acks.items():
+            self.publish_ack(source, Ack(kind="trajectory", ids=ids))
+        for source, tid, why in self._refusals:
+            self.rejected += 1
+            self.publish_ack(source, Ack(kind="trajectory", ids=[tid], ok=False, detail=why))
+        self._acks = defaultdict(list)
+        self._refusals = []
 
     def accept(self, t: Trajectory, frame: bytes | None = None) -> str | None:
         """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
@@ -199,14 +220,13 @@ class BufferService:
                 log.warning("rejected a malformed request from %r: %s", e.peer, e)
                 continue
             if type(msg) is BatchRequest:
+                if msg.acked:
+                    self.consume(msg.acked)
                 self.learner_version = max(self.learner_version, msg.version)
                 self.parked[msg.rank] = (peer, msg)
                 self.try_serve(msg.rank)
             elif type(msg) is Ack and msg.kind == "batch":
-                for batch_id in msg.ids:
-                    if self.store.consume(batch_id):
-                        self.wal.append(wal.Consume(batch_id))
-                self.wal.sync()
+                self.consume(msg.ids)
                 self._reply(peer, Ack(kind="batch", ids=msg.ids))
             elif type(msg) is Control and msg.command == "status":
                 self._reply(peer, self.metrics())
@@ -215,6 +235,15 @@ class BufferService:
                 self.stop()
             else:
                 self._reply(peer, Error(code="refused", detail=f"the buffer does not handle {type(msg).__name__} here"))
+
+    def consume(self, batch_ids: list[str]) -> None:
+        for batch_id in batch_ids:
+            if self.store.consume(batch_id):
+                self.wal.append(wal.Consume(batch_id))
+        # Flushed to the OS (survives a crash of this process) but not fsynced: if a power loss drops
+        # it, the batch is served again under the same id and the learner, which keeps the ids it
+        # trained on, acknowledges it without training twice.
+        self.wal.flush()
 
     def _reply(self, peer: bytes, msg: Any) -> None:
         try:

@@ -190,6 +190,11 @@ class WriteAheadLog:
         if self.fsync_policy == "always":
             self.sync()
 
+    def flush(self) -> None:
+        """Hand appended records to the OS: they survive a crash of this process, not a power loss."""
+        if self._file is not None:
+            self._file.flush()
+
     def sync(self) -> None:
         """Flush to the OS; fsync unless the policy is "never" (then data survives a process crash but
         not a power loss)."""

@@ -1,18 +1,23 @@
 """`Array`: a dtype and shape over a contiguous little-endian byte buffer.
 
-Arrays are how token ids, logprobs and weights cross the wire. A small array rides inline in the
-msgpack header; a large one leaves the header and travels as its own ZeroMQ frame, zero-copy, so a
-64 MiB tensor is never copied by the protocol layer. Routing a message needs neither numpy nor torch:
-only `.numpy()` imports numpy, and torch users build tensors with ``torch.frombuffer(a.data, ...)``.
+Arrays are how token ids, logprobs and weights cross the wire. An Array is itself a msgspec Struct,
+``[dtype, shape, data]`` on the wire, so decoding one is done by msgspec in C: the dtype is checked
+against the known names and the shape against non-negative ints there, and `__post_init__` checks the
+byte count. A small array's bytes ride inline in the msgpack header; a large one (at least
+`OUT_OF_LINE_BYTES`, or when asked) leaves the header and travels as its own ZeroMQ frame, zero-copy,
+with the frame's index in ``data``, so a 64 MiB tensor is never copied by the protocol layer.
+
+Routing a message needs neither numpy nor torch: only `.numpy()` imports numpy; torch users build
+tensors with ``torch.frombuffer(array.buffer, dtype=...)``.
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from tidal.core.errors import ProtocolError
+import msgspec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,47 +42,111 @@ ITEMSIZE: dict[str, int] = {
     "float8_e5m2": 1,
 }
 
-# Upper bound on dimensions, so a hostile header cannot make us allocate a giant shape tuple.
+# Upper bound on dimensions, so a hostile header cannot make us build a giant shape tuple.
 MAX_NDIM = 32
+# Arrays at least this large travel as their own frame; ZeroMQ copies smaller frames anyway.
+OUT_OF_LINE_BYTES = 64 * 1024
+
+DType = Literal[
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+]
+Shape = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_NDIM)]
 
 
-class Array:
-    """A typed view of raw little-endian bytes. ``data`` is a flat ``memoryview`` of unsigned bytes."""
+class OutOfLine:
+    """A buffer that travels as its own frame (not inside the msgpack header)."""
 
-    __slots__ = ("data", "dtype", "shape")
+    __slots__ = ("view",)
 
-    def __init__(self, data: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> None:
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OutOfLine) and self.view == other.view
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _DecodeContext(threading.local):
+    frames: Any = ()
+    used: list[bool] | None = None
+
+
+# Set by the codec around one decode call: the data frames that `Array.data` indices refer to.
+decode_context = _DecodeContext()
+
+
+def _byte_view(data: Any) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("Array data must be C-contiguous; call .copy() / .contiguous() first")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class Array(msgspec.Struct, array_like=True, gc=False):
+    """A typed view of raw little-endian bytes. Build with `Array.from_numpy` / `Array.from_buffer`.
+
+    ``data`` holds the bytes as received or given (``bytes``, a ``memoryview``, or `OutOfLine` for a
+    frame-backed buffer); use `buffer` for a flat ``memoryview`` in every case.
+    """
+
+    dtype: DType  # element type name (ITEMSIZE keys)
+    shape: Shape  # dimensions, each >= 0, at most MAX_NDIM of them
+    data: bytes | int  # on the wire: inline bytes, or the index (from 0) of the data frame holding them
+
+    def __post_init__(self) -> None:
+        data = self.data
+        size = ITEMSIZE.get(self.dtype)
+        if size is None:  # only reachable by direct construction: decoding validates the name in C
+            raise ValueError(f"unknown dtype {self.dtype!r}; supported: {', '.join(ITEMSIZE)}")
+        if type(self.shape) is not tuple:
+            self.shape = tuple(self.shape)
+        for d in self.shape:
+            size *= d
+        if type(data) is bytes:  # decoded inline (the hot path) or given as bytes
+            n = len(data)
+        elif type(data) is int:  # decoded: the bytes are in a data frame
+            ctx = decode_context
+            frames, used = ctx.frames, ctx.used
+            if used is None or not 0 <= data < len(frames):
+                raise ValueError(f"array refers to frame {data} but the message has {len(frames)} data frames")
+            if used[data]:
+                raise ValueError(f"data frame {data} is referenced twice")
+            used[data] = True
+            frame = frames[data]
+            view = _byte_view(frame.buffer if hasattr(frame, "buffer") else frame)
+            self.data = OutOfLine(view)
+            n = view.nbytes
+        elif type(data) is OutOfLine:
+            n = data.view.nbytes
+        else:  # a user's buffer: numpy array, bytearray, memoryview, ...
+            view = _byte_view(data)
+            self.data = OutOfLine(view) if view.nbytes >= OUT_OF_LINE_BYTES else view
+            n = view.nbytes
+        if n != size:
+            raise ValueError(f"{n} bytes of data do not fit dtype {self.dtype} and shape {self.shape} (expected {size})")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_buffer(cls, data: Any, dtype: str, shape: tuple[int, ...] | list[int], *, out_of_line: bool | None = None) -> Array:
+        """Wrap any C-contiguous buffer (not copied). `out_of_line` forces (True) or forbids (False) a
+        frame of its own; by default arrays of at least OUT_OF_LINE_BYTES get one."""
         if dtype not in ITEMSIZE:
             raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(ITEMSIZE)}")
-        view = memoryview(data)
-        if not view.c_contiguous:
-            raise ValueError("Array data must be C-contiguous; call .copy() / .contiguous() first")
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
         shape = tuple(int(d) for d in shape)
         if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
             raise ValueError(f"bad shape {shape}: at most {MAX_NDIM} non-negative dimensions")
-        expected = math.prod(shape) * ITEMSIZE[dtype]
-        if view.nbytes != expected:
-            raise ValueError(
-                f"{view.nbytes} bytes of data do not fit dtype {dtype} and shape {shape} "
-                f"(expected {expected} bytes)"
-            )
-        self.data = view
-        self.dtype = dtype
-        self.shape = shape
+        view = _byte_view(data)
+        if out_of_line is not None:
+            view = OutOfLine(view) if out_of_line else view  # type: ignore[assignment]
+        return cls(dtype, shape, view)  # type: ignore[arg-type]
 
     @classmethod
-    def _trusted(cls, data: memoryview, dtype: str, shape: tuple[int, ...]) -> Array:
-        """Construct without validation: for the decoder, which has already checked everything."""
-        self = object.__new__(cls)
-        self.data = data
-        self.dtype = dtype
-        self.shape = shape
-        return self
-
-    @classmethod
-    def from_numpy(cls, arr: np.ndarray) -> Array:
+    def from_numpy(cls, arr: np.ndarray, *, out_of_line: bool | None = None) -> Array:
         """Wrap a numpy array without copying when it is already C-contiguous and little-endian."""
         import numpy as np
 
@@ -88,7 +157,7 @@ class Array:
         if name not in ITEMSIZE:
             raise ValueError(f"numpy dtype {arr.dtype} cannot travel; supported: {', '.join(ITEMSIZE)}")
         # reshape(-1) keeps 0-d arrays viewable as bytes; memoryview of a 0-d array cannot cast.
-        return cls(arr.reshape(-1).view(np.uint8), name, arr.shape)
+        return cls.from_buffer(arr.reshape(-1).view(np.uint8), name, arr.shape, out_of_line=out_of_line)
 
     @classmethod
     def from_list(cls, values: list[int] | list[float], dtype: str) -> Array:
@@ -97,9 +166,23 @@ class Array:
 
         return cls.from_numpy(np.asarray(values, dtype=dtype))
 
+    # ------------------------------------------------------------------ access
+
+    @property
+    def buffer(self) -> memoryview:
+        """The bytes as a flat memoryview (zero-copy)."""
+        data = self.data
+        if type(data) is OutOfLine:
+            return data.view
+        return memoryview(data)  # type: ignore[arg-type]
+
+    @property
+    def out_of_line(self) -> bool:
+        return type(self.data) is OutOfLine
+
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.buffer.nbytes
 
     @property
     def itemsize(self) -> int:
@@ -111,15 +194,15 @@ class Array:
 
         if self.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
             raise TypeError(
-                f"numpy has no {self.dtype}; use torch.frombuffer(array.data, dtype=torch.{self.dtype})"
+                f"numpy has no {self.dtype}; use torch.frombuffer(array.buffer, dtype=torch.{self.dtype})"
             )
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+        return np.frombuffer(self.buffer, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
 
     def tolist(self) -> list[Any]:
         return self.numpy().tolist()
 
     def tobytes(self) -> bytes:
-        return self.data.tobytes()
+        return self.buffer.tobytes()
 
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
@@ -127,66 +210,13 @@ class Array:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Array):
             return NotImplemented
-        return self.dtype == other.dtype and self.shape == other.shape and self.data == other.data
+        return self.dtype == other.dtype and self.shape == other.shape and self.buffer == other.buffer
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Array(dtype={self.dtype}, shape={self.shape}, nbytes={self.nbytes})"
+        where = ", out_of_line" if self.out_of_line else ""
+        return f"Array(dtype={self.dtype}, shape={self.shape}, nbytes={self.nbytes}{where})"
 
 
-_new = object.__new__
-
-
-def check_wire_array(obj: Any, frames: Any, used: list[bool]) -> Array:
-    """Build an Array from the `[dtype, shape, data_or_frame_index]` triple of a decoded header.
-
-    This runs once per array per received message, so it is written for speed; it still checks
-    everything. Raises ValueError/TypeError, which msgspec turns into a ValidationError naming the field.
-    """
-    if type(obj) is not list or len(obj) != 3:
-        raise TypeError("expected an array header [dtype, shape, data]")
-    dtype, shape, data = obj
-    size = ITEMSIZE.get(dtype) if type(dtype) is str else None
-    if size is None:
-        raise ValueError(f"unknown array dtype {dtype!r}")
-    if type(shape) is not list:
-        raise TypeError(f"array shape must be a list of at most {MAX_NDIM} ints")
-    if len(shape) == 1:  # the common case, token ids and logprobs
-        d = shape[0]
-        if type(d) is not int or d < 0:
-            raise ValueError(f"array shape {shape!r} has a dimension that is not a non-negative int")
-        size *= d
-        shape_t: tuple[int, ...] = (d,)
-    else:
-        if len(shape) > MAX_NDIM:
-            raise TypeError(f"array shape must be a list of at most {MAX_NDIM} ints")
-        for d in shape:
-            if type(d) is not int or d < 0:
-                raise ValueError(f"array shape {shape!r} has a dimension that is not a non-negative int")
-            size *= d
-        shape_t = tuple(shape)
-    if type(data) is bytes:
-        view = memoryview(data)
-    elif type(data) is int:
-        if not 0 <= data < len(frames):
-            raise ValueError(f"array refers to frame {data} but the message has {len(frames)} data frames")
-        if used[data]:
-            raise ValueError(f"data frame {data} is referenced twice")
-        used[data] = True
-        frame = frames[data]
-        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-    else:
-        raise TypeError("array data must be bytes or a frame index")
-    if view.nbytes != size:
-        raise ValueError(f"{view.nbytes} bytes of data do not fit dtype {dtype} and shape {shape_t}")
-    arr = _new(Array)
-    arr.data = view
-    arr.dtype = dtype
-    arr.shape = shape_t
-    return arr
-
-
-__all__ = ["ITEMSIZE", "Array", "ProtocolError", "check_wire_array"]
+__all__ = ["ITEMSIZE", "MAX_NDIM", "OUT_OF_LINE_BYTES", "Array", "OutOfLine", "decode_context"]

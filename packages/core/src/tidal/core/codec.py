@@ -3,11 +3,12 @@
 Frame layout of one message::
 
     frame 0      b"\\xd7T" + major + minor (4 bytes) + msgpack header (the Struct, array_like)
-    frame 1..n   raw little-endian bytes of each large `Array`, in the order the header refers to them
+    frame 1..n   raw little-endian bytes of each out-of-line `Array`, in the order the header refers to them
 
-An `Array` below `inline_threshold` bytes rides inside the header as msgpack bin; ZeroMQ copies small
-frames anyway, and one frame is cheaper than five. Larger arrays become their own frames and are sent
-with ``copy=False``, so their bytes are never copied by Tidal. The header refers to a frame by index.
+A small `Array` rides inside the header as msgpack bin; ZeroMQ copies small frames anyway, and one frame
+is cheaper than five. Arrays marked out of line (64 KiB or more by default) become their own frames and
+are sent with ``copy=False``, so their bytes are never copied by Tidal. The header refers to a frame by
+index. A codec with a huge `inline_threshold` puts even those inline (one self-contained frame).
 
 The 4-byte preamble lets any receiver refuse a peer of another major protocol version with an error that
 names both versions, on every socket pattern, before it tries to parse anything.
@@ -22,14 +23,14 @@ from typing import Any
 
 import msgspec
 
-from tidal.core.arrays import Array, check_wire_array
+from tidal.core.arrays import OutOfLine, decode_context
 from tidal.core.errors import ProtocolError, ProtocolVersionError
 from tidal.core.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
 MAGIC = b"\xd7T"
 PREAMBLE_BYTES = 4
 
-DEFAULT_INLINE_THRESHOLD = 64 * 1024
+DEFAULT_INLINE_THRESHOLD = 0  # out-of-line arrays smaller than this go inline anyway
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024**3
 DEFAULT_MAX_HEADER_BYTES = 256 * 1024**2
 DEFAULT_MAX_FRAMES = 65_536
@@ -58,21 +59,19 @@ class Codec:
         self.protocol = protocol
         self._preamble = MAGIC + bytes(protocol)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
-        # Per-call state for the hooks (msgspec hooks take no context argument).
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+        # Per-call state for the encode hook (msgspec hooks take no context argument).
         self._out_frames: list[memoryview] = []
-        self._in_frames: Sequence[Any] = ()
-        self._used: list[bool] = []
 
     # ------------------------------------------------------------------ encode
 
     def _enc_hook(self, obj: Any) -> Any:
-        if type(obj) is Array:
-            data = obj.data
-            if data.nbytes >= self.inline_threshold:
-                self._out_frames.append(data)
-                return (obj.dtype, obj.shape, len(self._out_frames) - 1)
-            return (obj.dtype, obj.shape, data)
+        if type(obj) is OutOfLine:
+            view = obj.view
+            if view.nbytes >= self.inline_threshold:
+                self._out_frames.append(view)
+                return len(self._out_frames) - 1
+            return view
         raise NotImplementedError(f"{type(obj).__name__} cannot travel on the Tidal wire; use tidal.core.Array")
 
     def encode(self, msg: Message) -> list[Any]:
@@ -86,11 +85,6 @@ class Codec:
         return [header, *frames]
 
     # ------------------------------------------------------------------ decode
-
-    def _dec_hook(self, typ: type, obj: Any) -> Any:
-        if typ is Array:
-            return check_wire_array(obj, self._in_frames, self._used)
-        raise NotImplementedError(typ)
 
     def check_preamble(self, header: Any, peer: bytes | None = None) -> memoryview:
         """The msgpack body of a header frame, after checking magic and major version."""
@@ -118,35 +112,37 @@ class Codec:
         size = len(body)
         if size > self.max_header_bytes:
             raise ProtocolError(f"message header is {size} bytes; limit is {self.max_header_bytes}", peer=peer)
-        if n > 1:
-            data_frames = frames[1:]
-            size += sum(len(f) for f in data_frames)
-            if size > self.max_message_bytes:
-                raise ProtocolError(
-                    f"message is {size} bytes; limit is {self.max_message_bytes} "
-                    "(raise max_message_bytes on the receiving channel if this is intended)",
-                    peer=peer,
-                )
-            self._in_frames = data_frames
-            self._used = used = [False] * (n - 1)
-        else:
-            used = None
+        if n == 1:  # the common case: no data frames, no decode context to set up
+            return self._decode_body(body, peer)
+        data_frames = frames[1:]
+        size += sum(len(f) for f in data_frames)
+        if size > self.max_message_bytes:
+            raise ProtocolError(
+                f"message is {size} bytes; limit is {self.max_message_bytes} "
+                "(raise max_message_bytes on the receiving channel if this is intended)",
+                peer=peer,
+            )
+        used = [False] * (n - 1)
+        ctx = decode_context
+        ctx.frames, ctx.used = data_frames, used
         try:
-            msg = self._decoder.decode(body)
+            msg = self._decode_body(body, peer)
+        finally:
+            ctx.frames, ctx.used = (), None
+        if not all(used):
+            unused = [i + 1 for i, u in enumerate(used) if not u]
+            raise ProtocolError(f"frames {unused} are not referenced by the {type(msg).__name__} header", peer=peer)
+        return msg
+
+    def _decode_body(self, body: memoryview, peer: bytes | None) -> Message:
+        try:
+            return self._decoder.decode(body)
         except msgspec.ValidationError as e:
             field = _field_of(str(e), body)
             text = f"invalid {field or 'message'}: {_strip_path(str(e))}"
             raise ProtocolError(text, field=field, peer=peer) from None
         except msgspec.DecodeError as e:
             raise ProtocolError(f"malformed message header: {e}", peer=peer) from None
-        finally:
-            if used is not None:
-                self._in_frames = ()
-                self._used = []
-        if used is not None and not all(used):
-            unused = [i + 1 for i, u in enumerate(used) if not u]
-            raise ProtocolError(f"frames {unused} are not referenced by the {type(msg).__name__} header", peer=peer)
-        return msg
 
 
 # ---------------------------------------------------------------------- error paths -> field names
@@ -194,9 +190,6 @@ def _field_of(error: str, body: memoryview) -> str | None:
             else:
                 out += f"[{i}] (beyond the last field)"
                 typ = None
-        elif _is_array(typ):
-            out += f".{('dtype', 'shape', 'data')[i] if i < 3 else i}"
-            typ = None
         else:
             out += f"[{i}]"
             typ = _value_type(typ)
@@ -211,10 +204,6 @@ def _struct_in(typ: Any) -> type[msgspec.Struct] | None:
         if isinstance(t, type) and issubclass(t, msgspec.Struct):
             return t
     return None
-
-
-def _is_array(typ: Any) -> bool:
-    return typ is Array or Array in typing.get_args(typ)
 
 
 def _value_type(typ: Any) -> Any:

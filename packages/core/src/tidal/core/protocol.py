@@ -169,6 +169,7 @@ class BatchRequest(_Msg):
     version: int  # policy version the learner currently holds (for admission against lag)
     max_samples: int = 0  # cap on samples in the reply; 0 = buffer's configured batch size
     max_tokens: int = 0  # cap on tokens in the reply; 0 = no token cap
+    acked: list[str] = []  # batch ids trained since the last request (saves a separate Ack round trip)
 
 
 class TensorSpec(_Part):

@@ -99,17 +99,20 @@ class AckedPusher:
         return done
 
     def _resend_overdue(self) -> None:
+        # `pending` is ordered by last send time: only its head can be overdue first (O(1) when none is)
         now = time.monotonic()
-        for msg_id, (msg, sent) in list(self.pending.items()):
+        pending = self.pending
+        while pending:
+            msg_id, (msg, sent) = next(iter(pending.items()))
             if now - sent < self.resend_after:
-                break  # ordered by last send time
+                return
             try:
                 self._push.send(msg, timeout=0)
             except ChannelTimeout:
                 return  # still full; try again later
             self.resent += 1
-            self.pending[msg_id] = (msg, now)
-            self.pending.move_to_end(msg_id)
+            pending[msg_id] = (msg, now)
+            pending.move_to_end(msg_id)
 
     def flush(self, timeout: float) -> None:
         """Wait until every message is acknowledged or rejected."""

@@ -25,19 +25,30 @@ from tidal.core.protocol import (
 
 
 def make_trajectory(
-    i: int = 0, *, prompt_len: int = 32, completion_len: int = 64, rich: bool = False, seed: int = 0
+    i: int = 0,
+    *,
+    prompt_len: int = 32,
+    completion_len: int = 64,
+    rich: bool = False,
+    seed: int = 0,
+    out_of_line: bool | None = None,
 ) -> Trajectory:
-    """A trajectory with deterministic pseudo-random content; `rich` fills every optional field."""
+    """A trajectory with deterministic pseudo-random content; `rich` fills every optional field;
+    `out_of_line=True` sends every array as its own frame."""
     rng = np.random.default_rng(seed + i)
     n = completion_len
+
+    def A(x: np.ndarray) -> Array:
+        return Array.from_numpy(x, out_of_line=out_of_line)
+
     extra = {}
     if rich:
         extra = dict(
-            step_rewards=Array.from_numpy(np.array([0.5, 1.0], np.float32)),
-            step_ends=Array.from_numpy(np.array([n // 2, n], np.int32)),
-            loss_mask=Array.from_numpy(np.ones(n, np.uint8)),
-            routing=Array.from_numpy(rng.integers(0, 8, (n, 2, 2), dtype=np.uint8)),
-            sampling_mask=Array.from_numpy(rng.integers(0, 255, (n, 4), dtype=np.uint8)),
+            step_rewards=A(np.array([0.5, 1.0], np.float32)),
+            step_ends=A(np.array([n // 2, n], np.int32)),
+            loss_mask=A(np.ones(n, np.uint8)),
+            routing=A(rng.integers(0, 8, (n, 2, 2), dtype=np.uint8)),
+            sampling_mask=A(rng.integers(0, 255, (n, 4), dtype=np.uint8)),
             metadata={"answer": "42"},
         )
     return Trajectory(
@@ -45,18 +56,19 @@ def make_trajectory(
         group_id=f"group-{i // 4}",
         sample_index=i % 4,
         task="arith",
-        prompt_ids=Array.from_numpy(rng.integers(0, 32000, prompt_len, dtype=np.int32)),
-        completion_ids=Array.from_numpy(rng.integers(0, 32000, n, dtype=np.int32)),
-        logprobs=Array.from_numpy(-rng.random(n, dtype=np.float32)),
-        versions=Array.from_numpy(np.full(n, 3, np.int32)),
+        prompt_ids=A(rng.integers(0, 32000, prompt_len, dtype=np.int32)),
+        completion_ids=A(rng.integers(0, 32000, n, dtype=np.int32)),
+        logprobs=A(-rng.random(n, dtype=np.float32)),
+        versions=A(np.full(n, 3, np.int32)),
         reward=float(i % 2),
         finish_reason="stop",
         **extra,
     )
 
 
-def sample_messages() -> list[Message]:
-    """One instance of every message type (Trajectory twice: plain and with every optional field)."""
+def sample_messages(out_of_line: bool | None = None) -> list[Message]:
+    """One instance of every message type (Trajectory twice: plain and with every optional field);
+    `out_of_line=True` makes every array travel as its own frame."""
     weights = np.arange(12, dtype=np.float32)
     return [
         Hello(role="test", name="t0", protocol=PROTOCOL_VERSION, software={"tidal-core": "0"}, pid=1, host="h"),
@@ -69,19 +81,20 @@ def sample_messages() -> list[Message]:
             step=3,
             time=2.0,
             scalars={"loss/policy": 0.25},
-            histograms={"lag": Array.from_numpy(weights)},
+            histograms={"lag": Array.from_numpy(weights, out_of_line=out_of_line)},
         ),
         Assignment(
             group_id="g",
-            prompt_ids=Array.from_list([1, 2, 3], "int32"),
+            prompt_ids=Array.from_numpy(np.array([1, 2, 3], np.int32), out_of_line=out_of_line),
             num_samples=4,
             task="arith",
             sampling=SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5),
             answer="7",
         ),
-        make_trajectory(0),
-        make_trajectory(1, rich=True),
-        Batch(batch_id="b0", rank=0, world_size=2, trajectories=[make_trajectory(i) for i in range(3)], step=1),
+        make_trajectory(0, out_of_line=out_of_line),
+        make_trajectory(1, rich=True, out_of_line=out_of_line),
+        Batch(batch_id="b0", rank=0, world_size=2, step=1,
+              trajectories=[make_trajectory(i, out_of_line=out_of_line) for i in range(3)]),
         BatchRequest(rank=1, world_size=2, version=3, max_samples=8),
         WeightsAvailable(
             version=5,
