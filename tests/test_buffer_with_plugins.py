@@ -39,6 +39,7 @@ def test_admission_and_filters_by_plugin_name(tmp_path):
     )
     try:
         with BatchClient(serve, retry_every=0.5) as learner:
+            learner.status(timeout=60)  # the service is up
             with pytest.raises(TimeoutError):
                 learner.next_batch(version=5, timeout=2)  # tells the buffer the learner is at version 5
             with AckedPusher(ingest, publish, "w", resend_after=0.5) as out:
@@ -47,7 +48,7 @@ def test_admission_and_filters_by_plugin_name(tmp_path):
                           traj("c0", "C", 2, 1.0)]:                            # lag 3 > max_lag: refused
                     out.send(t)
                 out.flush(timeout=30)
-                assert set(out.rejected) == {"c0"} and "stale" in out.rejected["c0"]
+                assert set(out.rejected) == {"c0"} and "stale" in out.rejected["c0"], out.rejected
             batch = learner.next_batch(version=5, timeout=30)
             assert sorted(t.id for t in batch.trajectories) == ["a0", "a1"]
             learner.ack(batch.batch_id)

@@ -62,3 +62,15 @@ def test_ci_runs_the_readme_test_command():
     blocks = readme.split("```bash\n")
     test_cmd = next(b.split("\n")[0] for b in blocks[1:] if "pytest" in b.split("\n")[0])
     assert test_cmd in ci.splitlines(), f"CI must run the README's test command: {test_cmd}"
+
+
+def test_scanning_the_plugins_imports_no_torch():
+    """Every process loads every installed plugin module to build the registry: the buffer and the
+    controller must not pay for (or depend on) torch because of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tidal.core.plugins import Registry; r = Registry(); r.table();"
+            "assert not r.failed, r.failed; assert 'torch' not in sys.modules, 'a plugin module imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -198,6 +198,24 @@ class WeightsAvailable(_Msg):
     lora_only: bool = False  # True when only LoRA adapter tensors are included
 
 
+class WeightsRequest(_Msg):
+    """Receiver -> weight sender (pull transports): send me one bucket of a version."""
+
+    version: int  # the announced version being fetched
+    bucket: int  # bucket index in the announcement's manifest
+    have_version: int = -1  # version the receiver holds (a delta against it may be sent); -1 = none
+
+
+class WeightsBucket(_Msg):
+    """Weight sender -> receiver: the bytes of one bucket (an out-of-line frame, zero-copy)."""
+
+    version: int  # version these bytes belong to
+    bucket: int  # bucket index
+    data: Array  # uint8 [nbytes] packed tensors (dense) or the delta encoding of them
+    encoding: str = "dense"  # "dense" or "delta" (against the receiver's copy of `base_version`)
+    base_version: int = -1  # for delta: the version the delta applies to
+
+
 Message = (
     Hello
     | Error
@@ -210,6 +228,8 @@ Message = (
     | Batch
     | BatchRequest
     | WeightsAvailable
+    | WeightsRequest
+    | WeightsBucket
 )
 
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
@@ -224,6 +244,8 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Batch,
     BatchRequest,
     WeightsAvailable,
+    WeightsRequest,
+    WeightsBucket,
 )
 
 __all__ = [
@@ -246,4 +268,6 @@ __all__ = [
     "TensorSpec",
     "Trajectory",
     "WeightsAvailable",
+    "WeightsBucket",
+    "WeightsRequest",
 ]

@@ -21,6 +21,8 @@ from tidal.core.protocol import (
     TensorSpec,
     Trajectory,
     WeightsAvailable,
+    WeightsBucket,
+    WeightsRequest,
 )
 
 
@@ -104,6 +106,8 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
             checksums=[123],
             location="tcp://127.0.0.1:5555",
         ),
+        WeightsRequest(version=5, bucket=0),
+        WeightsBucket(version=5, bucket=0, data=Array.from_numpy(np.arange(48, dtype=np.uint8), out_of_line=out_of_line)),
     ]
 
 

@@ -1,0 +1,110 @@
+"""`WeightReceiver`: the generator side. Fetches an announced version, reconstructs delta buckets,
+verifies every bucket's size and checksum, and only then hands ``(name, tensor)`` pairs to `apply` (the
+shape vLLM's ``load_weights`` takes) or loads them into a module. A bad transfer raises
+`WeightSyncError`, tells the sender, and leaves the previous version in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.core.arrays import ITEMSIZE
+from tidal.core.protocol import WeightsAvailable
+from tidal.weight_sync import delta
+from tidal.weight_sync.buckets import checksum, unpack
+from tidal.weight_sync.errors import WeightSyncError
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightReceiver:
+    def __init__(self, transport: str | Any = "zmq", *, keep_for_delta: bool = True, **transport_options: Any) -> None:
+        if isinstance(transport, str):
+            from tidal.weight_sync.plugin import receiver_transport
+
+            transport = receiver_transport(transport, **transport_options)
+        self.transport = transport
+        self.keep_for_delta = keep_for_delta
+        self.version = -1
+        self._buckets: list[np.ndarray] = []
+        self._layout: list[tuple[str, int]] = []  # (dtype, nbytes) per bucket of the held version
+        self.last_error = ""
+
+    def receive(self, ann: WeightsAvailable, apply: Callable[[NamedTensors], Any]) -> int:
+        """Fetch, verify and apply `ann`; returns the version now held. Older announcements are ignored."""
+        if ann.version <= self.version:
+            return self.version
+        try:
+            buckets = self._fetch_and_verify(ann)
+        except WeightSyncError as e:
+            self.last_error = str(e)
+            self.transport.report(ann, ok=False, detail=str(e))
+            raise
+        by_bucket: dict[int, list] = {}
+        for spec in ann.manifest:
+            by_bucket.setdefault(spec.bucket, []).append(spec)
+        tensors: NamedTensors = []
+        for i, data in enumerate(buckets):
+            tensors.extend(unpack(data, by_bucket.get(i, [])))
+        apply(tensors)
+        self.version = ann.version
+        if self.keep_for_delta:
+            self._buckets = buckets
+            self._layout = [(by_bucket[i][0].dtype if by_bucket.get(i) else "uint8", b.size) for i, b in enumerate(buckets)]
+        self.transport.report(ann, ok=True)
+        return self.version
+
+    def _fetch_and_verify(self, ann: WeightsAvailable) -> list[np.ndarray]:
+        n = len(ann.bucket_sizes)
+        if len(ann.checksums) != n:
+            raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
+        payloads = self.transport.fetch_all(ann, self.version if self._buckets else -1)
+        dtypes = {s.bucket: s.dtype for s in ann.manifest}
+        out = []
+        for i, (encoding, base, payload) in enumerate(payloads):
+            if encoding == "delta":
+                if base != self.version or i >= len(self._buckets):
+                    raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
+                                          f"but this receiver holds version {self.version}")
+                try:
+                    data = delta.apply(payload, self._buckets[i], ITEMSIZE[dtypes.get(i, "uint8")])
+                except ValueError as e:
+                    raise WeightSyncError(f"bucket {i} of version {ann.version}: bad delta: {e}") from None
+            else:
+                data = np.array(np.frombuffer(payload, dtype=np.uint8))  # own, writable copy
+            if data.size != ann.bucket_sizes[i]:
+                raise WeightSyncError(f"bucket {i} of version {ann.version} has {data.size} bytes, "
+                                      f"expected {ann.bucket_sizes[i]} (partial transfer)")
+            crc = checksum(data)
+            if crc != ann.checksums[i]:
+                raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
+                                      f"({crc:#010x} != {ann.checksums[i]:#010x}): corrupted in transfer")
+            out.append(data)
+        return out
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_into(module: torch.nn.Module, *, strict: bool = True) -> Callable[[NamedTensors], None]:
+    """An `apply` callback that copies received tensors into `module`'s parameters and buffers."""
+    def apply(tensors: NamedTensors) -> None:
+        state = module.state_dict()
+        missing = [n for n, _ in tensors if n not in state]
+        if missing and strict:
+            raise WeightSyncError(f"received tensors the module does not have: {missing[:5]}")
+        with torch.no_grad():
+            for name, t in tensors:
+                if name in state:
+                    state[name].copy_(t)
+
+    return apply

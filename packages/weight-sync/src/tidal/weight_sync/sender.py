@@ -1,0 +1,96 @@
+"""`WeightSender`: the trainer side. Packs a state dict (or any iterator of named tensors, e.g. one
+that gathers FSDP shards one at a time) into checksummed buckets, stages them on a transport, and
+returns the `WeightsAvailable` announcement to broadcast to generators."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from tidal.core.protocol import WeightsAvailable
+from tidal.weight_sync.buckets import make_buckets
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+def is_lora(name: str) -> bool:
+    """Adapter tensors as PEFT names them (lora_A / lora_B / lora_embedding_*)."""
+    return "lora_" in name
+
+
+class WeightSender:
+    def __init__(
+        self,
+        transport: str | Any = "zmq",
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        delta: bool = False,
+        anchor_every: int = 10,
+        lora_only: bool = False,
+        include: Callable[[str], bool] | None = None,
+        **transport_options: Any,
+    ) -> None:
+        if isinstance(transport, str):
+            from tidal.weight_sync.plugin import sender_transport
+
+            if transport == "zmq":
+                transport_options.setdefault("delta_updates", delta)
+            elif delta:
+                raise ValueError(f"delta updates need a transport that serves receivers individually (zmq), not {transport!r}")
+            transport = sender_transport(transport, **transport_options)
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self.delta = delta
+        self.anchor_every = max(1, anchor_every)
+        self.lora_only = lora_only
+        self.include = include or (is_lora if lora_only else None)
+        self.version = -1
+        self.last_stats: dict[str, float] = {}
+
+    def send(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> WeightsAvailable:
+        if version <= self.version:
+            raise ValueError(f"versions must increase: got {version} after {self.version}")
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        if self.include is not None:
+            items = ((n, t) for n, t in items if self.include(n))
+        t0 = time.perf_counter()
+        # buckets are sealed as they fill (per dtype), so out of index order: position i == index i
+        buckets = sorted(make_buckets(items, self.bucket_bytes), key=lambda b: b.index)
+        if self.lora_only and not buckets:
+            raise ValueError("lora_only is set but no tensor name contains 'lora_'")
+        t1 = time.perf_counter()
+        anchor = version % self.anchor_every == 0 or self.version < 0
+        location = self.transport.stage(version, buckets, anchor)
+        ann = WeightsAvailable(
+            version=version,
+            transport=self.transport.name,
+            manifest=[s for b in buckets for s in b.specs],
+            bucket_sizes=[b.nbytes for b in buckets],
+            checksums=[b.crc for b in buckets],
+            base_version=self.version if self.delta and not anchor else -1,
+            location=location,
+            lora_only=self.lora_only,
+        )
+        if hasattr(self.transport, "write_manifest"):
+            self.transport.write_manifest(ann)
+        self.version = version
+        nbytes = sum(b.nbytes for b in buckets)
+        self.last_stats = {"weights/bytes": float(nbytes), "weights/buckets": float(len(buckets)),
+                           "weights/pack_s": t1 - t0, "weights/stage_s": time.perf_counter() - t1}
+        return ann
+
+    def reports(self, version: int) -> list[tuple[bool, str]]:
+        """What receivers told the sender about `version` (transports with a back channel)."""
+        return list(getattr(self.transport, "reports", {}).get(version, []))
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

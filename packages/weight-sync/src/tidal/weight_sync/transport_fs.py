@@ -1,0 +1,106 @@
+"""Filesystem transport: each version is a folder of safetensors shards (one per bucket) plus
+`manifest.json`, written under a temporary name and renamed into place, so a reader never sees half a
+version. The folder is also a checkpoint: every shard loads with `safetensors.torch.load_file`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tidal.core.protocol import WeightsAvailable
+from tidal.weight_sync.buckets import Bucket, unpack
+from tidal.weight_sync.errors import WeightSyncError
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:08d}"
+
+
+class FsSenderTransport:
+    name = "fs"
+
+    def __init__(self, root: str, *, keep: int = 2, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.fsync = fsync
+
+    def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
+        final = version_dir(self.root, version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for b in buckets:
+            tensors = {name: t.contiguous() for name, t in unpack(b.data, b.specs)}
+            path = tmp / f"bucket-{b.index:05d}.safetensors"
+            path.write_bytes(st_save(tensors, metadata={"tidal_version": str(version), "bucket": str(b.index)}))
+            if self.fsync:
+                _fsync(path)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if self.fsync:
+            _fsync(self.root, directory=True)
+        for old in sorted(p for p in self.root.glob("v*") if p.is_dir() and not p.name.endswith(".tmp"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    def write_manifest(self, ann: WeightsAvailable) -> None:
+        path = Path(ann.location) / "manifest.json"
+        path.write_bytes(msgspec.json.encode(ann))
+
+    def close(self) -> None:
+        pass
+
+
+class FsReceiverTransport:
+    name = "fs"
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
+        folder = Path(ann.location)
+        if not folder.is_dir():
+            raise WeightSyncError(f"weights folder {folder} for version {ann.version} does not exist (already pruned?)")
+        by_bucket: dict[int, list] = {}
+        for spec in ann.manifest:
+            by_bucket.setdefault(spec.bucket, []).append(spec)
+        out = []
+        for i, size in enumerate(ann.bucket_sizes):
+            path = folder / f"bucket-{i:05d}.safetensors"
+            try:
+                tensors = st_load(path.read_bytes())
+            except Exception as e:  # truncated or garbled file
+                raise WeightSyncError(f"{path} is not a readable safetensors shard: {e}") from None
+            dense = np.zeros(size, dtype=np.uint8)
+            for spec in by_bucket.get(i, []):
+                if spec.name not in tensors:
+                    raise WeightSyncError(f"{path} lacks tensor {spec.name!r}")
+                raw = tensors[spec.name].contiguous().reshape(-1).view(torch.uint8).numpy()
+                if raw.size != spec.nbytes:
+                    raise WeightSyncError(f"{path}: {spec.name!r} has {raw.size} bytes, manifest says {spec.nbytes}")
+                dense[spec.offset : spec.offset + spec.nbytes] = raw
+            out.append(("dense", -1, dense))
+        return out
+
+    def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
+        pass  # no back channel: the caller reports (WeightReceiver raises on failure)
+
+    def close(self) -> None:
+        pass
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,172 @@
+"""ZeroMQ transport: the sender serves buckets from a ROUTER thread; receivers pull them (zero-copy
+frames both ways), each choosing dense or delta by the version it holds. Works across hosts (CURVE)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.channels import dealer, router
+from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
+from tidal.core.protocol import Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
+from tidal.core.security import Curve
+from tidal.weight_sync import delta
+from tidal.weight_sync.buckets import Bucket
+from tidal.weight_sync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+class ZmqSenderTransport:
+    name = "zmq"
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", *, curve: Curve | None = None, keep: int = 2,
+                 delta_updates: bool = False) -> None:
+        self.keep = keep
+        self.delta_updates = delta_updates
+        self._versions: dict[int, list[Bucket]] = {}
+        self._anchor: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reports: dict[int, list[tuple[bool, str]]] = {}  # version -> (ok, detail) per receiver report
+        self.bytes_sent = 0  # payload bytes served (dense or delta)
+        self.bytes_dense = 0  # what the same requests would have cost dense
+        self._ready = threading.Event()
+        self._endpoint = endpoint
+        self._curve = curve
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="tidal-weight-server", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise self._error
+
+    def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
+        with self._lock:
+            self._versions[version] = buckets
+            if anchor:
+                self._anchor.add(version)
+            for old in sorted(self._versions)[: -self.keep]:
+                del self._versions[old]
+        return self.endpoint
+
+    def _serve(self) -> None:
+        try:
+            ch = router(self._endpoint, curve=self._curve, linger=0, hwm=64)
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self.endpoint = ch.endpoint
+        self._ready.set()
+        cache: dict[tuple[int, int, int], bytes | None] = {}
+        with ch:
+            while not self._stop.is_set():
+                try:
+                    peer, msg = ch.recv(timeout=0.1)
+                except ChannelTimeout:
+                    continue
+                except ProtocolError as e:
+                    log.warning("weight server: bad request: %s", e)
+                    continue
+                if type(msg) is Ack and msg.kind == "weights":
+                    for vid in msg.ids:
+                        self.reports.setdefault(int(vid.lstrip("v")), []).append((msg.ok, msg.detail))
+                    continue
+                if type(msg) is not WeightsRequest:
+                    continue
+                try:
+                    ch.send(peer, self._reply(msg, cache), timeout=30)
+                except (PeerUnreachable, ChannelTimeout) as e:
+                    log.info("weight server: receiver went away: %s", e)
+
+    def _reply(self, req: WeightsRequest, cache: dict) -> Any:
+        with self._lock:
+            buckets = self._versions.get(req.version)
+            base = self._versions.get(req.have_version)
+            anchor = req.version in self._anchor
+        if buckets is None or not 0 <= req.bucket < len(buckets):
+            return Error(code="refused", detail=f"version {req.version} bucket {req.bucket} is not held "
+                         f"(held: {sorted(self._versions)})")
+        b = buckets[req.bucket]
+        if self.delta_updates and not anchor and base is not None and req.bucket < len(base):
+            key = (req.version, req.bucket, req.have_version)
+            if key not in cache:
+                old = base[req.bucket]
+                same_layout = old.dtype == b.dtype and old.nbytes == b.nbytes
+                width = np.dtype(_np_width_type(b.dtype)).itemsize
+                cache[key] = delta.encode(b.data, old.data, width) if same_layout else None
+                for k in [k for k in cache if k[0] < req.version - 1]:
+                    del cache[k]
+            payload = cache[key]
+            if payload is not None:
+                self.bytes_sent += len(payload)
+                self.bytes_dense += b.nbytes
+                return WeightsBucket(version=req.version, bucket=req.bucket, encoding="delta",
+                                     base_version=req.have_version,
+                                     data=Array.from_buffer(payload, "uint8", (len(payload),), out_of_line=True))
+        self.bytes_sent += b.nbytes
+        self.bytes_dense += b.nbytes
+        return WeightsBucket(version=req.version, bucket=req.bucket,
+                             data=Array.from_buffer(b.data, "uint8", (b.nbytes,), out_of_line=True))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _np_width_type(dtype: str) -> type:
+    from tidal.core.arrays import ITEMSIZE
+
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
+
+
+class ZmqReceiverTransport:
+    name = "zmq"
+
+    def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0) -> None:
+        self.curve = curve
+        self.timeout = timeout
+        self._ch = None
+        self._endpoint = ""
+
+    def _channel(self, endpoint: str):
+        if self._ch is None or endpoint != self._endpoint:
+            if self._ch is not None:
+                self._ch.close(linger=0)
+            self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64)
+            self._endpoint = endpoint
+        return self._ch
+
+    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
+        """(encoding, base_version, payload) per bucket; all requests in flight at once."""
+        ch = self._channel(ann.location)
+        n = len(ann.bucket_sizes)
+        for i in range(n):
+            ch.send(WeightsRequest(version=ann.version, bucket=i, have_version=have_version), timeout=self.timeout)
+        got: dict[int, tuple[str, int, Any]] = {}
+        while len(got) < n:
+            try:
+                msg = ch.recv(timeout=self.timeout)
+            except ChannelTimeout:
+                raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
+                                      f"version {ann.version} within {self.timeout:g} s") from None
+            if type(msg) is Error:
+                raise WeightSyncError(f"weight sender refused: {msg.detail}")
+            if type(msg) is WeightsBucket and msg.version == ann.version:
+                got[msg.bucket] = (msg.encoding, msg.base_version, msg.data.buffer)
+        return [got[i] for i in range(n)]
+
+    def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
+        try:
+            self._channel(ann.location).send(Ack(kind="weights", ids=[f"v{ann.version}"], ok=ok, detail=detail), timeout=5)
+        except ChannelTimeout:
+            pass
+
+    def close(self) -> None:
+        if self._ch is not None:
+            self._ch.close(linger=0)

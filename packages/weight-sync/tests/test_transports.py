@@ -1,0 +1,208 @@
+"""Every transport between real processes: bit-identical weights (fp32 and bf16, many tensors, odd
+sizes, an empty tensor), increasing versions, corrupted transfers rejected with the old version kept,
+delta updates bit-exact over 20 optimizer steps, LoRA-only updates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tidal.core.channels import push
+from tidal.core.protocol import Control
+from tidal.weight_sync import WeightSender
+
+HERE = Path(__file__).parent
+
+
+def make_state(seed: int, n: int = 120) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(n):
+        shape = (int(torch.randint(1, 70, (1,), generator=g)), int(torch.randint(1, 33, (1,), generator=g)))
+        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+        state[f"layers.{i}.weight"] = torch.randn(shape, generator=g).to(dtype)
+    state["empty.bias"] = torch.empty(0)
+    state["odd.vector"] = torch.randn(7919, generator=g)  # a prime number of elements
+    state["lm_head.weight"] = torch.randn(300, 257, generator=g).to(torch.bfloat16)
+    return state
+
+
+class Receiver:
+    def __init__(self, transport: str, out: Path) -> None:
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "recv_process.py"), transport, str(out)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        endpoint = self.proc.stdout.readline().strip()
+        if not endpoint:
+            raise RuntimeError(self.proc.stderr.read())
+        self.push = push(endpoint, linger=0)
+
+    def announce(self, ann, timeout: float = 60.0) -> dict:
+        self.push.send(ann, timeout=10)
+        done = self.out / f"v{ann.version}.done"
+        deadline = time.monotonic() + timeout
+        while not done.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"receiver did not finish version {ann.version}: {self.proc.stderr.read()}")
+            time.sleep(0.02)
+        return json.loads(done.read_text())
+
+    def held(self, version: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.out / f"v{version}.safetensors"))
+
+    def error(self, version: int) -> str | None:
+        p = self.out / f"v{version}.error"
+        return p.read_text() if p.exists() else None
+
+    def stop(self) -> None:
+        try:
+            self.push.send(Control(command="stop"), timeout=5)
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.push.close()
+
+
+@pytest.fixture
+def receiver(tmp_path):
+    made = []
+
+    def make(transport: str) -> Receiver:
+        r = Receiver(transport, tmp_path / f"recv-{len(made)}")
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def sender_for(transport: str, tmp_path: Path, **kw) -> WeightSender:
+    opts = {"root": str(tmp_path / "weights")} if transport == "fs" else {}
+    return WeightSender(transport, bucket_bytes=16 * 1024, **opts, **kw)
+
+
+def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert g.contiguous().view(torch.uint8).numpy().tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes(), name
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["zmq", "shm", "fs"])
+def test_weights_arrive_bit_identical_and_versions_increase(transport, receiver, tmp_path):
+    r = receiver(transport)
+    with sender_for(transport, tmp_path) as sender:
+        for version in (1, 2, 5):
+            state = make_state(version)
+            ann = sender.send(state, version)
+            assert len(ann.bucket_sizes) > 10  # small buckets: many of them
+            assert r.announce(ann)["held"] == version
+            assert_bit_identical(r.held(version), state)
+        with pytest.raises(ValueError, match="versions must increase"):
+            sender.send(make_state(9), 5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["zmq", "shm", "fs"])
+def test_corrupted_transfer_is_rejected_and_the_old_version_kept(transport, receiver, tmp_path):
+    r = receiver(transport)
+    with sender_for(transport, tmp_path) as sender:
+        good = make_state(1)
+        assert r.announce(sender.send(good, 1))["held"] == 1
+        ann = sender.send(make_state(2), 2)
+        if transport == "zmq":  # the bytes are fine but the announcement's checksum is not
+            ann = msgspec.structs.replace(ann, checksums=[ann.checksums[0] ^ 1, *ann.checksums[1:]])
+        elif transport == "shm":  # scribble over a bucket in shared memory
+            seg = shared_memory.SharedMemory(name=f"{ann.location}-b3")
+            seg.buf[10] ^= 0xFF
+            seg.close()
+        else:  # flip a byte of a shard's tensor data
+            shard = Path(ann.location) / "bucket-00003.safetensors"
+            data = bytearray(shard.read_bytes())
+            data[-5] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        assert r.announce(ann)["held"] == 1  # kept the previous version
+        assert "bucket" in r.error(2) and ("checksum" in r.error(2) or "safetensors" in r.error(2))
+        if transport == "zmq":
+            deadline = time.monotonic() + 10
+            while not sender.reports(2) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sender.reports(2) and sender.reports(2)[0][0] is False  # the sender was told
+        fresh = make_state(3)
+        assert r.announce(sender.send(fresh, 3))["held"] == 3  # and it recovers with the next one
+        assert_bit_identical(r.held(3), fresh)
+
+
+@pytest.mark.timeout(300)
+def test_delta_updates_are_bit_exact_over_20_optimizer_steps(receiver, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-5)  # small RL-like steps: some bf16 elements change
+    r = receiver("zmq")
+    with WeightSender("zmq", bucket_bytes=32 * 1024, delta=True, anchor_every=8) as sender:
+        for step in range(21):
+            if step:
+                loss = model(torch.randn(8, 256, dtype=torch.bfloat16)).float().pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            ann = sender.send(state, step)
+            assert r.announce(ann)["held"] == step
+            assert_bit_identical(r.held(step), state)
+        t = sender.transport
+        assert t.bytes_sent < t.bytes_dense  # deltas were used and were smaller
+
+
+@pytest.mark.timeout(120)
+def test_lora_only_sends_only_adapters(receiver, tmp_path):
+    state = {"q.weight": torch.randn(8, 8), "q.lora_A.weight": torch.randn(2, 8), "q.lora_B.weight": torch.randn(8, 2)}
+    r = receiver("zmq")
+    with WeightSender("zmq", lora_only=True) as sender:
+        ann = sender.send(state, 1)
+        assert ann.lora_only and {s.name for s in ann.manifest} == {"q.lora_A.weight", "q.lora_B.weight"}
+        r.announce(ann)
+        assert set(r.held(1)) == {"q.lora_A.weight", "q.lora_B.weight"}
+
+
+def test_delta_codec_is_exact_including_nan_payloads_and_signed_zeros():
+    from tidal.weight_sync import delta
+
+    old = np.array([0.0, -0.0, np.nan, 1.0, 2.0], dtype=np.float32).view(np.uint8).copy()
+    new_f = np.array([-0.0, -0.0, np.nan, 1.5, 2.0], dtype=np.float32)
+    new_f.view(np.uint32)[2] |= 1  # a different NaN payload
+    new = new_f.view(np.uint8)
+    enc = delta.encode(np.tile(new, 10), np.tile(old, 10), 4)
+    assert enc is None or delta.apply(enc, np.tile(old, 10), 4).tobytes() == np.tile(new, 10).tobytes()
+    big_old = np.zeros(4000, np.uint8)
+    big_new = big_old.copy()
+    big_new[8:12] = [1, 2, 3, 4]
+    enc = delta.encode(big_new, big_old, 4)
+    assert enc is not None and len(enc) < 100
+    assert delta.apply(enc, big_old, 4).tobytes() == big_new.tobytes()
+
+
+def test_transports_are_found_by_name():
+    from tidal.core.interfaces import WeightTransport
+    from tidal.core.plugins import Registry
+
+    reg = Registry()
+    assert set(reg.names("weight_transport")) >= {"zmq", "shm", "fs"}
+    t = reg.create("weight_transport", "shm")
+    assert isinstance(t, WeightTransport)
+    sender = t.sender({})
+    sender.close()
