@@ -22,13 +22,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("transport")
     ap.add_argument("out")
+    ap.add_argument("--options", default="{}", help="JSON keyword options of the receiver transport")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parent = os.getppid()
     held: dict = {}
-    with pull("tcp://127.0.0.1:*") as inbox, WeightReceiver(args.transport) as receiver:
-        print(inbox.endpoint, flush=True)
+    with pull("tcp://127.0.0.1:*") as inbox:
+        print(inbox.endpoint, flush=True)  # before the transport: a collective one blocks until all join
+        receiver = WeightReceiver(args.transport, **json.loads(args.options))
         while True:
             try:
                 msg = inbox.recv(timeout=0.5)
@@ -50,6 +52,7 @@ def main() -> int:
             except WeightSyncError as e:
                 (out / f"v{msg.version}.error").write_text(str(e))
             (out / f"v{msg.version}.done").write_text(json.dumps({"held": receiver.version}))
+        receiver.close()
 
 
 if __name__ == "__main__":

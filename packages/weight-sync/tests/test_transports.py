@@ -38,9 +38,10 @@ def make_state(seed: int, n: int = 120) -> dict[str, torch.Tensor]:
 
 
 class Receiver:
-    def __init__(self, transport: str, out: Path) -> None:
+    def __init__(self, transport: str, out: Path, options: dict | None = None) -> None:
         self.out = out
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "recv_process.py"), transport, str(out)],
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "recv_process.py"), transport, str(out),
+                                      "--options", json.dumps(options or {})],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         endpoint = self.proc.stdout.readline().strip()
         if not endpoint:
@@ -78,8 +79,8 @@ class Receiver:
 def receiver(tmp_path):
     made = []
 
-    def make(transport: str) -> Receiver:
-        r = Receiver(transport, tmp_path / f"recv-{len(made)}")
+    def make(transport: str, **options) -> Receiver:
+        r = Receiver(transport, tmp_path / f"recv-{len(made)}", options)
         made.append(r)
         return r
 
@@ -206,3 +207,26 @@ def test_transports_are_found_by_name():
     assert isinstance(t, WeightTransport)
     sender = t.sender({})
     sender.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_torch_distributed_broadcast_to_two_generators(receiver, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    receivers = [receiver("torch_dist", address=address, rank=r, world_size=3, timeout_s=60) for r in (1, 2)]
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=3, timeout_s=60) as sender:
+        for version in (1, 2):
+            state = make_state(version)
+            ann = sender.send(state, version)
+            for r in receivers:
+                r.push.send(ann, timeout=10)
+            for r in receivers:
+                assert r.announce(ann)["held"] == version  # re-sending the same version is ignored
+                assert_bit_identical(r.held(version), state)

@@ -32,7 +32,11 @@ def sender_transport(name: str, **options: Any) -> Any:
         from tidal.weight_sync.transport_shm import ShmSenderTransport
 
         return ShmSenderTransport(**options)
-    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm")
+    if name == "torch_dist":
+        from tidal.weight_sync.transport_dist import DistSenderTransport
+
+        return DistSenderTransport(**options)
+    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm, torch_dist")
 
 
 def receiver_transport(name: str, **options: Any) -> Any:
@@ -48,9 +52,13 @@ def receiver_transport(name: str, **options: Any) -> Any:
         from tidal.weight_sync.transport_shm import ShmReceiverTransport
 
         return ShmReceiverTransport(**options)
-    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm")
+    if name == "torch_dist":
+        from tidal.weight_sync.transport_dist import DistReceiverTransport
+
+        return DistReceiverTransport(**options)
+    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm, torch_dist")
 
 
 @hookimpl
 def tidal_weight_transports() -> dict[str, Any]:
-    return {name: (lambda n=name: _Transport(n)) for name in ("zmq", "fs", "shm")}
+    return {name: (lambda n=name: _Transport(n)) for name in ("zmq", "fs", "shm", "torch_dist")}
