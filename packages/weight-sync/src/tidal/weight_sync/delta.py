@@ -29,10 +29,14 @@ def encode(new: np.ndarray, old: np.ndarray, width: int) -> bytes | None:
     return _COUNT.pack(changed.size) + changed.astype(idx_type).tobytes() + a[changed].tobytes()
 
 
-def apply(delta: memoryview | bytes, old: np.ndarray, width: int) -> np.ndarray:
-    """Reconstruct the new bucket bytes from `old` and a delta (a new array; `old` is untouched)."""
+def apply(delta: memoryview | bytes, old: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Reconstruct the new bucket bytes from `old` and a delta into `out` (or a new array); `old` is
+    untouched."""
     (count,) = _COUNT.unpack_from(delta, 0)
-    new = old.copy()
+    if out is None or out.size != old.size:
+        out = np.empty_like(old)
+    np.copyto(out, old)
+    new = out
     view = new.view(WIDTH_TYPES[width])
     idx_type = np.int32 if view.size < 2**31 else np.int64
     isz = np.dtype(idx_type).itemsize

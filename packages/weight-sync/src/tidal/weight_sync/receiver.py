@@ -29,12 +29,15 @@ class WeightReceiver:
         self.transport = transport
         self.keep_for_delta = keep_for_delta
         self.version = -1
-        self._buckets: list[np.ndarray] = []
+        self._buckets: list[np.ndarray] = []  # the held version's bytes (delta base)
+        self._spare: list[np.ndarray] = []  # the previous set, reused for the next version
         self._layout: list[tuple[str, int]] = []  # (dtype, nbytes) per bucket of the held version
         self.last_error = ""
 
     def receive(self, ann: WeightsAvailable, apply: Callable[[NamedTensors], Any]) -> int:
-        """Fetch, verify and apply `ann`; returns the version now held. Older announcements are ignored."""
+        """Fetch, verify and apply `ann`; returns the version now held. Older announcements are ignored.
+        The tensors given to `apply` view the receiver's buffers: copy them (as `load_into` and vLLM's
+        load_weights do) before returning; they are overwritten by a later version."""
         if ann.version <= self.version:
             return self.version
         try:
@@ -51,8 +54,8 @@ class WeightReceiver:
             tensors.extend(unpack(data, by_bucket.get(i, [])))
         apply(tensors)
         self.version = ann.version
+        self._spare, self._buckets = self._buckets, buckets
         if self.keep_for_delta:
-            self._buckets = buckets
             self._layout = [(by_bucket[i][0].dtype if by_bucket.get(i) else "uint8", b.size) for i, b in enumerate(buckets)]
         self.transport.report(ann, ok=True)
         return self.version
@@ -65,20 +68,28 @@ class WeightReceiver:
         dtypes = {s.bucket: s.dtype for s in ann.manifest}
         out = []
         for i, (encoding, base, payload) in enumerate(payloads):
+            size = ann.bucket_sizes[i]
+            # write into last-but-one version's memory (already faulted in); fresh memory otherwise
+            dest = self._spare[i] if i < len(self._spare) and self._spare[i].size == size else np.empty(size, np.uint8)
             if encoding == "delta":
                 if base != self.version or i >= len(self._buckets):
                     raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
                                           f"but this receiver holds version {self.version}")
                 try:
-                    data = delta.apply(payload, self._buckets[i], ITEMSIZE[dtypes.get(i, "uint8")])
+                    data = delta.apply(payload, self._buckets[i], ITEMSIZE[dtypes.get(i, "uint8")], out=dest)
                 except ValueError as e:
                     raise WeightSyncError(f"bucket {i} of version {ann.version}: bad delta: {e}") from None
             else:
-                data = np.array(np.frombuffer(payload, dtype=np.uint8))  # own, writable copy
-            if data.size != ann.bucket_sizes[i]:
-                raise WeightSyncError(f"bucket {i} of version {ann.version} has {data.size} bytes, "
-                                      f"expected {ann.bucket_sizes[i]} (partial transfer)")
-            crc = checksum(data)
+                src = np.frombuffer(payload, dtype=np.uint8)
+                if src.size != size:
+                    raise WeightSyncError(f"bucket {i} of version {ann.version} has {src.size} bytes, "
+                                          f"expected {size} (partial transfer)")
+                np.copyto(dest, src)  # our own copy: the transport's memory may be reused or freed
+                data = dest
+            try:
+                crc = checksum(data, ann.checksum)
+            except ValueError as e:
+                raise WeightSyncError(str(e)) from None
             if crc != ann.checksums[i]:
                 raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
                                       f"({crc:#010x} != {ann.checksums[i]:#010x}): corrupted in transfer")

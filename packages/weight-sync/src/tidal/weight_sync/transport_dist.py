@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -59,18 +60,30 @@ class DistSenderTransport:
             while True:
                 job = self._jobs.get()
                 if job is None:
+                    self._jobs.task_done()
                     return
                 version, buckets = job
-                header = torch.tensor([version, len(buckets)], dtype=torch.int64, device=self.device)
-                _broadcast(self._pg, header)
-                for b in buckets:
-                    _broadcast(self._pg, torch.from_numpy(b.data).to(self.device))
+                try:
+                    self._broadcast_version(version, buckets)
+                finally:
+                    self._jobs.task_done()
         except BaseException as e:  # surfaced on the next stage() / close()
             self._error = e
+
+    def _broadcast_version(self, version: int, buckets: list[Bucket]) -> None:
+        header = torch.tensor([version, len(buckets)], dtype=torch.int64, device=self.device)
+        _broadcast(self._pg, header)
+        for b in buckets:
+            _broadcast(self._pg, torch.from_numpy(b.data).to(self.device))
 
     def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
         if self._error is not None:
             raise WeightSyncError(f"weight broadcast failed: {self._error}")
+        # at most one version in flight: its buckets are still being broadcast from our buffers
+        while self._jobs.unfinished_tasks:
+            if self._error is not None or not self._thread.is_alive():
+                raise WeightSyncError(f"weight broadcast failed: {self._error}")
+            time.sleep(0.001)
         self._jobs.put((version, buckets))
         return self.address
 

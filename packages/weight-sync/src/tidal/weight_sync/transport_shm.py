@@ -1,11 +1,15 @@
 """Shared-memory transport (one host): each bucket of a version is a POSIX shared-memory segment; the
-receiver maps it and copies the bytes out once. The sender keeps the last `keep` versions mapped and
-unlinks older ones. (CUDA IPC handles for GPU-resident weights are not implemented yet.)"""
+receiver maps it and copies the bytes out once. The sender rewrites the segments of `keep` slots in
+turn (version k uses slot k mod keep), so memory is faulted in once, not every version; a receiver more
+than `keep` versions behind reads a rewritten slot and fails its checksum rather than reading garbage.
+(CUDA IPC handles for GPU-resident weights are not implemented yet.)"""
 
 from __future__ import annotations
 
+import mmap
+import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -19,30 +23,34 @@ class ShmSenderTransport:
     name = "shm"
 
     def __init__(self, *, keep: int = 2, prefix: str | None = None) -> None:
-        self.keep = keep
+        self.keep = max(2, keep)
         self.prefix = prefix or f"tidal-{secrets.token_hex(4)}"
-        self._segments: dict[int, list[shared_memory.SharedMemory]] = {}
+        self._slots: list[dict[int, shared_memory.SharedMemory]] = [{} for _ in range(self.keep)]
+        self._staged = 0
 
     def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
-        location = f"{self.prefix}-v{version}"
-        segs = []
+        slot = self._staged % self.keep
+        self._staged += 1
+        location = f"{self.prefix}-s{slot}"
+        segs = self._slots[slot]
         for b in buckets:
-            seg = shared_memory.SharedMemory(name=f"{location}-b{b.index}", create=True, size=max(1, b.nbytes))
-            np.frombuffer(seg.buf, dtype=np.uint8, count=b.nbytes)[:] = b.data
-            segs.append(seg)
-        self._segments[version] = segs
-        for old in sorted(self._segments)[: -self.keep]:
-            for seg in self._segments.pop(old):
+            seg = segs.get(b.index)
+            if seg is not None and seg.size < max(1, b.nbytes):
                 seg.close()
                 seg.unlink()
+                seg = None
+            if seg is None:
+                seg = segs[b.index] = shared_memory.SharedMemory(name=f"{location}-b{b.index}", create=True,
+                                                                 size=max(1, b.nbytes))
+            np.frombuffer(seg.buf, dtype=np.uint8, count=b.nbytes)[:] = b.data
         return location
 
     def close(self) -> None:
-        for segs in self._segments.values():
-            for seg in segs:
+        for segs in self._slots:
+            for seg in segs.values():
                 seg.close()
                 seg.unlink()
-        self._segments.clear()
+            segs.clear()
 
 
 class ShmReceiverTransport:
@@ -55,17 +63,22 @@ class ShmReceiverTransport:
         out = []
         for i, size in enumerate(ann.bucket_sizes):
             name = f"{ann.location}-b{i}"
+            if size == 0:
+                out.append(("dense", -1, np.empty(0, np.uint8)))
+                continue
+            # Mapped directly rather than through SharedMemory: on Python < 3.13 attaching registers the
+            # segment with this process's resource tracker, which would unlink the sender's memory.
             try:
-                seg = shared_memory.SharedMemory(name=name)
+                fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
             except FileNotFoundError:
-                raise WeightSyncError(f"shared memory {name} of version {ann.version} is gone (sender pruned it)") from None
-            # Python < 3.13 registers attached segments with this process's resource tracker, which
-            # would unlink the sender's segment when we exit: we only borrow it.
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+                raise WeightSyncError(f"shared memory {name} of version {ann.version} is gone (sender closed?)") from None
             try:
-                out.append(("dense", -1, np.frombuffer(seg.buf, dtype=np.uint8, count=size).copy()))
+                if os.fstat(fd).st_size < size:
+                    raise WeightSyncError(f"shared memory {name} holds fewer than {size} bytes (partial transfer)")
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
-                seg.close()
+                os.close(fd)
+            out.append(("dense", -1, np.frombuffer(m, dtype=np.uint8, count=size)))  # the receiver copies it
         return out
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
