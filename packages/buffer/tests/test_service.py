@@ -197,3 +197,27 @@ def test_compaction_keeps_the_log_bounded_and_state_intact(buffer_process, produ
     finally:
         learners.stop()
     assert_exactly_once(read_ids(*files), learners.trained + rest.trained)
+
+
+@pytest.mark.timeout(300)
+def test_steps_sized_in_tokens_and_unbounded_streaming(buffer_process, producers, make_learners):
+    G = 2
+    # every producer trajectory has 8 prompt tokens and 1..16 completion tokens: 9..24 per sample
+    buf = buffer_process(group_size=G, batch_tokens=200, max_groups=0)
+    files = [producers.start(buf, f"t{i}", 100, G, tokens=16) for i in range(2)]
+    producers.wait(timeout=240)  # unbounded: everything is taken in without a consumer
+    with BatchClient(buf.serve) as probe:
+        s = probe.status(timeout=10).scalars
+    assert s["depth/ready_samples"] == 200 and s["backpressure"] == 0.0
+    learners = make_learners(buf.serve, world_size=2, group_size=G)
+    try:
+        learners.wait_for(150, timeout=60)  # the tail that cannot fill a 200-token step may wait
+    finally:
+        learners.stop()
+    steps: dict[str, int] = {}
+    for _, batch_id, tokens in learners.batches:
+        step = batch_id.split("-")[0]
+        steps[step] = steps.get(step, 0) + tokens
+    assert steps and all(200 <= t < 200 + 2 * 48 for t in steps.values())  # filled by whole groups
+    acked = read_ids(*files)
+    assert not [i for i, c in Counter(learners.trained).items() if c > 1] and set(learners.trained) <= set(acked)
