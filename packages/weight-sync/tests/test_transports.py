@@ -220,8 +220,8 @@ def free_port() -> int:
 @pytest.mark.timeout(180)
 def test_torch_distributed_broadcast_to_two_generators(receiver, tmp_path):
     address = f"127.0.0.1:{free_port()}"
-    receivers = [receiver("torch_dist", address=address, rank=r, world_size=3, timeout_s=60) for r in (1, 2)]
-    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=3, timeout_s=60) as sender:
+    receivers = [receiver("torch_dist", address=address, rank=r, world_size=3, timeout_s=120) for r in (1, 2)]
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=3, timeout_s=120) as sender:
         for version in (1, 2):
             state = make_state(version)
             ann = sender.send(state, version)

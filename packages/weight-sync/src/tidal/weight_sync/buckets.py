@@ -7,8 +7,10 @@ gathers sharded weights one tensor at a time never holds more than the open buck
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,15 +49,34 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-CHECKSUM = "xxh3_64"  # ~10 GB/s here, 5x crc32; the announcement names the algorithm
+# xxh3 (~10 GB/s here, 5x crc32) over 16 MiB chunks hashed in parallel threads (it releases the GIL),
+# combined by hashing the chunk digests. The announcement names the algorithm.
+CHECKSUM = "xxh3_64-tree16m"
+_CHUNK = 16 * 2**20
+_pool: ThreadPoolExecutor | None = None
+
+
+def _tree_xxh3(buf: np.ndarray | memoryview | bytes) -> int:
+    global _pool
+    view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    n = len(view)
+    if n <= _CHUNK:
+        digests = [xxhash.xxh3_64_intdigest(view)]
+    else:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="tidal-hash")
+        digests = list(_pool.map(xxhash.xxh3_64_intdigest, [view[i : i + _CHUNK] for i in range(0, n, _CHUNK)]))
+    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype=np.uint64).tobytes() + n.to_bytes(8, "little"))
 
 
 def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) -> int:
+    if algorithm == "xxh3_64-tree16m":
+        return _tree_xxh3(buf)
     if algorithm == "xxh3_64":
         return xxhash.xxh3_64_intdigest(buf)
     if algorithm == "crc32":
         return zlib.crc32(buf) & 0xFFFFFFFF
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64, crc32")
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32")
 
 
 Alloc = Callable[[int, int], np.ndarray]  # (bucket index, nbytes) -> uint8 buffer to pack into

@@ -72,6 +72,9 @@ class WeightSender:
                 buf = pool[index] = np.empty(nbytes, dtype=np.uint8)
             return buf
 
+        if hasattr(self.transport, "allocator"):  # pack straight into the transport's memory (shm)
+            alloc = self.transport.allocator()
+
         buckets = sorted(make_buckets(items, self.bucket_bytes, alloc), key=lambda b: b.index)
         if self.lora_only and not buckets:
             raise ValueError("lora_only is set but no tensor name contains 'lora_'")

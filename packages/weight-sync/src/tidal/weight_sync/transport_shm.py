@@ -28,27 +28,47 @@ class ShmSenderTransport:
         self._slots: list[dict[int, shared_memory.SharedMemory]] = [{} for _ in range(self.keep)]
         self._staged = 0
 
+    def _segment(self, slot: int, index: int, nbytes: int) -> shared_memory.SharedMemory:
+        segs = self._slots[slot]
+        seg = segs.get(index)
+        if seg is not None and seg.size < max(1, nbytes):
+            seg.close()
+            seg.unlink()
+            seg = None
+        if seg is None:
+            seg = segs[index] = shared_memory.SharedMemory(name=f"{self.prefix}-s{slot}-b{index}", create=True,
+                                                           size=max(1, nbytes))
+        return seg
+
+    def allocator(self):
+        """Where the sender should pack the next version: straight into its shared-memory slot."""
+        slot = self._staged % self.keep
+
+        def alloc(index: int, nbytes: int) -> np.ndarray:
+            return np.frombuffer(self._segment(slot, index, nbytes).buf, dtype=np.uint8, count=nbytes)
+
+        return alloc
+
     def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
         slot = self._staged % self.keep
         self._staged += 1
-        location = f"{self.prefix}-s{slot}"
-        segs = self._slots[slot]
         for b in buckets:
-            seg = segs.get(b.index)
-            if seg is not None and seg.size < max(1, b.nbytes):
-                seg.close()
-                seg.unlink()
-                seg = None
-            if seg is None:
-                seg = segs[b.index] = shared_memory.SharedMemory(name=f"{location}-b{b.index}", create=True,
-                                                                 size=max(1, b.nbytes))
-            np.frombuffer(seg.buf, dtype=np.uint8, count=b.nbytes)[:] = b.data
-        return location
+            seg = self._segment(slot, b.index, b.nbytes)
+            dest = np.frombuffer(seg.buf, dtype=np.uint8, count=b.nbytes)
+            if not np.shares_memory(dest, b.data):  # packed elsewhere (no allocator used): copy in
+                dest[:] = b.data
+        return f"{self.prefix}-s{slot}"
 
     def close(self) -> None:
+        import gc
+
+        gc.collect()  # numpy views of the segments must go before the mappings can close
         for segs in self._slots:
             for seg in segs.values():
-                seg.close()
+                try:
+                    seg.close()
+                except BufferError:
+                    pass  # a caller still holds a view; the mapping goes with the process
                 seg.unlink()
             segs.clear()
 
@@ -57,7 +77,9 @@ class ShmReceiverTransport:
     name = "shm"
 
     def __init__(self, **_: Any) -> None:
-        pass
+        # name -> (inode, size, mapping): slots are rewritten in place, so a mapping stays valid (and
+        # its pages stay faulted in) until the sender recreates the segment, which changes the inode.
+        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}
 
     def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
         out = []
@@ -73,9 +95,15 @@ class ShmReceiverTransport:
             except FileNotFoundError:
                 raise WeightSyncError(f"shared memory {name} of version {ann.version} is gone (sender closed?)") from None
             try:
-                if os.fstat(fd).st_size < size:
+                st = os.fstat(fd)
+                if st.st_size < size:
                     raise WeightSyncError(f"shared memory {name} holds fewer than {size} bytes (partial transfer)")
-                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                cached = self._maps.get(name)
+                if cached is not None and cached[0] == st.st_ino and cached[1] == size:
+                    m = cached[2]
+                else:
+                    m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                    self._maps[name] = (st.st_ino, size, m)
             finally:
                 os.close(fd)
             out.append(("dense", -1, np.frombuffer(m, dtype=np.uint8, count=size)))  # the receiver copies it
@@ -85,4 +113,12 @@ class ShmReceiverTransport:
         pass
 
     def close(self) -> None:
-        pass
+        import gc
+
+        gc.collect()
+        for _, _, m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps.clear()
