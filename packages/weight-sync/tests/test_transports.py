@@ -230,3 +230,13 @@ def test_torch_distributed_broadcast_to_two_generators(receiver, tmp_path):
             for r in receivers:
                 assert r.announce(ann)["held"] == version  # re-sending the same version is ignored
                 assert_bit_identical(r.held(version), state)
+
+
+def test_receiver_names_a_transport_mismatch(tmp_path):
+    from tidal.weight_sync import WeightReceiver, WeightSyncError
+
+    with WeightSender("fs", root=str(tmp_path)) as sender, WeightReceiver("shm") as receiver:
+        ann = sender.send({"w": torch.zeros(3)}, 1)
+        with pytest.raises(WeightSyncError, match="published over 'fs'.*WeightReceiver\\('fs'\\)"):
+            receiver.receive(ann, lambda t: None)
+        assert receiver.version == -1

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import msgspec
-
 from tidal.core.config import ConfigStruct
 
 
@@ -47,10 +45,3 @@ class BufferConfig(ConfigStruct):
     # observability
     metrics_interval_s: float = 2.0  # period of Metrics messages on the PUB socket
     hwm: int = 1000  # ZeroMQ high-water mark on every socket
-
-    def admission_or_none(self) -> PluginRef | None:
-        return self.admission
-
-
-def default_config(**overrides: Any) -> BufferConfig:
-    return msgspec.structs.replace(BufferConfig(), **overrides)

@@ -40,6 +40,9 @@ class WeightReceiver:
         load_weights do) before returning; they are overwritten by a later version."""
         if ann.version <= self.version:
             return self.version
+        if ann.transport != self.transport.name:
+            raise WeightSyncError(f"version {ann.version} was published over {ann.transport!r} but this receiver "
+                                  f"uses {self.transport.name!r}; create WeightReceiver({ann.transport!r})")
         try:
             buckets = self._fetch_and_verify(ann)
         except WeightSyncError as e:
