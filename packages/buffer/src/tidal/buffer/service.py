@@ -21,13 +21,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 
 from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.store import Group, Store, encode_trajectory, num_tokens
 from tidal.core.arrays import Array
-from tidal.core.channels import PullChannel, RouterChannel, make_hello, poll, pub, pull, router
+from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
 from tidal.core.codec import PREAMBLE_BYTES
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
@@ -99,14 +100,19 @@ class BufferService:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         log.info("buffer serving: ingest %s, serve %s, publish %s", self.ingest.endpoint, self.server.endpoint, self.pub.endpoint)
         try:
+            # two pollers made once (building one per iteration costs more than the iteration)
+            both, serve_only = zmq.Poller(), zmq.Poller()
+            for poller, chans in ((both, (self.server, self.ingest)), (serve_only, (self.server,))):
+                for ch in chans:
+                    poller.register(ch.socket, zmq.POLLIN)
             while not self._stop:
-                chans = [self.server] if self.backpressured() else [self.server, self.ingest]
+                poller = serve_only if self.backpressured() else both
                 wait = 0.1 if self._commit_due is None else max(0.0, self._commit_due - time.monotonic())
-                for ch in poll(chans, timeout=wait):
-                    if ch is self.ingest:
-                        self.drain_ingest()
-                    else:
-                        self.handle_requests()
+                ready = dict(poller.poll(int(wait * 1000)))
+                if self.ingest.socket in ready:
+                    self.drain_ingest()
+                if self.server.socket in ready:
+                    self.handle_requests()
                 self.commit()
                 self.tick()
         finally:
