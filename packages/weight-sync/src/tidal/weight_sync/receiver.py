@@ -67,10 +67,10 @@ class WeightReceiver:
         n = len(ann.bucket_sizes)
         if len(ann.checksums) != n:
             raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
-        payloads = self.transport.fetch_all(ann, self.version if self._buckets else -1)
         dtypes = {s.bucket: s.dtype for s in ann.manifest}
-        out = []
-        for i, (encoding, base, payload) in enumerate(payloads):
+        out: list[np.ndarray | None] = [None] * n
+        # buckets are verified as they arrive, while the transport brings in the next ones
+        for i, encoding, base, payload in self.transport.fetch(ann, self.version if self._buckets else -1):
             size = ann.bucket_sizes[i]
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
             dest = self._spare[i] if i < len(self._spare) and self._spare[i].size == size else np.empty(size, np.uint8)
@@ -96,8 +96,11 @@ class WeightReceiver:
             if crc != ann.checksums[i]:
                 raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
                                       f"({crc:#010x} != {ann.checksums[i]:#010x}): corrupted in transfer")
-            out.append(data)
-        return out
+            out[i] = data
+        missing = [i for i, d in enumerate(out) if d is None]
+        if missing:
+            raise WeightSyncError(f"buckets {missing[:5]} of version {ann.version} never arrived")
+        return out  # type: ignore[return-value]
 
     def close(self) -> None:
         self.transport.close()

@@ -13,6 +13,7 @@ import datetime
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ class DistReceiverTransport:
         self.device = device
         self._pg = _group(address, rank, world_size, backend, timeout_s)
 
-    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
+    def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         _broadcast(self._pg, header)
         version, n = (int(x) for x in header.tolist())
@@ -110,12 +111,10 @@ class DistReceiverTransport:
             raise WeightSyncError(f"broadcast carries version {version} ({n} buckets) but the announcement is "
                                   f"version {ann.version} ({len(ann.bucket_sizes)} buckets): receivers must take "
                                   "every version, in order, on a collective transport")
-        out = []
-        for size in ann.bucket_sizes:
+        for i, size in enumerate(ann.bucket_sizes):
             t = torch.empty(size, dtype=torch.uint8, device=self.device)
             _broadcast(self._pg, t)
-            out.append(("dense", -1, t.cpu().numpy() if t.device.type != "cpu" else t.numpy()))
-        return out
+            yield i, "dense", -1, (t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         pass

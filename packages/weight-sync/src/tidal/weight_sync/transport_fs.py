@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,13 @@ class FsReceiverTransport:
     def __init__(self, **_: Any) -> None:
         pass
 
-    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
+    def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         folder = Path(ann.location)
         if not folder.is_dir():
             raise WeightSyncError(f"weights folder {folder} for version {ann.version} does not exist (already pruned?)")
         by_bucket: dict[int, list] = {}
         for spec in ann.manifest:
             by_bucket.setdefault(spec.bucket, []).append(spec)
-        out = []
         for i, size in enumerate(ann.bucket_sizes):
             path = folder / f"bucket-{i:05d}.safetensors"
             try:
@@ -88,8 +88,7 @@ class FsReceiverTransport:
                 if raw.size != spec.nbytes:
                     raise WeightSyncError(f"{path}: {spec.name!r} has {raw.size} bytes, manifest says {spec.nbytes}")
                 dense[spec.offset : spec.offset + spec.nbytes] = raw
-            out.append(("dense", -1, dense))
-        return out
+            yield i, "dense", -1, dense
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         pass  # no back channel: the caller reports (WeightReceiver raises on failure)

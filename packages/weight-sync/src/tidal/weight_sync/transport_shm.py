@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -81,12 +82,11 @@ class ShmReceiverTransport:
         # its pages stay faulted in) until the sender recreates the segment, which changes the inode.
         self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}
 
-    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
-        out = []
+    def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         for i, size in enumerate(ann.bucket_sizes):
             name = f"{ann.location}-b{i}"
             if size == 0:
-                out.append(("dense", -1, np.empty(0, np.uint8)))
+                yield i, "dense", -1, np.empty(0, np.uint8)
                 continue
             # Mapped directly rather than through SharedMemory: on Python < 3.13 attaching registers the
             # segment with this process's resource tracker, which would unlink the sender's memory.
@@ -106,8 +106,7 @@ class ShmReceiverTransport:
                     self._maps[name] = (st.st_ino, size, m)
             finally:
                 os.close(fd)
-            out.append(("dense", -1, np.frombuffer(m, dtype=np.uint8, count=size)))  # the receiver copies it
-        return out
+            yield i, "dense", -1, np.frombuffer(m, dtype=np.uint8, count=size)  # the receiver copies it
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -142,13 +143,13 @@ class ZmqReceiverTransport:
             self._endpoint = endpoint
         return self._ch
 
-    def fetch_all(self, ann: WeightsAvailable, have_version: int) -> list[tuple[str, int, Any]]:
-        """(encoding, base_version, payload) per bucket; all requests in flight at once."""
+    def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
+        """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
         ch = self._channel(ann.location)
         n = len(ann.bucket_sizes)
         for i in range(n):
             ch.send(WeightsRequest(version=ann.version, bucket=i, have_version=have_version), timeout=self.timeout)
-        got: dict[int, tuple[str, int, Any]] = {}
+        got: set[int] = set()
         while len(got) < n:
             try:
                 msg = ch.recv(timeout=self.timeout)
@@ -157,9 +158,9 @@ class ZmqReceiverTransport:
                                       f"version {ann.version} within {self.timeout:g} s") from None
             if type(msg) is Error:
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
-            if type(msg) is WeightsBucket and msg.version == ann.version:
-                got[msg.bucket] = (msg.encoding, msg.base_version, msg.data.buffer)
-        return [got[i] for i in range(n)]
+            if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
+                got.add(msg.bucket)
+                yield msg.bucket, msg.encoding, msg.base_version, msg.data.buffer
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         try:
