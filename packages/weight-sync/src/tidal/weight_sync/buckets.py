@@ -56,17 +56,38 @@ _CHUNK = 16 * 2**20
 _pool: ThreadPoolExecutor | None = None
 
 
-def _tree_xxh3(buf: np.ndarray | memoryview | bytes) -> int:
+def _threads() -> ThreadPoolExecutor:
     global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="tidal-hash")
+    return _pool
+
+
+def _combine(digests: list[int], n: int) -> int:
+    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype=np.uint64).tobytes() + n.to_bytes(8, "little"))
+
+
+def _tree_xxh3(buf: np.ndarray | memoryview | bytes) -> int:
     view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
     n = len(view)
     if n <= _CHUNK:
-        digests = [xxhash.xxh3_64_intdigest(view)]
-    else:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="tidal-hash")
-        digests = list(_pool.map(xxhash.xxh3_64_intdigest, [view[i : i + _CHUNK] for i in range(0, n, _CHUNK)]))
-    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype=np.uint64).tobytes() + n.to_bytes(8, "little"))
+        return _combine([xxhash.xxh3_64_intdigest(view)], n)
+    return _combine(list(_threads().map(xxhash.xxh3_64_intdigest, [view[i : i + _CHUNK] for i in range(0, n, _CHUNK)])), n)
+
+
+def copy_and_checksum(src: np.ndarray, dest: np.ndarray, algorithm: str = CHECKSUM) -> int:
+    """Copy `src` into `dest` and return the checksum of the copy: chunk by chunk, in parallel threads,
+    each chunk hashed while it is still in cache (one pass over memory instead of two)."""
+    n = src.size
+    if algorithm != "xxh3_64-tree16m" or n <= _CHUNK:
+        np.copyto(dest, src)
+        return checksum(dest, algorithm)
+
+    def one(i: int) -> int:
+        np.copyto(dest[i : i + _CHUNK], src[i : i + _CHUNK])
+        return xxhash.xxh3_64_intdigest(dest[i : i + _CHUNK])
+
+    return _combine(list(_threads().map(one, range(0, n, _CHUNK))), n)
 
 
 def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) -> int:

@@ -14,7 +14,7 @@ import torch
 from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync import delta
-from tidal.weight_sync.buckets import checksum, unpack
+from tidal.weight_sync.buckets import checksum, copy_and_checksum, unpack
 from tidal.weight_sync.errors import WeightSyncError
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -87,10 +87,12 @@ class WeightReceiver:
                 if src.size != size:
                     raise WeightSyncError(f"bucket {i} of version {ann.version} has {src.size} bytes, "
                                           f"expected {size} (partial transfer)")
-                np.copyto(dest, src)  # our own copy: the transport's memory may be reused or freed
-                data = dest
+                data = dest  # our own copy, verified: the transport's memory may be reused or freed
             try:
-                crc = checksum(data, ann.checksum)
+                if encoding == "delta":
+                    crc = checksum(data, ann.checksum)
+                else:
+                    crc = copy_and_checksum(src, dest, ann.checksum)
             except ValueError as e:
                 raise WeightSyncError(str(e)) from None
             if crc != ann.checksums[i]:
