@@ -6,8 +6,9 @@ processes), beside baselines measured in the same run.
 States:
   big    ~1 GiB in ~300 fp32 tensors — bandwidth, against a plain memcpy of the same bytes
   small  ~3,000 tensors of 4 KiB-1 MiB (norms, biases, LoRA adapters) — per-call overhead, against
-         naive per-parameter sending over the same transport and code (one bucket per tensor: zmq
-         one request/reply each, gloo one broadcast each)
+         per-parameter sending over the same transport and code (one bucket per tensor: zmq one
+         request/reply each, all in flight at once ("pipelined") or one at a time ("serial", the naive
+         loop); gloo one broadcast each)
   delta  a bf16 model after one AdamW step with lr 1e-6: delta payload as a fraction of dense
 Goals: shm >= 0.5x memcpy (big); bucketed >= 5x per-parameter (small, zmq and gloo); delta <= 5 %.
 """
@@ -78,15 +79,15 @@ def start(target, *args):
 # ----------------------------------------------------------------------------- measurements
 
 
-def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int) -> float:
+def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, **receiver_options) -> float:
     sopts: dict = {}
-    ropts: dict = {}
+    ropts: dict = dict(receiver_options)
     if transport == "fs":
         sopts = {"root": tempfile.mkdtemp(prefix="tidal-bench-ws-"), "fsync": False}
     if transport == "torch_dist":
         address = f"127.0.0.1:{port()}"
         sopts = {"address": address, "world_size": 2}
-        ropts = {"address": address, "rank": 1, "world_size": 2}
+        ropts = {"address": address, "rank": 1, "world_size": 2, **ropts}
     proc, conn = start(receiver_main, transport, ropts)
     sender = WeightSender(transport, bucket_bytes=bucket_bytes, **sopts)
     assert conn.recv_bytes() == b"ready"
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-gib", type=float, default=1.0)
     ap.add_argument("--small", type=int, default=3000)
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--bucket-mib", type=int, default=32, help="bucket size (MiB): the pipelining granularity between packing, transfer and checking")
     args = ap.parse_args(argv)
     results: dict = {}
 
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"big state: {nbytes / 2**30:.2f} GiB in {len(big)} tensors; memcpy {nbytes / memcpy / 1e9:.2f} GB/s")
     print(f"{'transport':<12}{'seconds':>10}{'GB/s':>8}{'vs memcpy':>11}")
     for tr in ("shm", "zmq", "torch_dist", "fs"):
-        s = time_transport(tr, big, args.trials, 512 * 2**20)
+        s = time_transport(tr, big, args.trials, args.bucket_mib * 2**20)
         results["big"][tr] = {"s": round(s, 3), "vs_memcpy": round(memcpy / s, 3)}
         print(f"{tr:<12}{s:>10.3f}{nbytes / s / 1e9:>8.2f}{memcpy / s:>11.3f}")
     del big
@@ -158,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     small = small_state(args.small)
     sbytes = sum(t.numel() * 4 for t in small.values())
     print(f"\nsmall state: {len(small)} tensors, {sbytes / 2**20:.0f} MiB")
-    print(f"{'transport':<12}{'bucketed s':>12}{'per-param s':>13}{'speed-up':>10}")
+    print(f"{'transport':<22}{'bucketed s':>12}{'per-param s':>13}{'speed-up':>10}")
     results["small"] = {"tensors": len(small), "bytes": sbytes}
-    for tr in ("zmq", "torch_dist"):
-        b = time_transport(tr, small, args.trials, 512 * 2**20)
-        n = time_transport(tr, small, args.trials, 1)  # every tensor in a bucket of its own
-        results["small"][tr] = {"bucketed_s": round(b, 3), "per_param_s": round(n, 3), "speedup": round(n / b, 2)}
-        print(f"{tr:<12}{b:>12.3f}{n:>13.3f}{n / b:>10.2f}")
+    for label, tr, opts in (("zmq (pipelined)", "zmq", {}), ("zmq (serial)", "zmq", {"window": 1}),
+                            ("torch_dist (gloo)", "torch_dist", {})):
+        b = time_transport(tr, small, args.trials, args.bucket_mib * 2**20)
+        n = time_transport(tr, small, args.trials, 1, **opts)  # every tensor in a bucket of its own
+        results["small"][label] = {"bucketed_s": round(b, 3), "per_param_s": round(n, 3), "speedup": round(n / b, 2)}
+        print(f"{label:<22}{b:>12.3f}{n:>13.3f}{n / b:>10.2f}")
 
     frac = delta_fraction()
     results["delta_fraction_lr1e-6_bf16"] = round(frac, 4)

@@ -129,9 +129,10 @@ def _np_width_type(dtype: str) -> type:
 class ZmqReceiverTransport:
     name = "zmq"
 
-    def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0) -> None:
         self.curve = curve
         self.timeout = timeout
+        self.window = window  # requests in flight at once; 0 = every bucket at once
         self._ch = None
         self._endpoint = ""
 
@@ -147,9 +148,18 @@ class ZmqReceiverTransport:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
         ch = self._channel(ann.location)
         n = len(ann.bucket_sizes)
-        for i in range(n):
-            ch.send(WeightsRequest(version=ann.version, bucket=i, have_version=have_version), timeout=self.timeout)
+        window = self.window or n
+        requested = 0
+
+        def request_more() -> None:
+            nonlocal requested
+            while requested < n and requested - len(got) < window:
+                ch.send(WeightsRequest(version=ann.version, bucket=requested, have_version=have_version),
+                        timeout=self.timeout)
+                requested += 1
+
         got: set[int] = set()
+        request_more()
         while len(got) < n:
             try:
                 msg = ch.recv(timeout=self.timeout)
@@ -160,6 +170,7 @@ class ZmqReceiverTransport:
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
             if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
                 got.add(msg.bucket)
+                request_more()
                 yield msg.bucket, msg.encoding, msg.base_version, msg.data.buffer
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
