@@ -3,7 +3,6 @@ neither), and applies them in a real service process."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -13,12 +12,7 @@ from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.protocol import Trajectory
 from tidal.core.reliable import AckedPusher
-
-
-def port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+from tidal.core.testing import free_endpoint
 
 
 def traj(tid: str, group: str, version: int, reward: float) -> Trajectory:
@@ -30,7 +24,7 @@ def traj(tid: str, group: str, version: int, reward: float) -> Trajectory:
 
 @pytest.mark.timeout(120)
 def test_admission_and_filters_by_plugin_name(tmp_path):
-    ingest, serve, publish = port(), port(), port()
+    ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
          f'wal_dir="{tmp_path}"', "group_size=2", "batch_samples=2",

@@ -15,7 +15,6 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,15 +31,10 @@ from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.protocol import Trajectory
 from tidal.core.reliable import AckedPusher
+from tidal.core.testing import free_endpoint
 
 GROUP = 8
 BATCH = 256
-
-
-def port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def producer(ingest: str, publish: str, n: int, conn) -> None:
@@ -63,7 +57,7 @@ def producer(ingest: str, publish: str, n: int, conn) -> None:
 
 def run_buffer(n: int, fsync: str) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="tidal-bench-buffer-"))
-    ingest, serve, publish = port(), port(), port()
+    ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
     proc = subprocess.Popen(
         [sys.executable, *(["-m", "cProfile", "-o", "/tmp/buf.prof"] if "TIDAL_BENCH_PROFILE" in __import__("os").environ else []), "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
          f'wal_dir="{tmp / "wal"}"', f"group_size={GROUP}", f"batch_samples={BATCH}", "max_groups=0",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from tidal.core.protocol import WeightsAvailable
+from tidal.core.testing import free_port
 from tidal.weight_sync import WeightReceiver, WeightSender, delta
 from tidal.weight_sync.buckets import make_buckets
 
@@ -43,12 +43,6 @@ def small_state(n: int) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(0)
     sizes = np.exp(rng.uniform(np.log(4096), np.log(2**20), n)).astype(int) // 4
     return {f"p{i}": torch.full((int(s),), 0.5) for i, s in enumerate(sizes)}
-
-
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- receiver processes
@@ -85,7 +79,7 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
     if transport == "fs":
         sopts = {"root": tempfile.mkdtemp(prefix="tidal-bench-ws-"), "fsync": False}
     if transport == "torch_dist":
-        address = f"127.0.0.1:{port()}"
+        address = f"127.0.0.1:{free_port()}"
         sopts = {"address": address, "world_size": 2}
         ropts = {"address": address, "rank": 1, "world_size": 2, **ropts}
     proc, conn = start(receiver_main, transport, ropts)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,22 +16,15 @@ from pathlib import Path
 import pytest
 
 from tidal.buffer.client import BatchClient
+from tidal.core.testing import free_endpoint
 
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BufferProcess:
     def __init__(self, tmp: Path, **settings) -> None:
         self.tmp = tmp
-        self.ingest = f"tcp://127.0.0.1:{free_port()}"
-        self.serve = f"tcp://127.0.0.1:{free_port()}"
-        self.publish = f"tcp://127.0.0.1:{free_port()}"
+        self.ingest, self.serve, self.publish = free_endpoint(), free_endpoint(), free_endpoint()
         self.settings = {"wal_dir": str(tmp / "wal"), "metrics_interval_s": 0.5, **settings}
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []

@@ -4,7 +4,6 @@ and they load into an unsharded copy bit for bit."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tidal.core.protocol import WeightsAvailable
+from tidal.core.testing import free_port
 from tidal.weight_sync import WeightReceiver, load_into
 
 HERE = Path(__file__).parent
@@ -22,10 +22,7 @@ HERE = Path(__file__).parent
 
 @pytest.mark.timeout(300)
 def test_fsdp2_sharded_model_loads_into_an_unsharded_copy(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen([sys.executable, str(HERE / "fsdp_rank.py"), str(r), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     try:

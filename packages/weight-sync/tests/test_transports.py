@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from tidal.core.channels import push
 from tidal.core.protocol import Control
+from tidal.core.testing import free_port
 from tidal.weight_sync import WeightSender
 
 HERE = Path(__file__).parent
@@ -207,14 +208,6 @@ def test_transports_are_found_by_name():
     assert isinstance(t, WeightTransport)
     sender = t.sender({})
     sender.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 
 from tidal.core.arrays import Array
@@ -24,6 +26,17 @@ from tidal.core.protocol import (
     WeightsBucket,
     WeightsRequest,
 )
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for services that must bind a known address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def make_trajectory(
@@ -111,4 +124,4 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
     ]
 
 
-__all__ = ["make_trajectory", "sample_messages"]
+__all__ = ["free_endpoint", "free_port", "make_trajectory", "sample_messages"]

@@ -5,8 +5,7 @@ corrections and metrics use torch. Names are imported lazily so the pure parts n
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tidal.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -34,14 +33,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tidal.staleness' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"tidal.staleness.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -6,8 +6,7 @@ points does) must not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tidal.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -21,10 +20,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tidal.weight_sync' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"tidal.weight_sync.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

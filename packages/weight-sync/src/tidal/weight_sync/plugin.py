@@ -1,11 +1,38 @@
 """Transports registered by name (plugin kind ``weight_transport``). Each entry is a factory taking the
-role ("sender" or "receiver") and options; `WeightSender("zmq")` / `WeightReceiver("zmq")` use them."""
+role ("sender" or "receiver") and options; `WeightSender("zmq")` / `WeightReceiver("zmq")` use them.
+Transport modules are imported only when used: scanning the plugins must not import torch."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from tidal.core.plugins import hookimpl
+
+# name -> (module, sender class, receiver class): the one place that says which transports exist
+TRANSPORTS: dict[str, tuple[str, str, str]] = {
+    "zmq": ("transport_zmq", "ZmqSenderTransport", "ZmqReceiverTransport"),
+    "fs": ("transport_fs", "FsSenderTransport", "FsReceiverTransport"),
+    "shm": ("transport_shm", "ShmSenderTransport", "ShmReceiverTransport"),
+    "torch_dist": ("transport_dist", "DistSenderTransport", "DistReceiverTransport"),
+}
+
+
+def _make(name: str, role: int, options: dict[str, Any]) -> Any:
+    try:
+        module, *classes = TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight transport {name!r}; available: {', '.join(TRANSPORTS)}") from None
+    cls = getattr(importlib.import_module(f"tidal.weight_sync.{module}"), classes[role])
+    return cls(**options)
+
+
+def sender_transport(name: str, **options: Any) -> Any:
+    return _make(name, 0, options)
+
+
+def receiver_transport(name: str, **options: Any) -> Any:
+    return _make(name, 1, options)
 
 
 class _Transport:
@@ -19,46 +46,6 @@ class _Transport:
         return receiver_transport(self.name, **config)
 
 
-def sender_transport(name: str, **options: Any) -> Any:
-    if name == "zmq":
-        from tidal.weight_sync.transport_zmq import ZmqSenderTransport
-
-        return ZmqSenderTransport(**options)
-    if name == "fs":
-        from tidal.weight_sync.transport_fs import FsSenderTransport
-
-        return FsSenderTransport(**options)
-    if name == "shm":
-        from tidal.weight_sync.transport_shm import ShmSenderTransport
-
-        return ShmSenderTransport(**options)
-    if name == "torch_dist":
-        from tidal.weight_sync.transport_dist import DistSenderTransport
-
-        return DistSenderTransport(**options)
-    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm, torch_dist")
-
-
-def receiver_transport(name: str, **options: Any) -> Any:
-    if name == "zmq":
-        from tidal.weight_sync.transport_zmq import ZmqReceiverTransport
-
-        return ZmqReceiverTransport(**options)
-    if name == "fs":
-        from tidal.weight_sync.transport_fs import FsReceiverTransport
-
-        return FsReceiverTransport(**options)
-    if name == "shm":
-        from tidal.weight_sync.transport_shm import ShmReceiverTransport
-
-        return ShmReceiverTransport(**options)
-    if name == "torch_dist":
-        from tidal.weight_sync.transport_dist import DistReceiverTransport
-
-        return DistReceiverTransport(**options)
-    raise ValueError(f"unknown weight transport {name!r}; available: zmq, fs, shm, torch_dist")
-
-
 @hookimpl
 def tidal_weight_transports() -> dict[str, Any]:
-    return {name: (lambda n=name: _Transport(n)) for name in ("zmq", "fs", "shm", "torch_dist")}
+    return {name: (lambda n=name: _Transport(n)) for name in TRANSPORTS}
