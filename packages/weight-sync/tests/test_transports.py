@@ -184,18 +184,18 @@ def test_lora_only_sends_only_adapters(receiver, tmp_path):
 def test_delta_codec_is_exact_including_nan_payloads_and_signed_zeros():
     from tidal.weight_sync import delta
 
-    old = np.array([0.0, -0.0, np.nan, 1.0, 2.0], dtype=np.float32).view(np.uint8).copy()
-    new_f = np.array([-0.0, -0.0, np.nan, 1.5, 2.0], dtype=np.float32)
+    old_f = np.zeros(1000, dtype=np.float32)
+    old_f[2] = np.nan
+    new_f = old_f.copy()
+    new_f[0] = -0.0  # equal as floats, different bits
     new_f.view(np.uint32)[2] |= 1  # a different NaN payload
-    new = new_f.view(np.uint8)
-    enc = delta.encode(np.tile(new, 10), np.tile(old, 10), 4)
-    assert enc is None or delta.apply(enc, np.tile(old, 10), 4).tobytes() == np.tile(new, 10).tobytes()
-    big_old = np.zeros(4000, np.uint8)
-    big_new = big_old.copy()
-    big_new[8:12] = [1, 2, 3, 4]
-    enc = delta.encode(big_new, big_old, 4)
-    assert enc is not None and len(enc) < 100
-    assert delta.apply(enc, big_old, 4).tobytes() == big_new.tobytes()
+    new_f[3] = 1.5
+    old, new = old_f.view(np.uint8), new_f.view(np.uint8)
+    enc = delta.encode(new, old, 4)
+    assert enc is not None and len(enc) == 8 + 3 * (4 + 4)  # exactly the three changed elements
+    assert delta.apply(enc, old, 4).tobytes() == new.tobytes()
+    # when most elements change, dense is smaller and no delta is made
+    assert delta.encode(np.ones(40, np.uint8), np.zeros(40, np.uint8), 4) is None
 
 
 def test_transports_are_found_by_name():
