@@ -199,15 +199,25 @@ def test_delta_codec_is_exact_including_nan_payloads_and_signed_zeros():
 
 
 def test_transports_are_found_by_name():
-    from tidal.core.interfaces import WeightTransport
+    from tidal.core import interfaces
     from tidal.core.plugins import Registry
 
     reg = Registry()
     assert set(reg.names("weight_transport")) >= {"zmq", "shm", "fs"}
     t = reg.create("weight_transport", "shm")
-    assert isinstance(t, WeightTransport)
-    sender = t.sender({})
-    sender.close()
+    assert isinstance(t, interfaces.WeightTransport)
+    sender = t.sender({"bucket_bytes": 1 << 20})
+    receiver = t.receiver({})
+    try:  # the registry hands out the whole sender/receiver, as the core interfaces promise
+        assert isinstance(sender, interfaces.WeightSender) and isinstance(receiver, interfaces.WeightReceiver)
+        state = make_state(1)
+        ann = sender.send(state, 1)
+        got: dict = {}
+        assert receiver.receive(ann, lambda named: got.update((n, x.clone()) for n, x in named)) == 1
+        assert_bit_identical(got, state)
+    finally:
+        receiver.close()
+        sender.close()
 
 
 @pytest.mark.timeout(180)

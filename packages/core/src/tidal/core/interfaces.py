@@ -61,6 +61,13 @@ class Engine(Protocol):
         """Load new weights between two decode steps; later tokens carry `version`."""
         ...
 
+    def receive_weights(self, announcement: WeightsAvailable) -> int:
+        """Fetch an announced version through the weight transport it names (found in the plugin
+        registry, kind ``weight_transport``), verify it and load it in flight; returns the version now
+        held. An engine whose model lives in another process (vLLM) receives there, without a copy
+        through this one."""
+        ...
+
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...

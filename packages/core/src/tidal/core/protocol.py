@@ -110,6 +110,7 @@ class SamplingParams(_Part):
     top_k: int = -1  # number of top tokens kept; -1 disables
     max_tokens: int = 256  # most completion tokens generated
     stop_token_ids: list[int] = []  # generation ends after any of these tokens
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence token (benchmarks)
     seed: int | None = None  # per-request seed for reproducible sampling
     return_sampling_mask: bool = False  # record which vocab entries top-k/top-p kept
     return_routing: bool = False  # record MoE expert ids per token per layer

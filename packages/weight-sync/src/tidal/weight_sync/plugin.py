@@ -36,14 +36,22 @@ def receiver_transport(name: str, **options: Any) -> Any:
 
 
 class _Transport:
+    """What the registry hands out for a transport name: makes a `WeightSender` / `WeightReceiver` on it
+    (the `tidal.core.interfaces.WeightTransport` face), so that rollout and the learner get them by name
+    without importing this package."""
+
     def __init__(self, name: str) -> None:
         self.name = name
 
     def sender(self, config: dict[str, Any]) -> Any:
-        return sender_transport(self.name, **config)
+        from tidal.weight_sync.sender import WeightSender
+
+        return WeightSender(self.name, **config)
 
     def receiver(self, config: dict[str, Any]) -> Any:
-        return receiver_transport(self.name, **config)
+        from tidal.weight_sync.receiver import WeightReceiver
+
+        return WeightReceiver(self.name, **config)
 
 
 @hookimpl

