@@ -59,7 +59,7 @@ def test_unknown_name_lists_the_registered_ones(tmp_path, monkeypatch):
     write_plugin_dist(tmp_path, "tidal-test-echo", "test-echo", "tidal_test_echo", PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     reg = Registry()
-    with pytest.raises(PluginNotFound, match=r"no env named 'ecoh'; registered env names: echo\. Did you mean 'echo'\?"):
+    with pytest.raises(PluginNotFound, match=r"no env named 'ecoh'; registered env names: (.*, )?echo(, .*)?\. Did you mean 'echo'\?"):
         reg.get("env", "ecoh")
     with pytest.raises(PluginNotFound, match="unknown plugin kind 'engines'; kinds are: engine, env"):
         reg.get("engines", "x")
@@ -76,7 +76,7 @@ def test_a_broken_plugin_is_reported_and_does_not_hide_the_others(tmp_path, monk
     write_plugin_dist(tmp_path, "tidal-test-broken", "test-broken", "tidal_test_broken", "import not_a_module_at_all\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     reg = Registry()
-    assert reg.names("env") == ["echo"]
+    assert "echo" in reg.names("env")  # the working plugin is still found beside the broken one
     with pytest.raises(PluginNotFound, match="test-broken: ModuleNotFoundError"):
         reg.get("env", "other")
 

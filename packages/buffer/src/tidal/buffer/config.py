@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from tidal.core.config import ConfigStruct
-
-
-class PluginRef(ConfigStruct):
-    name: str  # registered plugin name
-    options: dict[str, Any] = {}  # keyword arguments of its factory
+from tidal.core.config import ConfigStruct, PluginRef
 
 
 class BufferConfig(ConfigStruct):

@@ -33,6 +33,14 @@ class ConfigStruct(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of config sections: keyword-only, unknown keys are errors (a typo never passes silently)."""
 
 
+class PluginRef(ConfigStruct):
+    """A plugin chosen by name, with the keyword arguments of its factory:
+    ``admission = { name = "version_rejection", options = { max_lag = 4 } }``."""
+
+    name: str  # registered plugin name (`tidal plugins` lists them)
+    options: dict[str, Any] = {}  # keyword arguments of its factory
+
+
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 

@@ -74,6 +74,10 @@ class Engine(Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> None: ...
 
+    def load_state(self) -> Mapping[str, float]:
+        """Gauges for heartbeats and metrics: "running", "waiting", "last_update_pause_s", ..."""
+        ...
+
     def close(self) -> None: ...
 
 

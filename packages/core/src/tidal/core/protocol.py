@@ -128,6 +128,15 @@ class Assignment(_Msg):
     metadata: dict[str, str] = {}  # free task metadata passed through to the trajectories
 
 
+class WorkRequest(_Msg):
+    """Rollout worker -> controller: ready for `want` more prompt groups (credit-based flow control:
+    the controller never sends more assignments than were asked for)."""
+
+    want: int  # number of further Assignments the worker can take now
+    version: int = -1  # policy version the worker's engine holds
+    running: int = 0  # groups the worker is generating or delivering
+
+
 class Trajectory(_Msg):
     """One sampled completion with everything the learner needs to train on it."""
 
@@ -225,6 +234,7 @@ Message = (
     | Control
     | Metrics
     | Assignment
+    | WorkRequest
     | Trajectory
     | Batch
     | BatchRequest
@@ -241,6 +251,7 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Control,
     Metrics,
     Assignment,
+    WorkRequest,
     Trajectory,
     Batch,
     BatchRequest,
@@ -271,4 +282,5 @@ __all__ = [
     "WeightsAvailable",
     "WeightsBucket",
     "WeightsRequest",
+    "WorkRequest",
 ]

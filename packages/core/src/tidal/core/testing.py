@@ -25,6 +25,7 @@ from tidal.core.protocol import (
     WeightsAvailable,
     WeightsBucket,
     WeightsRequest,
+    WorkRequest,
 )
 
 
@@ -106,6 +107,7 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
             sampling=SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5),
             answer="7",
         ),
+        WorkRequest(want=2, version=3, running=1),
         make_trajectory(0, out_of_line=out_of_line),
         make_trajectory(1, rich=True, out_of_line=out_of_line),
         Batch(batch_id="b0", rank=0, world_size=2, step=1,

