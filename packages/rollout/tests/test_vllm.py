@@ -128,3 +128,39 @@ def test_vllm_takes_a_weight_update_in_flight_through_weight_sync(engine, tiny):
     worst, kl = _mismatch(new, after, res2)
     print(f"after the update, vLLM vs forward pass of the new weights: max |dlogp| {worst:.2e}, KL {kl:.2e}")
     assert abs(kl) <= 1e-3 and worst < 1e-2
+
+
+def test_vllm_recompute_and_drop_modes(engine, tiny):
+    """recompute: in-flight requests are resubmitted with their tokens so far as prefix, so tokens after
+    the update are exactly the new weights'; drop: they finish at once with reason "abort"."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.rollout.logprobs import teacher_forced_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa").eval()
+    for version, mode in ((2, "recompute"), (3, "drop")):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.97)
+        engine.partial_mode = mode
+        reqs = _requests(f"{mode}-", 4, max_tokens=200, ignore_eos=True)
+        for r in reqs:
+            engine.submit(r)
+        time.sleep(0.3)
+        engine.update_weights(model.state_dict().items(), version)
+        results = {}
+        deadline = time.monotonic() + 300
+        while len(results) < len(reqs) and time.monotonic() < deadline:
+            results.update((r.request_id, r) for r in engine.poll(timeout=5))
+        for rq in reqs:
+            res = results[rq.request_id]
+            assert res.versions == sorted(res.versions)
+            if mode == "drop":
+                assert res.finish_reason == "abort" and len(res.completion_ids) < 200
+                continue
+            assert res.finish_reason == "length" and len(res.completion_ids) == 200
+            k = res.versions.index(version)
+            assert k > 0, "the request should have been in flight at the update"
+            tf = teacher_forced_logprobs(model, rq.prompt_ids, res.completion_ids, rq.sampling)
+            assert (tf[k:] - torch.tensor(res.logprobs[k:])).abs().max().item() < 1e-4
+    engine.partial_mode = "continue"

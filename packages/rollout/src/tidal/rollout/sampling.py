@@ -57,15 +57,36 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.log_softmax(x, dim=-1)
 
 
-def sample(logprobs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row from processed `logprobs` [n, V]; row i uses `generators[i]` (a per-request
-    generator makes a seeded request reproducible whatever else is in the batch). Uses the
-    exponential-race form of categorical sampling: argmax(p / E), E ~ Exp(1)."""
-    probs = logprobs.exp()
-    noise = torch.empty_like(probs)
-    for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
-    return torch.argmax(probs / noise, dim=-1)
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32 held in int64, without overflowing int64."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1), float64 [n, vocab]: entry (i, v) is a hash (murmur3's
+    finaliser) of (seeds[i], counters[i], v). The same seed and counter give the same noise whatever
+    else is in the batch and on any device, with one vectorised computation for all rows."""
+    v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = (_mul32(seeds[:, None] & _M32, 0x9E3779B1) ^ _mul32(counters[:, None] & _M32, 0x85EBCA77)
+         ^ _mul32(v[None, :], 0xC2B2AE3D))
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    x = x ^ (x >> 16)
+    return (x.double() + 0.5) / 4294967296.0
+
+
+def sample(logprobs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from processed `logprobs` [n, V]. Row i's randomness is a function of
+    (seeds[i], counters[i]) only (see `uniform_noise`; the counter is the token's index in its
+    completion), so a seeded request is reproducible whatever it is batched with. Exponential-race
+    form of categorical sampling: argmax(log p - log E), E = -log U ~ Exp(1)."""
+    exp_noise = -torch.log(uniform_noise(seeds, counters, logprobs.shape[1]))
+    return torch.argmax(logprobs.double() - torch.log(exp_noise), dim=-1)
 
 
 def kept_mask_bits(logprobs: torch.Tensor) -> np.ndarray:

@@ -1,10 +1,10 @@
 """The embedded engine: continuous batching over a Hugging Face causal LM, in this process.
 
-One background thread runs the loop. Each step is either a *prefill* (sequences that joined, or whose
-KV must be rebuilt, feed all their pending tokens, packed into one row with per-sequence position ids)
-or a *decode* (every running sequence feeds its last token). Finished sequences leave after the step
-that finished them and waiting ones join before the next, so no sequence waits for the longest and
-nothing is padded to it.
+One background thread runs the loop. Each step is one forward over a packed row: every decoding
+sequence feeds its last token, and sequences that just joined (or whose KV must be rebuilt) feed all
+their pending tokens, each with its own position ids. Finished sequences leave after the step that
+finished them and waiting ones join before the next, so no sequence waits for the longest and nothing
+is padded to it.
 
 The KV cache is the engine's own: per layer a `[max_num_seqs, kv_heads, max_model_len, head_dim]`
 tensor whose first `n` rows are the `n` running sequences (a leaving sequence's row is refilled by the
@@ -62,15 +62,16 @@ class EngineError(RuntimeError):
 
 @dataclass
 class _StepLayout:
-    """Where each packed token goes, for one forward pass."""
+    """Where each packed token goes, for one forward pass. The first `n_decode` packed tokens are the
+    single pending tokens of decoding sequences; the rest are the prefills of `spans`."""
 
-    decode: bool  # every sequence feeds exactly one token
-    n: int  # sequences in the step
+    n_decode: int  # decoding sequences (one token each), first in the packed row
+    decode_rows: torch.Tensor | None  # their cache rows, or None when they are rows 0..n_decode-1
+    decode_lens: torch.Tensor  # [n_decode] their context length after this step
+    decode_max: int  # the longest of those
     slots: torch.Tensor  # [N] cache row of each packed token
     positions: torch.Tensor  # [N] position of each packed token
-    lens: torch.Tensor  # [n] context length of each sequence after this step
-    spans: list[tuple[int, int, int, int]]  # per sequence (packed start, new tokens, cache row, past length)
-    max_len: int  # longest context after this step
+    spans: list[tuple[int, int, int, int]]  # per prefilling sequence (packed start, tokens, cache row, past)
     cache: _KVCache
 
 
@@ -91,7 +92,7 @@ class _KVCache:
     def move(self, src: int, dst: int) -> None:
         for cache in (self.k, self.v):
             for t in cache.values():
-                with torch.no_grad():
+                with torch.inference_mode():  # the cache is made inside inference mode
                     t[dst].copy_(t[src])
 
 
@@ -108,13 +109,12 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     vc[step.slots, :, step.positions] = value[0].transpose(0, 1)
     heads, head_dim = query.shape[1], query.shape[3]
     gqa = heads != key.shape[1]
-    if step.decode:
-        q = query[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, d]
-        k, v = kc[: step.n, :, : step.max_len], vc[: step.n, :, : step.max_len]
-        mask = (torch.arange(step.max_len, device=q.device)[None, :] < step.lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        return out[:, :, 0].unsqueeze(0), None  # [1, n, heads, d]
+    d = step.n_decode
+    if d and not step.spans:  # pure decode: the common step
+        return _decode_attention(query[0], kc, vc, step, scaling, gqa).unsqueeze(0), None
     out = query.new_empty((1, query.shape[2], heads, head_dim))
+    if d:
+        out[0, :d] = _decode_attention(query[0, :, :d], kc, vc, step, scaling, gqa)
     for start, m, row, past in step.spans:
         q = query[:, :, start : start + m]
         k, v = kc[row : row + 1, :, : past + m], vc[row : row + 1, :, : past + m]
@@ -126,6 +126,19 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[0, start : start + m] = o[0].transpose(0, 1)
     return out, None
+
+
+def _decode_attention(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step: _StepLayout,
+                      scaling: float | None, gqa: bool) -> torch.Tensor:
+    """One query token per decoding sequence against its cached context: [heads, d, hd] -> [d, heads, hd]."""
+    q = query.transpose(0, 1).unsqueeze(2)  # [d, heads, 1, hd]
+    length = step.decode_max
+    if step.decode_rows is None:  # rows 0..d-1: a view, no copy
+        k, v = kc[: step.n_decode, :, :length], vc[: step.n_decode, :, :length]
+    else:
+        k, v = kc[step.decode_rows, :, :length], vc[step.decode_rows, :, :length]
+    mask = (torch.arange(length, device=q.device)[None, :] < step.decode_lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)[:, :, 0]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -146,7 +159,7 @@ def _register_attention() -> None:
 @dataclass
 class _Seq:
     req: GenerationRequest
-    generator: torch.Generator | None
+    seed: int  # sampling seed (the noise of token t is a hash of seed and t)
     tokens: list[int]  # prompt + completion so far
     prompt_len: int
     computed: int = 0  # tokens whose keys/values are in the cache
@@ -283,8 +296,7 @@ class EmbeddedEngine:
         if p.return_routing and not self._routers:
             raise EngineError(f"request {request.request_id!r} asks for MoE routing but the model has no router")
         seed = p.seed if p.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request.request_id.encode()))
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        seq = _Seq(request, gen, list(request.prompt_ids), len(request.prompt_ids))
+        seq = _Seq(request, seed & 0x7FFFFFFFFFFF, list(request.prompt_ids), len(request.prompt_ids))
         with self._lock:
             self._check_alive()
             self._waiting.append(seq)
@@ -423,49 +435,58 @@ class EmbeddedEngine:
             self._running.append(seq)
 
     def _schedule(self) -> list[_Seq]:
-        """A prefill of the sequences that need one (up to the token budget), else a decode of all."""
-        need = [s for s in self._running if len(s.tokens) - s.computed > 1]
-        if need:
-            batch, budget = [], self.max_prefill_tokens
-            for s in need:
-                n = len(s.tokens) - s.computed
-                if batch and n > budget:
+        """Every decoding sequence, then the sequences that need a prefill (joined, or KV to rebuild) up to
+        the prefill token budget: one forward serves both, so a joining sequence costs no extra step."""
+        decode = [s for s in self._running if len(s.tokens) - s.computed == 1]
+        budget = self.max_prefill_tokens
+        prefill = []
+        for s in self._running:
+            n = len(s.tokens) - s.computed
+            if n > 1:
+                if prefill and n > budget:
                     break
-                batch.append(s)
+                prefill.append(s)
                 budget -= n
-            return batch
-        return list(self._running)
+        return decode + prefill
 
     def _step(self, batch: list[_Seq]) -> list[tuple[_Seq, str]]:
-        decode = all(len(s.tokens) - s.computed == 1 for s in batch) and len(batch) == len(self._running)
-        ids, pos, rows, spans, lens = [], [], [], [], []
+        ids, pos, rows, spans = [], [], [], []
+        last = []
+        n_decode = 0
         for s in batch:
             new = s.tokens[s.computed :]
-            spans.append((len(ids), len(new), s.row, s.computed))
+            if len(new) == 1 and not spans:
+                n_decode += 1
+            else:
+                spans.append((len(ids), len(new), s.row, s.computed))
             ids.extend(new)
             pos.extend(range(s.computed, len(s.tokens)))
             rows.extend([s.row] * len(new))
-            lens.append(len(s.tokens))
+            last.append(len(ids) - 1)
         dev = self.device
+        positions = torch.tensor(pos, device=dev)
+        decode_rows = rows[:n_decode]
+        decode_lens = [p + 1 for p in pos[:n_decode]]
         layout = _StepLayout(
-            decode=decode, n=len(batch), slots=torch.tensor(rows, device=dev), positions=torch.tensor(pos, device=dev),
-            lens=torch.tensor(lens, device=dev), spans=spans, max_len=max(lens), cache=self._cache,
+            n_decode=n_decode,
+            decode_rows=None if decode_rows == list(range(n_decode)) else torch.tensor(decode_rows, device=dev),
+            decode_lens=torch.tensor(decode_lens, device=dev), decode_max=max(decode_lens, default=0),
+            slots=torch.tensor(rows, device=dev), positions=positions, spans=spans, cache=self._cache,
         )
         want_routing = any(s.req.sampling.return_routing for s in batch)
         _ctx.step, _ctx.want_routing = layout, want_routing
         self._router_outputs.clear()
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.inference_mode():
                 hidden = self.model.model(
-                    input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
-                    use_cache=False,
+                    input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], use_cache=False,
                 ).last_hidden_state[0]
-                last = torch.tensor([start + m - 1 for start, m, _, _ in spans], device=dev)
-                logits = self._lm_head(hidden[last])
+                logits = self._lm_head(hidden[torch.tensor(last, device=dev)])
                 params = [s.req.sampling for s in batch]
                 logp = process_logits(logits, params)
-                tokens = sample(logp, [s.generator for s in batch])
+                seeds = torch.tensor([[s.seed, len(s.tokens) - s.prompt_len] for s in batch], device=dev)
+                tokens = sample(logp, seeds[:, 0], seeds[:, 1])
                 chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
         finally:
             _ctx.step = None
@@ -473,13 +494,14 @@ class EmbeddedEngine:
         masks = kept_mask_bits(logp) if any(p.return_sampling_mask for p in params) else None
         routes = torch.stack(self._router_outputs, dim=1).cpu().numpy() if want_routing else None  # [N, L, k]
         self.stats["steps"] += 1
-        self.stats["prefill_steps" if not decode else "decode_steps"] += 1
+        self.stats["prefill_steps" if spans else "decode_steps"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["tokens_fed"] += len(ids)
         self.stats["tokens_generated"] += len(batch)
 
         finished = []
         for i, s in enumerate(batch):
+            fed_from = last[i - 1] + 1 if i else 0  # this sequence's packed tokens: fed_from .. last[i]
             s.computed = len(s.tokens)
             tok = tokens_l[i]
             s.tokens.append(tok)
@@ -488,11 +510,7 @@ class EmbeddedEngine:
             if masks is not None and s.req.sampling.return_sampling_mask:
                 s.masks.append(masks[i])
             if routes is not None and s.req.sampling.return_routing:
-                start, m = spans[i][0], spans[i][1]
-                # the route of the token *fed* at the last position decided this token's hidden state;
-                # a completion token's route is recorded when that token is fed (next step), so keep
-                # routes per fed token and align at finish
-                s.routing.extend(routes[start : start + m])
+                s.routing.extend(routes[fed_from : last[i] + 1])  # one route per fed position
             p = s.req.sampling
             if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
                 finished.append((s, "stop"))

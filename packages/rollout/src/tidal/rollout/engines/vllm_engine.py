@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
@@ -52,6 +53,18 @@ def vllm_available() -> tuple[bool, str]:
     except Exception as e:  # ImportError, or a broken install (e.g. torchvision built for another torch)
         return False, f"{type(e).__name__}: {e}"
     return True, vllm.__version__
+
+
+def _eos_ids(path: Path) -> set[int]:
+    import json
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
 
 
 @dataclass
@@ -99,6 +112,9 @@ class VLLMEngine:
             raise EngineError(f"no model at {str(path)!r}: vLLM loads a local Hugging Face folder here")
         self.partial_mode: PartialMode = partial_mode
         self.fp32_lm_head = fp32_lm_head
+        # Tokens are ids here (skip_tokenizer_init), so vLLM does not know the end-of-sequence id: we stop
+        # on it ourselves, like the embedded engine does.
+        self.eos_ids = _eos_ids(path)
         self.return_sampling_mask = return_sampling_mask
         self.return_routing = return_routing
         self._transport_options = weight_transport_options or {}
@@ -165,7 +181,8 @@ class VLLMEngine:
         p = pend.req.sampling
         return SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
-            max_tokens=p.max_tokens - len(pend.tokens), stop_token_ids=list(p.stop_token_ids),
+            max_tokens=p.max_tokens - len(pend.tokens),
+            stop_token_ids=sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)),
             ignore_eos=p.ignore_eos,
             seed=None if p.seed is None else p.seed + 7919 * pend.attempt, logprobs=0, detokenize=False,
         )
@@ -265,8 +282,12 @@ class VLLMEngine:
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Load tensors held in this process (they are serialised to the worker; for large models prefer
         `receive_weights`, which fetches inside the worker)."""
-        named = [(n, t.detach().cpu()) for n, t in weights]
-        self._call(self._update(version, "tidal_load_weights", (named,)))
+        packed = []
+        for name, t in weights:
+            t = t.detach().cpu().contiguous()
+            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            packed.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), raw))
+        self._call(self._update(version, "tidal_load_weights", (packed,)))
 
     def receive_weights(self, announcement: WeightsAvailable) -> int:
         if announcement.version <= self._version:
@@ -339,6 +360,7 @@ class VLLMEngine:
         self._closed = True
         try:
             self.llm.shutdown()
+            self.llm = None  # drop it now, while its modules are alive (its __del__ shuts down again)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

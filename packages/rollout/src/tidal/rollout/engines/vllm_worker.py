@@ -53,16 +53,23 @@ class TidalWorkerExtension:
         )
 
         model = self._tidal_model()
+        named = list(named)  # decoded and verified before the model is touched
         initialize_layerwise_reload(model)
-        model.load_weights(weights=iter(named))
-        finalize_layerwise_reload(model, self.model_runner.model_config)  # type: ignore[attr-defined]
-
-    def tidal_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         try:
+            model.load_weights(weights=iter(named))
+        finally:  # even after a bad name, put the kernels back so the engine keeps serving
+            finalize_layerwise_reload(model, self.model_runner.model_config)  # type: ignore[attr-defined]
+
+    def tidal_load_weights(self, packed: list[tuple[str, str, list[int], bytes]]) -> dict[str, Any]:
+        """Load tensors sent as (name, dtype, shape, raw bytes): plain bytes cross vLLM's RPC serialiser
+        intact whatever its tensor support."""
+        try:
+            named = [(n, torch.frombuffer(bytearray(b), dtype=getattr(torch, d)).reshape(shape) if b else
+                      torch.empty(shape, dtype=getattr(torch, d))) for n, d, shape, b in packed]
             self._tidal_load(named)
         except Exception as e:  # an exception escaping an RPC would kill vLLM's engine core
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        return {"ok": True, "count": len(named)}
+        return {"ok": True, "count": len(packed)}
 
     def tidal_receive_weights(self, announcement: bytes, options: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Fetch, verify and load an announced version (msgpack-encoded `WeightsAvailable`). A transfer
