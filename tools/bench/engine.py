@@ -49,10 +49,11 @@ def run_generate(model, prompt_ids, lengths, concurrency: int, max_tokens: int) 
         def __call__(self, input_ids, scores, **kwargs):
             return (input_ids.shape[1] - self.prompt_len) >= self.want
 
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for start in range(0, len(prompt_ids), concurrency):
-        ids = torch.tensor(prompt_ids[start : start + concurrency])
-        want = torch.tensor(lengths[start : start + concurrency])
+        ids = torch.tensor(prompt_ids[start : start + concurrency], device=model.device)
+        want = torch.tensor(lengths[start : start + concurrency], device=model.device)
         batch_max = int(want.max())
         with torch.no_grad():
             model.generate(
@@ -61,6 +62,7 @@ def run_generate(model, prompt_ids, lengths, concurrency: int, max_tokens: int) 
                 stopping_criteria=StoppingCriteriaList([PerRowLength(ids.shape[1], want)]),
                 pad_token_id=model.config.pad_token_id, eos_token_id=None,
             )
+    sync()
     return time.perf_counter() - t0
 
 
@@ -92,7 +94,7 @@ def measure_pause(engine, model, prompt_ids, updates: int = 10) -> dict[str, flo
     while engine.load_state()["running"] < len(reqs) or engine.load_state()["decode_steps"] < 5:
         time.sleep(0.005)
     pauses, latencies = [], []
-    for v in range(1, updates + 1):
+    for _ in range(updates):
         t0 = time.perf_counter()
         engine.update_weights(state.items(), version=engine.version + 1)
         latencies.append(time.perf_counter() - t0)
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -126,11 +129,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(f"{tmp}/model", hidden=args.hidden, layers=args.layers,
                                 intermediate=2 * args.hidden, max_positions=args.prompt_len + args.max_tokens + 8)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(args.device).eval()
         lengths = stop_lengths(args.requests, args.max_tokens)
         ps = prompts(args.requests, args.prompt_len, model.config.vocab_size)
         useful = sum(lengths)
-        engine = EmbeddedEngine(path, max_num_seqs=args.concurrency)
+        engine = EmbeddedEngine(path, max_num_seqs=args.concurrency, device=args.device)
         try:
             run_engine(engine, ps[:4], [8] * 4, "warm")  # first-call costs out of the timing
             run_generate(model, ps[:4], [8] * 4, 4, 8)
