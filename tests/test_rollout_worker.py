@@ -150,13 +150,17 @@ class AckProxy:
 
 @pytest.fixture
 def system(tmp_path, tiny):
+    # In-process sockets bind first; the buffer's ports are picked after, and the test waits until the
+    # buffer answers before anything else binds, so no two binders race for one free port.
+    ctl = Controller()
     ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
     buffer = subprocess.Popen(
         [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
          f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}", "metrics_interval_s=0.5"],
         stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT,
     )
-    ctl = Controller()
+    learner = BatchClient(serve, retry_every=0.5)
+    learner.status(timeout=60)  # the buffer is up and bound
     proxy = AckProxy(publish)
     workers: list[subprocess.Popen] = []
 
@@ -170,7 +174,6 @@ def system(tmp_path, tiny):
         workers.append(p)
         return p
 
-    learner = BatchClient(serve, retry_every=0.5)
     env = type("System", (), dict(ctl=ctl, proxy=proxy, learner=learner, start_worker=start_worker, tmp=tmp_path,
                                   workers=workers))
     try:
