@@ -1,0 +1,169 @@
+"""Train backends (plugin kind ``train_backend``): who owns the model's parallelism.
+
+- ``single``: one process, the model as it is.
+- ``fsdp2``: `torch.distributed.fsdp.fully_shard` on every decoder layer and the root, over the default
+  process group (gloo on CPU, NCCL on GPU), optional mixed precision and activation checkpointing.
+
+Both take the same `BackendConfig`, build the model from a local Hugging Face folder (or take one),
+and expose the same face to the learner: `model`, `forward(micro)`, `clip_and_step()`,
+`named_weights()` (full tensors, gathered one at a time), `state_dict()` / `load_state_dict()` for
+checkpoints (through torch.distributed.checkpoint, so sharded state is saved without gathering).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from tidal.core.config import ConfigStruct
+
+
+class OptimConfig(ConfigStruct):
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 0
+    schedule: str = "constant"  # "constant", "linear" or "cosine" decay after warmup
+    total_steps: int = 1000  # for the decaying schedules
+    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
+
+
+class BackendConfig(ConfigStruct):
+    dtype: str = "float32"  # parameter dtype of the model
+    mixed_precision: str = ""  # fsdp2: compute dtype ("bfloat16"), params kept in `dtype`; "" = off
+    attn: str = "auto"  # "auto" (flash_attention_2 on GPU when installed, else sdpa), "sdpa", "eager", ...
+    grad_checkpointing: bool = False
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+
+def pick_attention(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def lr_lambda(cfg: OptimConfig):
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+        decay = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    if cfg.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.schedule must be constant, linear or cosine, not {cfg.schedule!r}")
+    return f
+
+
+class _Backend:
+    name = "base"
+
+    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if isinstance(model, torch.nn.Module):
+            module = model
+        else:
+            from transformers import AutoModelForCausalLM
+
+            module = AutoModelForCausalLM.from_pretrained(
+                model, dtype=getattr(torch, cfg.dtype), attn_implementation=pick_attention(cfg.attn, self.device))
+        module.to(self.device)
+        if cfg.grad_checkpointing:
+            module.gradient_checkpointing_enable()
+        module.train()
+        self.model = self._wrap(module)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o))
+
+    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [1, L, V] of a packed row (no attention mask, no cache: packing by position ids)."""
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def clip_and_step(self) -> dict[str, float]:
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": float(norm), "train/lr": float(lr)}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.state_dict().items():
+            yield name, p.detach()
+
+    # checkpoint state (torch.distributed.checkpoint-compatible)
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class SingleBackend(_Backend):
+    name = "single"
+
+
+class FSDP2Backend(_Backend):
+    name = "fsdp2"
+
+    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("the fsdp2 backend needs torch.distributed initialised (gloo on CPU, nccl on GPU); "
+                               "the learner launcher does this for every rank")
+        super().__init__(model, cfg, device)
+
+    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {}
+        if self.cfg.mixed_precision:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.mixed_precision),
+                                                       reduce_dtype=torch.float32)
+        layers = getattr(getattr(module, "model", module), "layers", None)
+        if layers is None:
+            raise ValueError(f"fsdp2: cannot find the decoder layers of {type(module).__name__} (model.layers)")
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors, one at a time (every rank must iterate: the gathers are collective)."""
+        for name, p in self.model.state_dict().items():
+            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+BACKENDS = {"single": SingleBackend, "fsdp2": FSDP2Backend}

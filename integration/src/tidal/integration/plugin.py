@@ -1,0 +1,23 @@
+"""The integration layer's built-ins, registered like any plugin: train backends (``single``,
+``fsdp2``). Factories import torch only when called."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.core.plugins import hookimpl
+
+
+def _backend(name: str):
+    def make(model: Any, cfg: Any = None, device: str = "cpu") -> Any:
+        from tidal.integration.learner.backends import BACKENDS, BackendConfig
+
+        return BACKENDS[name](model, cfg or BackendConfig(), device)
+
+    make.__doc__ = f"The {name} train backend (tidal.integration.learner.backends)."
+    return make
+
+
+@hookimpl
+def tidal_train_backends() -> dict[str, Any]:
+    return {"single": _backend("single"), "fsdp2": _backend("fsdp2")}

@@ -1,0 +1,77 @@
+"""One learner rank for the backend tests: a fixed synthetic batch stream, k steps, optional checkpoint
+save/load, final full weights written by rank 0 (safetensors)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tidal.core.config import PluginRef
+from tidal.integration.learner.backends import BACKENDS, BackendConfig, OptimConfig
+from tidal.integration.learner.checkpoint import load_checkpoint, save_checkpoint
+from tidal.integration.learner.data import Sample
+from tidal.integration.learner.trainer import TrainConfig, Trainer
+
+
+def batch(step: int, vocab: int, groups: int = 4, g: int = 4) -> list[Sample]:
+    rng = np.random.default_rng(1000 + step)
+    out = []
+    for gi in range(groups):
+        prompt = rng.integers(3, vocab, rng.integers(3, 10)).astype(np.int32)
+        for k in range(g):
+            t = int(rng.integers(2, 20))
+            out.append(Sample(id=f"{step}-{gi}-{k}", group_id=f"{step}-{gi}", prompt=prompt,
+                              completion=rng.integers(3, vocab, t).astype(np.int32),
+                              logprobs=(-rng.random(t) * 3).astype(np.float32), versions=np.zeros(t, np.int32),
+                              reward=float(rng.integers(0, 2)), loss_mask=np.ones(t, bool)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="single")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--load", default="")
+    ap.add_argument("--save", default="")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--loss", default="ppo")
+    ap.add_argument("--micro", type=int, default=64)
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    cfg = BackendConfig(optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10))
+    be = BACKENDS[args.backend](args.model, cfg)
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss)))
+    step = args.start
+    if args.load:
+        step = load_checkpoint(args.load, be)["step"]
+    vocab = be.model.config.vocab_size
+    for _ in range(args.steps):
+        samples = batch(step, vocab)
+        mine = [s for s in samples if int(s.group_id.split("-")[1]) % world == rank]
+        metrics = trainer.step(mine)
+        step += 1
+        if rank == 0:
+            print(f"step {step} loss {metrics['loss/total']:.6f} grad_norm {metrics['train/grad_norm']:.6f}", flush=True)
+    if args.save:
+        save_checkpoint(args.save, be, {"step": step, "version": step})
+    state = {n: t.contiguous().clone() for n, t in be.named_weights()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(state, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
