@@ -1,0 +1,5 @@
+import sys
+
+from tidal.integration.learner.service import main
+
+sys.exit(main())

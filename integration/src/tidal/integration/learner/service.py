@@ -1,0 +1,225 @@
+"""The learner process: batches from the buffer in, a new policy version out.
+
+    python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
+
+Each step, on every rank: request this rank's share of a batch from the buffer, train on it
+(`Trainer.step`), checkpoint when due (the checkpoint records the batch as trained), acknowledge it,
+bump the policy version, and every `weights.every` steps publish the full weights through the
+configured tidal-weight-sync transport (found by name in the plugin registry; FSDP2 weights are gathered
+one tensor at a time on every rank, rank 0 sends). Rank 0 announces each version (`WeightsAvailable`,
+topic ``weights``) and its `Metrics` (topic ``metrics``) on one PUB socket.
+
+`--nproc N` starts N ranks under torch.distributed (gloo on CPU, NCCL on GPU) on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.config import ConfigStruct, load_config
+from tidal.core.protocol import Metrics
+from tidal.integration.learner.backends import BackendConfig
+from tidal.integration.learner.trainer import TrainConfig
+
+log = logging.getLogger("tidal.learner")
+
+
+class WeightsConfig(ConfigStruct):
+    transport: str = "zmq"  # weight transport plugin: zmq, shm, fs, torch_dist, ...
+    options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
+    every: int = 1  # publish after every N steps; 0 = never
+
+
+class LearnerConfig(ConfigStruct):
+    model: str = ""  # local Hugging Face folder to start from
+    backend: str = "single"  # train_backend plugin: single, fsdp2, ...
+    backend_options: BackendConfig = msgspec.field(default_factory=BackendConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
+    publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    max_steps: int = 0  # stop after this many steps; 0 = run until stopped
+    batch_timeout_s: float = 600.0  # how long to wait for the buffer to have a batch
+    device: str = "cpu"
+    seed: int = 0
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from tidal.buffer.client import BatchClient
+        from tidal.core.channels import pub
+        from tidal.core.plugins import registry
+        from tidal.integration.learner.trainer import Trainer
+
+        if not cfg.model:
+            raise ValueError("the learner needs `model` (a local Hugging Face folder)")
+        self.cfg = cfg
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        torch.manual_seed(cfg.seed)
+        self.backend = registry.create("train_backend", cfg.backend, cfg.model, cfg.backend_options, cfg.device)
+        self.trainer = Trainer(self.backend, cfg.train)
+        self.step = 0
+        self.version = 0
+        self.trained: deque[str] = deque(maxlen=64)
+        self.latest = Path(cfg.checkpoint_dir) / "latest" if cfg.checkpoint_dir else None
+        if self.latest is not None and (self.latest / "progress.json").is_file():
+            from tidal.integration.learner.checkpoint import load_checkpoint
+
+            progress = load_checkpoint(self.latest, self.backend)
+            self.step, self.version = progress["step"], progress["version"]
+            self.trained.extend(progress.get("trained", []))
+            log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
+        self.client = BatchClient(cfg.buffer, self.rank, self.world, name=f"learner-{self.rank}",
+                                  trained=list(self.trained))
+        self.pub = pub(cfg.publish, linger=1.0) if self.rank == 0 else None
+        self.sender = None
+        if cfg.weights.every > 0 and self.rank == 0:
+            self.sender = registry.create("weight_transport", cfg.weights.transport).sender(dict(cfg.weights.options))
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        cfg = self.cfg
+        while not self._stop and (cfg.max_steps == 0 or self.step < cfg.max_steps):
+            self.train_one()
+        if self.latest is not None:
+            self.checkpoint()
+        self.close()
+        return 0
+
+    def train_one(self) -> dict[str, float]:
+        from tidal.integration.learner.data import Sample
+
+        t0 = time.perf_counter()
+        batch = self.client.next_batch(self.version, timeout=self.cfg.batch_timeout_s)
+        t_batch = time.perf_counter()
+        samples = [Sample.from_trajectory(t) for t in batch.trajectories]
+        metrics = self.trainer.step(samples)
+        t_train = time.perf_counter()
+        self.step += 1
+        self.version += 1
+        self.trained.append(batch.batch_id)
+        if self.latest is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+        self.client.ack(batch.batch_id)
+        if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
+            self.publish_weights()
+        t_end = time.perf_counter()
+        lags = np.concatenate([self.version - 1 - s.versions for s in samples]) if samples else np.zeros(0)
+        metrics.update({
+            "train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
+            "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9),
+            "train/version": float(self.version),
+            "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
+            "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
+        })
+        if self.pub is not None:
+            self.pub.publish("metrics", Metrics(
+                source=f"learner-{self.rank}", step=self.version, time=time.time(), scalars=metrics,
+                histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
+            log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
+                     metrics.get("loss/total", 0.0), metrics["reward/mean"], metrics["train/tokens_per_s"])
+        return metrics
+
+    def publish_weights(self) -> None:
+        weights = self.backend.named_weights()  # every rank iterates: FSDP2 gathers are collective
+        if self.sender is None:
+            for _ in weights:
+                pass
+            return
+        ann = self.sender.send(weights, self.version)
+        self.pub.publish("weights", ann)  # type: ignore[union-attr]
+
+    def checkpoint(self) -> None:
+        from tidal.integration.learner.checkpoint import save_checkpoint
+
+        assert self.latest is not None
+        save_checkpoint(self.latest, self.backend,
+                        {"step": self.step, "version": self.version, "trained": list(self.trained)})
+
+    def close(self) -> None:
+        self.client.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.pub is not None:
+            self.pub.close()
+
+
+def _spawn(nproc: int, argv: list[str]) -> int:
+    from tidal.core.testing import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tidal.integration.learner", *argv], env=env))
+
+    def forward(sig, _frame):
+        for p in procs:
+            p.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="tidal-learner",
+        description="Run the Tidal learner: batches from the buffer, a policy-gradient step per batch, "
+                    "weights published to the generators.",
+        epilog="Overrides use dotted TOML syntax, e.g. model=\"/models/tiny\" backend=\"fsdp2\" "
+               "train.loss.name=\"gspo\" backend_options.optim.lr=1e-6 weights.transport=\"shm\"",
+    )
+    ap.add_argument("--config", help="TOML file with learner settings")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks to start on this machine (torch.distributed)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
+    ap.add_argument("--log-level", default=os.environ.get("TIDAL_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    if args.nproc > 1 and "RANK" not in os.environ:
+        rest = [a for i, a in enumerate(raw) if a != "--nproc" and not a.startswith("--nproc=")
+                and not (i > 0 and raw[i - 1] == "--nproc")]
+        return _spawn(args.nproc, rest)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, LearnerConfig, args.overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+    learner = Learner(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: learner.stop())
+    signal.signal(signal.SIGINT, lambda *_: learner.stop())
+    try:
+        return learner.run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
