@@ -49,7 +49,10 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     cfg = BackendConfig(optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10))
-    be = BACKENDS[args.backend](args.model, cfg)
+    if args.backend.startswith("deepspeed"):  # deepspeed2 / deepspeed3: the ZeRO stage
+        be = BACKENDS["deepspeed"](args.model, cfg, zero_stage=int(args.backend[-1]))
+    else:
+        be = BACKENDS[args.backend](args.model, cfg)
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss)))
     step = args.start
     if args.load:

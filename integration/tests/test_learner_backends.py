@@ -28,7 +28,7 @@ def run(backend: str, model: Path, out: Path, *args: str, world: int = 1) -> Non
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(RANK), "--backend", backend, "--model", str(model),
                                        "--out", str(out), *args], env=env, stdout=subprocess.PIPE,
@@ -49,14 +49,22 @@ def max_diff(a: Path, b: Path) -> float:
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
-def test_fsdp2_on_two_ranks_matches_single(model, tmp_path):
-    """Same batches, same seed, 3 AdamW steps (lr 1e-3, warmup + cosine). Tolerance 1e-5 absolute (1 %
-    of one step's largest update): fsdp2 reduce-scatters gradients in another order than one process
-    sums them (fp32 differences ~1e-7 relative), and Adam's per-element m / sqrt(v) magnifies those
-    for elements whose gradients are near zero. Measured: ~3e-6."""
-    run("single", model, tmp_path / "single.safetensors")
-    run("fsdp2", model, tmp_path / "fsdp2.safetensors", world=2)
-    assert max_diff(tmp_path / "single.safetensors", tmp_path / "fsdp2.safetensors") <= 1e-5
+@pytest.fixture(scope="module")
+def single_run(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "single.safetensors"
+    run("single", model, out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed2", "deepspeed3"])
+def test_sharded_backends_on_two_ranks_match_single(model, single_run, tmp_path, backend):
+    """Same batches, same seed, 3 AdamW steps (lr 1e-3, warmup + cosine), fp32. Tolerance 1e-5 absolute
+    (1 % of one step's largest update): the sharded backends reduce gradients across ranks in another
+    order than one process sums them (fp32 differences ~1e-7 relative), and Adam's per-element
+    m / sqrt(v) magnifies those for elements whose gradients are near zero. Measured: ~3e-6 for all three.
+    deepspeed2 / deepspeed3 are ZeRO stages 2 and 3 (DeepSpeed compiles a small C++ op on first use)."""
+    run(backend, model, tmp_path / f"{backend}.safetensors", world=2)
+    assert max_diff(single_run, tmp_path / f"{backend}.safetensors") <= 1e-5
 
 
 @pytest.mark.parametrize(("backend", "world"), [("single", 1), ("fsdp2", 2)])

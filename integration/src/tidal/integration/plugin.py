@@ -1,5 +1,5 @@
 """The integration layer's built-ins, registered like any plugin: train backends (``single``,
-``fsdp2``). Factories import torch only when called."""
+``fsdp2``, ``deepspeed``). Factories import torch only when called."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from tidal.core.plugins import hookimpl
 
 
 def _backend(name: str):
-    def make(model: Any, cfg: Any = None, device: str = "cpu") -> Any:
+    def make(model: Any, cfg: Any = None, device: str = "cpu", **options: Any) -> Any:
         from tidal.integration.learner.backends import BACKENDS, BackendConfig
 
-        return BACKENDS[name](model, cfg or BackendConfig(), device)
+        return BACKENDS[name](model, cfg or BackendConfig(), device, **options)
 
     make.__doc__ = f"The {name} train backend (tidal.integration.learner.backends)."
     return make
@@ -20,4 +20,4 @@ def _backend(name: str):
 
 @hookimpl
 def tidal_train_backends() -> dict[str, Any]:
-    return {"single": _backend("single"), "fsdp2": _backend("fsdp2")}
+    return {"single": _backend("single"), "fsdp2": _backend("fsdp2"), "deepspeed": _backend("deepspeed")}

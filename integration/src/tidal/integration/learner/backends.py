@@ -3,6 +3,7 @@
 - ``single``: one process, the model as it is.
 - ``fsdp2``: `torch.distributed.fsdp.fully_shard` on every decoder layer and the root, over the default
   process group (gloo on CPU, NCCL on GPU), optional mixed precision and activation checkpointing.
+- ``deepspeed`` (extra ``tidal[deepspeed]``): ZeRO-2 or ZeRO-3 through `deepspeed.initialize`.
 
 Both take the same `BackendConfig`, build the model from a local Hugging Face folder (or take one),
 and expose the same face to the learner: `model`, `forward(micro)`, `clip_and_step()`,
@@ -91,7 +92,10 @@ class _Backend:
             module.gradient_checkpointing_enable()
         module.train()
         self.model = self._wrap(module)
-        o = cfg.optim
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        o = self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o))
@@ -102,6 +106,10 @@ class _Backend:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits [1, L, V] of a packed row (no attention mask, no cache: packing by position ids)."""
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate the gradient of one micro-batch (`last`: the step's final one)."""
+        loss.backward()
 
     def clip_and_step(self) -> dict[str, float]:
         clip = self.cfg.optim.grad_clip
@@ -166,4 +174,86 @@ class FSDP2Backend(_Backend):
             yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
-BACKENDS = {"single": SingleBackend, "fsdp2": FSDP2Backend}
+class DeepSpeedBackend(_Backend):
+    """DeepSpeed ZeRO-2 or ZeRO-3 (`zero_stage`) over the default process group. The optimizer is torch's
+    AdamW handed to `deepspeed.initialize` (same numerics as the other backends, no op to compile);
+    gradient clipping and the LR schedule run inside DeepSpeed's step. Checkpoints use DeepSpeed's own
+    format (`save_checkpoint` / `load_checkpoint`)."""
+
+    name = "deepspeed"
+
+    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu",
+                 zero_stage: int = 3) -> None:
+        import os
+
+        if not dist.is_initialized():
+            raise RuntimeError("the deepspeed backend needs torch.distributed initialised; the learner launcher "
+                               "does this for every rank")
+        if zero_stage not in (2, 3):
+            raise ValueError(f"deepspeed zero_stage must be 2 or 3, not {zero_stage}")
+        if torch.device(device).type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or 1)))
+        self.zero_stage = zero_stage
+        super().__init__(model, cfg, device)
+
+    def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module  # deepspeed.initialize below owns the wrapping
+
+    def _build_optimizer(self) -> None:
+        import deepspeed
+
+        o = self.cfg.optim
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                      weight_decay=o.weight_decay)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": o.grad_clip if o.grad_clip > 0 else 0.0,
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        if self.cfg.mixed_precision == "bfloat16":
+            ds_config["bf16"] = {"enabled": True}
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=optimizer, config=ds_config, dist_init_required=False,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o)),
+        )
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_and_step(self) -> dict[str, float]:
+        lr = self.scheduler.get_last_lr()[0]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return {"train/grad_norm": float(norm if norm is not None else 0.0), "train/lr": float(lr)}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors one at a time; under ZeRO-3 each is gathered (collective: every rank iterates)."""
+        import deepspeed
+
+        for name, p in self.engine.module.named_parameters():
+            if self.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    yield name, p.data.detach().clone()
+            else:
+                yield name, p.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("deepspeed checkpoints use DeepSpeed's format: save_native / load_native")
+
+    def save_native(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag="latest")
+
+    def load_native(self, path: str) -> None:
+        self.engine.load_checkpoint(path, tag="latest")
+
+
+BACKENDS = {"single": SingleBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}

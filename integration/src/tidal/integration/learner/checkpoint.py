@@ -31,7 +31,10 @@ def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any]) ->
         tmp.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(backend.state_dict(), checkpoint_id=str(tmp))
+    if hasattr(backend, "save_native"):  # deepspeed: its own sharded format
+        backend.save_native(str(tmp / "native"))
+    else:
+        dcp.save(backend.state_dict(), checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -56,9 +59,12 @@ def load_checkpoint(path: str | Path, backend: Any) -> dict[str, Any]:
     if not (path / "progress.json").is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (progress.json missing; an interrupted save "
                                 f"leaves {path.name}.tmp, which is never loaded)")
-    state = backend.state_dict()
-    dcp.load(state, checkpoint_id=str(path))
-    backend.load_state_dict(state)
+    if hasattr(backend, "load_native"):
+        backend.load_native(str(path / "native"))
+    else:
+        state = backend.state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        backend.load_state_dict(state)
     rng_file = path / f"rng-{_rank()}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

@@ -81,7 +81,7 @@ class Trainer:
                 dummy = pack([samples[0]], self.cfg.micro_batch_tokens, be.device)[0] if samples else None
                 if dummy is not None:
                     logits = be.forward(dummy.input_ids, dummy.position_ids)
-                    (logits.sum() * 0.0).backward()
+                    be.backward(logits.sum() * 0.0, last=k == n_micro - 1)
                 continue
             micro = micros[k]
             logits = be.forward(micro.input_ids, micro.position_ids)
@@ -111,7 +111,7 @@ class Trainer:
             m_seqs = float(inputs["mask"].any(-1).sum())
             share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
             # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
-            (out.loss * share * world).backward()
+            be.backward(out.loss * share * world, last=k == n_micro - 1)
             sums["loss/total"] += float(out.loss.detach()) * share * world
             for name, v in out.metrics.items():
                 sums[name] += float(v) * share * world
