@@ -41,6 +41,7 @@ class BackendConfig(ConfigStruct):
     mixed_precision: str = ""  # fsdp2: compute dtype ("bfloat16"), params kept in `dtype`; "" = off
     attn: str = "auto"  # "auto" (flash_attention_2 on GPU when installed, else sdpa), "sdpa", "eager", ...
     grad_checkpointing: bool = False
+    value_head: bool = False  # PPO: a scalar critic head on the last hidden state (trained, never published)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
@@ -87,6 +88,10 @@ class _Backend:
 
             module = AutoModelForCausalLM.from_pretrained(
                 model, dtype=getattr(torch, cfg.dtype), attn_implementation=pick_attention(cfg.attn, self.device))
+        if cfg.value_head:
+            module.value_head = torch.nn.Linear(module.config.hidden_size, 1, dtype=getattr(torch, cfg.dtype))
+            torch.nn.init.zeros_(module.value_head.weight)
+            torch.nn.init.zeros_(module.value_head.bias)
         module.to(self.device)
         if cfg.grad_checkpointing:
             module.gradient_checkpointing_enable()
@@ -105,7 +110,20 @@ class _Backend:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits [1, L, V] of a packed row (no attention mask, no cache: packing by position ids)."""
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        return self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def forward_with_values(self, input_ids: torch.Tensor, position_ids: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, L, V], critic values [1, L]) of a packed row; needs `value_head`."""
+        out = self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+        head = self._module().value_head
+        return out.logits, head(out.hidden_states[-1]).squeeze(-1)
+
+    def _call(self, **kw: Any) -> Any:
+        return self.model(**kw)
+
+    def _module(self) -> torch.nn.Module:
+        return self.model
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         """Accumulate the gradient of one micro-batch (`last`: the step's final one)."""
@@ -123,8 +141,10 @@ class _Backend:
         return {"train/grad_norm": float(norm), "train/lr": float(lr)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights (the critic head stays here: generators do not have it)."""
         for name, p in self.model.state_dict().items():
-            yield name, p.detach()
+            if not name.startswith("value_head."):
+                yield name, p.detach()
 
     # checkpoint state (torch.distributed.checkpoint-compatible)
     def state_dict(self) -> dict[str, Any]:
@@ -165,13 +185,17 @@ class FSDP2Backend(_Backend):
             raise ValueError(f"fsdp2: cannot find the decoder layers of {type(module).__name__} (model.layers)")
         for layer in layers:
             fully_shard(layer, **kwargs)
+        if hasattr(module, "value_head"):  # called on its own (outside the root forward): its own unit
+            fully_shard(module.value_head, **kwargs)
         fully_shard(module, **kwargs)
         return module
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, one at a time (every rank must iterate: the gathers are collective)."""
         for name, p in self.model.state_dict().items():
-            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            if not name.startswith("value_head."):
+                yield name, full
 
 
 class DeepSpeedBackend(_Backend):
@@ -222,8 +246,11 @@ class DeepSpeedBackend(_Backend):
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o)),
         )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    def _call(self, **kw: Any) -> Any:
+        return self.engine(**kw)
+
+    def _module(self) -> torch.nn.Module:
+        return self.engine.module
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -240,6 +267,8 @@ class DeepSpeedBackend(_Backend):
         import deepspeed
 
         for name, p in self.engine.module.named_parameters():
+            if name.startswith("value_head."):
+                continue
             if self.zero_stage == 3:
                 with deepspeed.zero.GatheredParameters([p]):
                     yield name, p.data.detach().clone()

@@ -31,7 +31,7 @@ from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
 from tidal.core.protocol import Metrics
 from tidal.integration.learner.backends import BackendConfig
-from tidal.integration.learner.trainer import TrainConfig
+from tidal.integration.learner.trainer import TrainConfig, needs_reference
 
 log = logging.getLogger("tidal.learner")
 
@@ -44,6 +44,7 @@ class WeightsConfig(ConfigStruct):
 
 class LearnerConfig(ConfigStruct):
     model: str = ""  # local Hugging Face folder to start from
+    reference_model: str = ""  # frozen reference for a KL penalty / distillation; "" = the starting model
     backend: str = "single"  # train_backend plugin: single, fsdp2, ...
     backend_options: BackendConfig = msgspec.field(default_factory=BackendConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
@@ -74,8 +75,18 @@ class Learner:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         torch.manual_seed(cfg.seed)
-        self.backend = registry.create("train_backend", cfg.backend, cfg.model, cfg.backend_options, cfg.device)
-        self.trainer = Trainer(self.backend, cfg.train)
+        options = cfg.backend_options
+        if cfg.train.advantage.name == "gae" and not options.value_head:
+            log.info("advantage 'gae' (PPO): adding a critic value head")
+            options = msgspec.structs.replace(options, value_head=True)
+        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device)
+        reference = None
+        if needs_reference(cfg.train):
+            from transformers import AutoModelForCausalLM
+
+            reference = AutoModelForCausalLM.from_pretrained(cfg.reference_model or cfg.model).to(cfg.device)
+            reference.requires_grad_(False)
+        self.trainer = Trainer(self.backend, cfg.train, reference)
         self.step = 0
         self.version = 0
         self.trained: deque[str] = deque(maxlen=64)

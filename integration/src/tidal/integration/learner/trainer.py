@@ -33,15 +33,33 @@ class TrainConfig(ConfigStruct):
     correction: PluginRef | None = None  # staleness correction, e.g. {name = "tis", options = {cap = 2.0}}
     temperature: float = 1.0  # the sampler's temperature: logprobs are recomputed under it
     micro_batch_tokens: int = 4096  # packed tokens per forward; gradients accumulate over micro-batches
+    value_coef: float = 0.5  # PPO mode (advantage "gae"): weight of the critic's value loss
+    value_clip: float = 0.2  # PPO value clipping; 0 disables it
+
+
+def needs_reference(cfg: TrainConfig) -> bool:
+    """Whether the loss reads reference logprobs: a KL penalty to it, or distillation from it."""
+    return cfg.loss.name == "distillation" or float(cfg.loss.options.get("kl_coef", 0.0) or 0.0) > 0.0
 
 
 class Trainer:
-    def __init__(self, backend: Any, cfg: TrainConfig) -> None:
+    """`reference`: a frozen model whose logprobs feed a KL penalty or distillation (required when
+    `needs_reference(cfg)`). PPO mode (advantage "gae") needs a backend with `value_head=True`."""
+
+    def __init__(self, backend: Any, cfg: TrainConfig, reference: torch.nn.Module | None = None) -> None:
         self.backend = backend
         self.cfg = cfg
+        if needs_reference(cfg) and reference is None:
+            raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
+        self.reference = reference.eval() if reference is not None else None
+        self.critic = cfg.advantage.name == "gae"
+        if self.critic and not getattr(backend.cfg, "value_head", False):
+            raise ValueError("advantage 'gae' (PPO) needs a critic: set backend_options.value_head = true")
         self.loss_fn = registry.create("policy_loss", cfg.loss.name, **cfg.loss.options)
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self.estimator = registry.create("advantage_estimator", cfg.advantage.name, **cfg.advantage.options)
+        self._value_loss = registry.create(
+            "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self.correction = (registry.create("staleness_policy", cfg.correction.name, **cfg.correction.options)
                            if cfg.correction else None)
 
@@ -51,7 +69,9 @@ class Trainer:
             dist.all_reduce(t)
         return t.tolist()
 
-    def advantages(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    def advantages(self, samples: Sequence[Sample], values: list[torch.Tensor] | None = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sample advantages (and value targets in PPO mode, from the critic's `values`)."""
         from tidal.algos.estimators import AdvantageInputs
 
         groups: dict[str, int] = {}
@@ -59,15 +79,40 @@ class Trainer:
         width = max(len(s.completion) for s in samples)
         mask = pad_rows([torch.from_numpy(s.loss_mask) for s in samples], width, False).bool()
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index))
-        return [out.advantages[i, : len(s.completion)] for i, s in enumerate(samples)]
+        v = pad_rows([x.float().cpu() for x in values], width) if values is not None else None
+        out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index, values=v))
+        adv = [out.advantages[i, : len(s.completion)] for i, s in enumerate(samples)]
+        ret = [out.returns[i, : len(s.completion)] for i, s in enumerate(samples)] if out.returns is not None else None
+        return adv, ret
+
+    def _values(self, micro: Any, values: torch.Tensor) -> list[torch.Tensor]:
+        """Critic value of each completion token: read at the position that predicts it."""
+        return [values[0, start + p - 1 : start + p - 1 + t] for start, p, t in micro.spans]
+
+    def _old_values(self, samples: Sequence[Sample], micros: list, n_micro: int) -> list[torch.Tensor]:
+        """PPO: the critic's values before this step (no grad), for GAE and value clipping."""
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        with torch.no_grad():
+            for k in range(n_micro):
+                micro = micros[k] if k < len(micros) else self._dummy(samples)
+                if micro is None:
+                    continue
+                _, values = self.backend.forward_with_values(micro.input_ids, micro.position_ids)
+                if k < len(micros):
+                    for i, v in zip(micro.index, self._values(micro, values), strict=True):
+                        out[i] = v.detach().float()
+        return out  # type: ignore[return-value]
+
+    def _dummy(self, samples: Sequence[Sample]) -> Any:
+        from tidal.integration.learner.data import pack
+
+        return pack([samples[0]], self.cfg.micro_batch_tokens, self.backend.device)[0] if samples else None
 
     def step(self, samples: Sequence[Sample]) -> dict[str, float]:
         from tidal.algos.types import LossInputs
         from tidal.integration.learner.data import pack
 
         be = self.backend
-        adv = self.advantages(samples) if samples else []
         tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
         seqs = float(sum(1 for s in samples if s.loss_mask.any()))
         g_tokens, g_seqs = self._global([tokens, seqs])
@@ -75,16 +120,25 @@ class Trainer:
         micros = pack(samples, self.cfg.micro_batch_tokens, be.device)
         # every rank must run the same number of forwards under FSDP (collectives in each)
         n_micro = int(max(self._global_max(len(micros)), 1))
+        old_values = self._old_values(samples, micros, n_micro) if self.critic else None
+        adv, returns = self.advantages(samples, old_values) if samples else ([], None)
         sums: dict[str, float] = defaultdict(float)
         for k in range(n_micro):
             if k >= len(micros):  # this rank has no more data: a zero-weight forward keeps collectives in step
-                dummy = pack([samples[0]], self.cfg.micro_batch_tokens, be.device)[0] if samples else None
+                dummy = self._dummy(samples)
                 if dummy is not None:
-                    logits = be.forward(dummy.input_ids, dummy.position_ids)
-                    be.backward(logits.sum() * 0.0, last=k == n_micro - 1)
+                    if self.critic:
+                        logits, values = be.forward_with_values(dummy.input_ids, dummy.position_ids)
+                        zero = logits.sum() * 0.0 + values.sum() * 0.0
+                    else:
+                        zero = be.forward(dummy.input_ids, dummy.position_ids).sum() * 0.0
+                    be.backward(zero, last=k == n_micro - 1)
                 continue
             micro = micros[k]
-            logits = be.forward(micro.input_ids, micro.position_ids)
+            if self.critic:
+                logits, values = be.forward_with_values(micro.input_ids, micro.position_ids)
+            else:
+                logits, values = be.forward(micro.input_ids, micro.position_ids), None
             lps, ents = completion_logprobs(logits, micro, self.cfg.temperature, with_entropy=True)
             ss = [samples[i] for i in micro.index]
             width = max(len(s.completion) for s in ss)
@@ -96,6 +150,12 @@ class Trainer:
                 mask=pad_rows([torch.from_numpy(s.loss_mask).to(dev) for s in ss], width, False).bool(),
                 entropy=pad_rows([e.detach() for e in ents], width) if ents else None,
             )
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
+                                                use_cache=False).logits
+                    ref_lps, _ = completion_logprobs(ref_logits, micro, self.cfg.temperature)
+                inputs["ref_logprobs"] = pad_rows(ref_lps, width)
             if self.correction is not None:
                 from tidal.staleness.correction import CorrectionInputs
 
@@ -107,12 +167,31 @@ class Trainer:
                 for name, v in corr.metrics.items():
                     sums[f"staleness/{name}"] += float(v) / len(micros)
             out = self.loss_fn(LossInputs(**inputs))
+            loss = out.loss
+            if self.critic:
+                assert values is not None and returns is not None and old_values is not None
+                vin = LossInputs(
+                    logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
+                    advantages=inputs["advantages"], mask=inputs["mask"],
+                    values=pad_rows(self._values(micro, values), width),
+                    old_values=pad_rows([old_values[i].to(dev) for i in micro.index], width),
+                    returns=pad_rows([returns[i].to(dev) for i in micro.index], width))
+                vout = self._value_loss(vin)
+                loss = loss + self.cfg.value_coef * vout.loss
+                out.metrics["loss/value"] = vout.loss.detach()
+            # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
+            log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
+            k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
+            sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
+            if "ref_logprobs" in inputs:
+                kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
+                sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
             m_tokens = float(inputs["mask"].sum())
             m_seqs = float(inputs["mask"].any(-1).sum())
             share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
             # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
-            be.backward(out.loss * share * world, last=k == n_micro - 1)
-            sums["loss/total"] += float(out.loss.detach()) * share * world
+            be.backward(loss * share * world, last=k == n_micro - 1)
+            sums["loss/total"] += float(loss.detach()) * share * world
             for name, v in out.metrics.items():
                 sums[name] += float(v) * share * world
             sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world

@@ -1,0 +1,95 @@
+"""The learner's step in one process: packing is exact, PPO with a critic and a KL-to-reference loss
+train, and the exported Hugging Face folder holds the trained weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.core.config import PluginRef
+from tidal.integration.learner.backends import BackendConfig, OptimConfig, SingleBackend
+from tidal.integration.learner.checkpoint import export_hf
+from tidal.integration.learner.data import Sample, completion_logprobs, pack
+from tidal.integration.learner.trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tidal.rollout.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("trainer") / "model", seed=11)
+
+
+def toy(vocab: int, groups: int = 2, g: int = 4) -> list[Sample]:
+    """Groups whose rewarded completion is [5, 6, 7] and unrewarded [8, 9]."""
+    out = []
+    for gi in range(groups):
+        for k in range(g):
+            comp = np.array([5, 6, 7] if k % 2 == 0 else [8, 9], np.int32)
+            out.append(Sample(id=f"{gi}:{k}", group_id=str(gi), prompt=np.array([3, 4, 10 + gi], np.int32),
+                              completion=comp, logprobs=np.full(len(comp), -4.0, np.float32),
+                              versions=np.zeros(len(comp), np.int32), reward=float(k % 2 == 0),
+                              loss_mask=np.ones(len(comp), bool)))
+    return out
+
+
+def logp_of(model, prompt, completion) -> float:
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt) + list(completion)])
+        lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+        return float(lp.gather(1, torch.tensor(completion)[:, None].long()).sum())
+
+
+def test_packed_logprobs_equal_one_forward_per_sequence(model):
+    m = AutoModelForCausalLM.from_pretrained(model).eval()
+    rng = np.random.default_rng(0)
+    samples = [Sample(id=str(i), group_id="g", prompt=rng.integers(3, 70, rng.integers(2, 9)).astype(np.int32),
+                      completion=rng.integers(3, 70, rng.integers(1, 15)).astype(np.int32),
+                      logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32), reward=0.0,
+                      loss_mask=np.ones(1, bool)) for i in range(9)]
+    micros = pack(samples, max_tokens=40)
+    assert sorted(i for mi in micros for i in mi.index) == list(range(9)) and len(micros) > 1
+    assert all(mi.tokens <= 40 for mi in micros)
+    with torch.no_grad():
+        for mi in micros:
+            lps, _ = completion_logprobs(m(input_ids=mi.input_ids, position_ids=mi.position_ids, use_cache=False).logits, mi)
+            for i, lp in zip(mi.index, lps, strict=True):
+                s = samples[i]
+                alone = torch.log_softmax(m(torch.from_numpy(np.concatenate([s.prompt, s.completion])[None]).long()).logits[0], -1)
+                want = alone[len(s.prompt) - 1 : -1].gather(1, torch.from_numpy(s.completion)[:, None].long())[:, 0]
+                assert (lp - want).abs().max() < 1e-5
+
+
+def test_ppo_with_a_critic_learns_the_toy_objective(model):
+    cfg = BackendConfig(value_head=True, optim=OptimConfig(lr=3e-3))
+    be = SingleBackend(str(model), cfg)
+    trainer = Trainer(be, TrainConfig(loss=PluginRef(name="ppo"), advantage=PluginRef(name="gae", options={"lam": 1.0})))
+    batch = toy(be.model.config.vocab_size)
+    start = logp_of(be.model, batch[0].prompt, batch[0].completion)
+    values = [trainer.step(batch)["loss/value"] for _ in range(10)]
+    end = logp_of(be.model, batch[0].prompt, batch[0].completion)
+    assert end > start + 1.0, (start, end)
+    assert values[-1] < values[0] * 0.5, values  # the critic learns the returns
+    assert not any(n.startswith("value_head") for n, _ in be.named_weights())  # never published
+
+
+def test_kl_to_reference_and_hf_export(model, tmp_path):
+    ref = AutoModelForCausalLM.from_pretrained(model)
+    be = SingleBackend(str(model), BackendConfig(optim=OptimConfig(lr=3e-3)))
+    trainer = Trainer(be, TrainConfig(loss=PluginRef(name="ppo", options={"kl_coef": 0.1})), reference=ref)
+    batch = toy(be.model.config.vocab_size)
+    first = trainer.step(batch)
+    second = trainer.step(batch)
+    assert first["kl/reference"] == 0.0  # policy == reference before the first update
+    assert second["kl/reference"] != 0.0
+    with pytest.raises(ValueError, match="reference model"):
+        Trainer(be, TrainConfig(loss=PluginRef(name="ppo", options={"kl_coef": 0.1})))
+    out = export_hf(tmp_path / "hf", be, model)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    mine = dict(be.named_weights())
+    for name, p in loaded.state_dict().items():
+        assert torch.equal(p, mine[name]), name
