@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--loss", default="ppo")
     ap.add_argument("--micro", type=int, default=64)
+    ap.add_argument("--die-after-save", action="store_true", help="SIGKILL this rank once the checkpoint is written")
+    ap.add_argument("--correction", default="")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -53,7 +55,8 @@ def main() -> None:
         be = BACKENDS["deepspeed"](args.model, cfg, zero_stage=int(args.backend[-1]))
     else:
         be = BACKENDS[args.backend](args.model, cfg)
-    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss)))
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
+                                      correction=PluginRef(name=args.correction) if args.correction else None))
     step = args.start
     if args.load:
         step = load_checkpoint(args.load, be)["step"]
@@ -67,6 +70,10 @@ def main() -> None:
             print(f"step {step} loss {metrics['loss/total']:.6f} grad_norm {metrics['train/grad_norm']:.6f}", flush=True)
     if args.save:
         save_checkpoint(args.save, be, {"step": step, "version": step})
+        if args.die_after_save:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
     state = {n: t.contiguous().clone() for n, t in be.named_weights()}
     if rank == 0:
         from safetensors.torch import save_file

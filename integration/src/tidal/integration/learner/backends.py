@@ -94,7 +94,8 @@ class _Backend:
             torch.nn.init.zeros_(module.value_head.bias)
         module.to(self.device)
         if cfg.grad_checkpointing:
-            module.gradient_checkpointing_enable()
+            enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
+            enable()
         module.train()
         self.model = self._wrap(module)
         self._build_optimizer()

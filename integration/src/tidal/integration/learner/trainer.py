@@ -159,9 +159,15 @@ class Trainer:
             if self.correction is not None:
                 from tidal.staleness.correction import CorrectionInputs
 
+                proximal = None
+                if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
+                    # one optimizer step per batch: the proximal policy is these parameters before the
+                    # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
+                    proximal = inputs["logprobs"].detach()
+                    inputs["old_logprobs"] = proximal
                 corr = self.correction(CorrectionInputs(
                     learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-                    mask=inputs["mask"], advantages=inputs["advantages"]))
+                    mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
                 inputs["is_weights"] = corr.weights
                 inputs["mask"] = inputs["mask"] & corr.mask
                 for name, v in corr.metrics.items():
