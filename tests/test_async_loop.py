@@ -24,7 +24,7 @@ STEPS, G = 4, 4
 
 def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_rollout_worker import Controller
+    from harness import Controller
 
     from tidal.rollout.tasks import Arithmetic, first_tasks
     from tidal.rollout.tiny import build_tiny_model, load_tokenizer
