@@ -42,7 +42,7 @@ def engine(tiny):
     from tidal.rollout.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(tiny, max_model_len=256, max_num_seqs=16, partial_mode="continue", version=0,
-                     engine_kwargs={"enforce_eager": True})
+                     kv_cache_bytes=256 << 20, engine_kwargs={"enforce_eager": True})
     yield eng
     eng.close()
 

@@ -98,6 +98,7 @@ class VLLMEngine:
         return_sampling_mask: bool = False,
         return_routing: bool = False,
         weight_transport_options: dict[str, dict[str, Any]] | None = None,
+        kv_cache_bytes: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         start_timeout: float = 600.0,
     ) -> None:
@@ -134,6 +135,12 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
             return_sampling_mask=return_sampling_mask, enable_return_routed_experts=return_routing,
         )
+        if kv_cache_bytes is None and not torch.cuda.is_available() and "gpu_memory_utilization" not in (engine_kwargs or {}):
+            # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the machine's RAM and
+            # refuses to start when that much is not free; a fixed KV cache is the sane default here
+            kv_cache_bytes = 1 << 30
+        if kv_cache_bytes is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         args.update(engine_kwargs or {})
         self.setup_info = self._call(self._start(args), timeout=start_timeout)
 
