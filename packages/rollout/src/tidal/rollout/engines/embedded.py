@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
+from tidal.rollout.engines.common import generate
 from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.weights import ReceiverPool
 
@@ -317,19 +318,7 @@ class EmbeddedEngine:
 
     def generate(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> Iterator[GenerationResult]:
         """Submit `requests` and yield their results as each finishes (not in submission order)."""
-        pending = set()
-        for r in requests:
-            self.submit(r)
-            pending.add(r.request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            results = self.poll(timeout=left)
-            if not results and left == 0.0:
-                raise TimeoutError(f"{len(pending)} requests still running after {timeout} s")
-            for res in results:
-                pending.discard(res.request_id)
-                yield res
+        return generate(self, requests, timeout)
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Load `weights` between two decode steps and tag later tokens with `version`. Blocks until done;

@@ -39,6 +39,7 @@ import torch
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
+from tidal.rollout.engines.common import generate
 from tidal.rollout.engines.embedded import PARTIAL_MODES, EngineError, PartialMode
 
 log = logging.getLogger("tidal.rollout.vllm")
@@ -272,19 +273,8 @@ class VLLMEngine:
             return out
 
     def generate(self, requests: Iterable[GenerationRequest], timeout: float | None = None) -> Iterator[GenerationResult]:
-        pending = set()
-        for r in requests:
-            self.submit(r)
-            pending.add(r.request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            results = self.poll(timeout=left)
-            if not results and left == 0.0:
-                raise TimeoutError(f"{len(pending)} requests still running after {timeout} s")
-            for res in results:
-                pending.discard(res.request_id)
-                yield res
+        """Submit `requests` and yield their results as each finishes (not in submission order)."""
+        return generate(self, requests, timeout)
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Load tensors held in this process (they are serialised to the worker; for large models prefer
