@@ -89,14 +89,15 @@ class AckProxy:
 
 
 @pytest.fixture
-def system(tmp_path, tiny):
+def system(tmp_path, tiny, request):
     # In-process sockets bind first; the buffer's ports are picked after, and the test waits until the
     # buffer answers before anything else binds, so no two binders race for one free port.
     ctl = Controller()
     ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
     buffer = subprocess.Popen(
         [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
-         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}", "metrics_interval_s=0.5"],
+         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}", "metrics_interval_s=0.5",
+         *getattr(request, "param", [])],
         stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT,
     )
     learner = BatchClient(serve, retry_every=0.5)
@@ -251,3 +252,19 @@ def test_weights_announced_in_flight_are_applied(system, tiny):
         assert {int(v) for t in later for v in t.versions.numpy()} == {1}
     finally:
         announcer.close()
+
+
+@pytest.mark.parametrize("system", [['admission={name="version_rejection", options={max_lag=1}}']], indirect=True)
+def test_refused_trajectories_settle_their_group_and_the_worker_goes_on(system, tiny):
+    """The buffer refuses stale samples (the learner is far ahead): the worker reports those groups as
+    not trained (ok=False, with the buffer's reason), frees their slots and keeps taking work."""
+    from tidal.rollout.tiny import load_tokenizer
+
+    tok = load_tokenizer(tiny)
+    with pytest.raises(TimeoutError):
+        system.learner.next_batch(version=5, timeout=1)  # tells the buffer the learner is at version 5
+    system.ctl.assign(*assignments(tok, 5, "s", max_tokens=8))  # more groups than the worker's 2 slots
+    system.start_worker()
+    wait_for(lambda: len(system.ctl.acks) == 5, 120, "every group settled")
+    assert not any(a.ok for a in system.ctl.acks.values())
+    assert all("stale" in a.detail for a in system.ctl.acks.values()), [a.detail for a in system.ctl.acks.values()]

@@ -127,6 +127,7 @@ class RolloutWorker:
         self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0)
         self.wsub = sub(cfg.weights, linger=0) if cfg.weights else None
         self._requested = 0  # assignments asked for and not yet received
+        self._rejections_seen = 0
         self._stop = threading.Event()
         self._latest_ann: WeightsAvailable | None = None
         self._ann_cond = threading.Condition()
@@ -178,6 +179,7 @@ class RolloutWorker:
                 for res in self.engine.poll(timeout=0):
                     self._on_result(res)
                 self.pusher.poll(timeout=0)
+                self._settle_rejections()
                 now = time.monotonic()
                 if now >= next_hb:
                     self._heartbeat()
@@ -276,18 +278,30 @@ class RolloutWorker:
 
     def _on_ack(self, ids: list[str]) -> None:
         for tid in ids:
-            gid = tid.rsplit(":", 1)[0]
-            group = self.groups.get(gid)
-            if group is None:
-                continue
-            group.unacked.discard(tid)
-            if group.sent and not group.unacked:
-                del self.groups[gid]
-                self.counters["groups_done"] += 1
-                rejected = [t for t in (f"{gid}:{i}" for i in range(group.assignment.num_samples))
-                            if t in self.pusher.rejected]
-                self._send_ctl(Ack(kind="assignment", ids=[gid], ok=not rejected,
-                                   detail=f"buffer rejected {rejected}" if rejected else ""))
+            self._settle(tid)
+
+    def _settle_rejections(self) -> None:
+        """Trajectories the buffer refused (stale, invalid) are settled too: they are never resent."""
+        if len(self.pusher.rejected) > self._rejections_seen:
+            for tid in list(self.pusher.rejected)[self._rejections_seen :]:
+                log.warning("%s: buffer refused %s: %s", self.cfg.name, tid, self.pusher.rejected[tid])
+                self._settle(tid)
+            self._rejections_seen = len(self.pusher.rejected)
+
+    def _settle(self, tid: str) -> None:
+        gid = tid.rsplit(":", 1)[0]
+        group = self.groups.get(gid)
+        if group is None:
+            return
+        group.unacked.discard(tid)
+        if group.sent and not group.unacked:
+            del self.groups[gid]
+            rejected = [t for t in (f"{gid}:{i}" for i in range(group.assignment.num_samples))
+                        if t in self.pusher.rejected]
+            self.counters["groups_dropped" if rejected else "groups_done"] += 1
+            self._send_ctl(Ack(kind="assignment", ids=[gid], ok=not rejected,
+                               detail=f"buffer refused {len(rejected)} of its samples: "
+                                      f"{self.pusher.rejected[rejected[0]]}" if rejected else ""))
 
     # ------------------------------------------------------------------ weights
 
@@ -349,7 +363,8 @@ class RolloutWorker:
             self.pusher.flush(timeout=self.cfg.stop_timeout_s)
         except ChannelTimeout:
             log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
-        self._weights_thread.join(timeout=10) if self._weights_thread.is_alive() else None
+        if self._weights_thread.is_alive():
+            self._weights_thread.join(timeout=10)
         self.engine.close()
         self.pusher.close()
         self.ctl.close(linger=0.5)
