@@ -586,7 +586,7 @@ class EmbeddedEngine:
                             upd.version, self._version)
             with torch.no_grad():
                 for name, tensor in upd.weights:
-                    params[name].copy_(tensor, non_blocking=True)
+                    params[name].copy_(tensor)  # synchronous: the caller reuses the source buffers after
             self._version = upd.version
             self._after_update()
         except BaseException as e:
