@@ -41,7 +41,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.channels import dealer, make_hello, poll, sub
 from tidal.core.config import ConfigStruct, PluginRef, load_config
-from tidal.core.errors import ChannelTimeout
+from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -170,12 +170,16 @@ class RolloutWorker:
             while not self._stop.is_set():
                 self._ask_for_work()
                 for ch in poll(channels, timeout=0.005):
-                    if ch is self.ctl:
-                        self._on_controller(self.ctl.recv(timeout=0))
-                    else:
-                        _, msg = self.wsub.recv(timeout=0)  # type: ignore[union-attr]
-                        if isinstance(msg, WeightsAvailable):
-                            self._announce(msg)
+                    try:
+                        if ch is self.ctl:
+                            self._on_controller(self.ctl.recv(timeout=0))
+                        else:
+                            _, msg = self.wsub.recv(timeout=0)  # type: ignore[union-attr]
+                            if isinstance(msg, WeightsAvailable):
+                                self._announce(msg)
+                    except ProtocolError as e:  # a malformed message is dropped, not fatal
+                        log.error("%s: dropped a bad message from %s: %s", self.cfg.name,
+                                  "the controller" if ch is self.ctl else "the weights publisher", e)
                 for res in self.engine.poll(timeout=0):
                     self._on_result(res)
                 self.pusher.poll(timeout=0)
