@@ -40,6 +40,7 @@ class WeightsConfig(ConfigStruct):
     transport: str = "zmq"  # weight transport plugin: zmq, shm, fs, torch_dist, ...
     options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
     every: int = 1  # publish after every N steps; 0 = never
+    final_wait_s: float = 30.0  # at exit, keep serving the last version until a generator reports it (zmq, shm)
 
 
 class LearnerConfig(ConfigStruct):
@@ -161,6 +162,19 @@ class Learner:
         ann = self.sender.send(weights, self.version)
         self.pub.publish("weights", ann)  # type: ignore[union-attr]
 
+    def _wait_for_last_version(self) -> None:
+        """Transports that serve from this process (zmq, shm) stop serving when it exits: give the
+        generators `final_wait_s` to fetch the last version, ending early once one reports it."""
+        sender = self.sender
+        if sender is None or self.cfg.weights.transport not in ("zmq", "shm") or sender.version < 0:
+            return
+        deadline = time.monotonic() + self.cfg.weights.final_wait_s
+        while time.monotonic() < deadline and not sender.reports(sender.version):
+            time.sleep(0.05)
+        if not sender.reports(sender.version):
+            log.warning("no generator reported version %d within %.0f s of the end", sender.version,
+                        self.cfg.weights.final_wait_s)
+
     def checkpoint(self) -> None:
         from tidal.integration.learner.checkpoint import save_checkpoint
 
@@ -171,6 +185,7 @@ class Learner:
     def close(self) -> None:
         self.client.close()
         if self.sender is not None:
+            self._wait_for_last_version()
             self.sender.close()
         if self.pub is not None:
             self.pub.close()
