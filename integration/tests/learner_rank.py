@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--die-after-save", action="store_true", help="SIGKILL this rank once the checkpoint is written")
     ap.add_argument("--correction", default="")
+    ap.add_argument("--groups", type=int, default=4, help="groups per batch (fewer than ranks leaves some empty)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -62,7 +63,7 @@ def main() -> None:
         step = load_checkpoint(args.load, be)["step"]
     vocab = be.model.config.vocab_size
     for _ in range(args.steps):
-        samples = batch(step, vocab)
+        samples = batch(step, vocab, groups=args.groups)
         mine = [s for s in samples if int(s.group_id.split("-")[1]) % world == rank]
         metrics = trainer.step(mine)
         step += 1

@@ -77,3 +77,11 @@ def test_resume_is_bit_identical(model, tmp_path, backend, world):
     assert (tmp_path / "ckpt" / "progress.json").is_file() and not (tmp_path / "ckpt.tmp").exists()
     run(backend, model, tmp_path / "resumed.safetensors", "--steps", "1", "--load", str(tmp_path / "ckpt"), world=world)
     assert max_diff(tmp_path / "straight.safetensors", tmp_path / "resumed.safetensors") == 0.0
+
+
+def test_a_rank_with_an_empty_share_keeps_in_step(model, tmp_path):
+    """One group for two fsdp2 ranks: rank 1 gets nothing each step and still joins every collective;
+    the result equals single on the same batches."""
+    run("single", model, tmp_path / "one.safetensors", "--groups", "1")
+    run("fsdp2", model, tmp_path / "two.safetensors", "--groups", "1", world=2)
+    assert max_diff(tmp_path / "one.safetensors", tmp_path / "two.safetensors") <= 1e-5

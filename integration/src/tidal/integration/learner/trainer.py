@@ -95,8 +95,6 @@ class Trainer:
         with torch.no_grad():
             for k in range(n_micro):
                 micro = micros[k] if k < len(micros) else self._dummy(samples)
-                if micro is None:
-                    continue
                 _, values = self.backend.forward_with_values(micro.input_ids, micro.position_ids)
                 if k < len(micros):
                     for i, v in zip(micro.index, self._values(micro, values), strict=True):
@@ -104,9 +102,15 @@ class Trainer:
         return out  # type: ignore[return-value]
 
     def _dummy(self, samples: Sequence[Sample]) -> Any:
-        from tidal.integration.learner.data import pack
+        """A forward for a rank that has run out of data this step (sharded backends run collectives in
+        every forward, so all ranks must make the same number): its first sequence, or two pad tokens
+        when its share is empty; it always enters the loss with weight zero."""
+        from tidal.integration.learner.data import Micro, pack
 
-        return pack([samples[0]], self.cfg.micro_batch_tokens, self.backend.device)[0] if samples else None
+        if samples:
+            return pack([samples[0]], self.cfg.micro_batch_tokens, self.backend.device)[0]
+        row = torch.zeros((1, 2), dtype=torch.long, device=self.backend.device)
+        return Micro(row, torch.arange(2, device=self.backend.device)[None], [], [])
 
     def step(self, samples: Sequence[Sample]) -> dict[str, float]:
         from tidal.algos.types import LossInputs
@@ -126,13 +130,12 @@ class Trainer:
         for k in range(n_micro):
             if k >= len(micros):  # this rank has no more data: a zero-weight forward keeps collectives in step
                 dummy = self._dummy(samples)
-                if dummy is not None:
-                    if self.critic:
-                        logits, values = be.forward_with_values(dummy.input_ids, dummy.position_ids)
-                        zero = logits.sum() * 0.0 + values.sum() * 0.0
-                    else:
-                        zero = be.forward(dummy.input_ids, dummy.position_ids).sum() * 0.0
-                    be.backward(zero, last=k == n_micro - 1)
+                if self.critic:
+                    logits, values = be.forward_with_values(dummy.input_ids, dummy.position_ids)
+                    zero = logits.sum() * 0.0 + values.sum() * 0.0
+                else:
+                    zero = be.forward(dummy.input_ids, dummy.position_ids).sum() * 0.0
+                be.backward(zero, last=k == n_micro - 1)
                 continue
             micro = micros[k]
             if self.critic:
@@ -201,13 +204,25 @@ class Trainer:
             for name, v in out.metrics.items():
                 sums[name] += float(v) * share * world
             sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
-        reduced = dict(zip(sums, self._global(list(sums.values())), strict=True)) if sums else {}
-        metrics = {k: v / world for k, v in reduced.items()}
+        metrics = {k: v / world for k, v in self._global_dict(sums).items()}
         metrics.update(be.clip_and_step())
         metrics["train/tokens"] = g_tokens
         metrics["train/sequences"] = g_seqs
         metrics["train/micro_batches"] = float(n_micro)
         return metrics
+
+    def _global_dict(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum metric dicts over ranks; a rank with no data this step contributes no keys (so the key
+        sets differ, and a plain all_reduce of a vector would not line up)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return dict(values)
+        gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, dict(values))
+        out: dict[str, float] = defaultdict(float)
+        for d in gathered:
+            for k, v in d.items():
+                out[k] += v
+        return dict(out)
 
     def _global_max(self, n: int) -> float:
         t = torch.tensor([float(n)])
