@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -41,6 +42,7 @@ class WeightsConfig(ConfigStruct):
     options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
     every: int = 1  # publish after every N steps; 0 = never
     final_wait_s: float = 30.0  # at exit, keep serving the last version until a generator reports it (zmq, shm)
+    reannounce_s: float = 2.0  # re-announce the latest version this often, for generators that (re)joined late
 
 
 class LearnerConfig(ConfigStruct):
@@ -102,9 +104,16 @@ class Learner:
         self.client = BatchClient(cfg.buffer, self.rank, self.world, name=f"learner-{self.rank}",
                                   trained=list(self.trained))
         self.pub = pub(cfg.publish, linger=1.0) if self.rank == 0 else None
+        self._pub_lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
         self.sender = None
+        self._announced = None  # the latest WeightsAvailable, re-published every weights.reannounce_s
+        self._announcer_stop = threading.Event()
+        self._announcer: threading.Thread | None = None
         if cfg.weights.every > 0 and self.rank == 0:
             self.sender = registry.create("weight_transport", cfg.weights.transport).sender(dict(cfg.weights.options))
+            if cfg.weights.reannounce_s > 0:
+                self._announcer = threading.Thread(target=self._reannounce_loop, name="tidal-reannounce", daemon=True)
+                self._announcer.start()
         self._stop = False
 
     def stop(self) -> None:
@@ -146,7 +155,7 @@ class Learner:
             "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
         })
         if self.pub is not None:
-            self.pub.publish("metrics", Metrics(
+            self._publish("metrics", Metrics(
                 source=f"learner-{self.rank}", step=self.version, time=time.time(), scalars=metrics,
                 histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
             log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
@@ -160,7 +169,23 @@ class Learner:
                 pass
             return
         ann = self.sender.send(weights, self.version)
-        self.pub.publish("weights", ann)  # type: ignore[union-attr]
+        self._announced = ann
+        self._publish("weights", ann)
+
+    def _publish(self, topic: str, msg: object) -> None:
+        with self._pub_lock:
+            self.pub.publish(topic, msg)  # type: ignore[union-attr, arg-type]
+
+    def _reannounce_loop(self) -> None:
+        """A generator that subscribed after an announcement (late start, restart, slow joiner) would
+        otherwise wait for the next version; receivers ignore versions they already hold."""
+        while not self._announcer_stop.wait(self.cfg.weights.reannounce_s):
+            ann = self._announced
+            if ann is not None:
+                try:
+                    self._publish("weights", ann)
+                except Exception as e:  # never take the learner down for a repeat
+                    log.debug("re-announcing version %d failed: %s", ann.version, e)
 
     def _wait_for_last_version(self) -> None:
         """Transports that serve from this process (zmq, shm) stop serving when it exits: give the
@@ -186,6 +211,9 @@ class Learner:
         self.client.close()
         if self.sender is not None:
             self._wait_for_last_version()
+            self._announcer_stop.set()
+            if self._announcer is not None:
+                self._announcer.join(timeout=10)
             self.sender.close()
         if self.pub is not None:
             self.pub.close()
