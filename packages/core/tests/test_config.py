@@ -71,3 +71,15 @@ def test_override_values_use_toml_syntax():
     assert parse_override("a=[1, 2]") == (["a"], [1, 2])
     assert parse_override("engine=vllm") == (["engine"], "vllm")
     assert apply_overrides({"a": {"b": 1}}, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}
+
+
+def test_json_configs_load_the_same_way_and_a_non_object_is_named(tmp_path):
+    p = tmp_path / "role.json"
+    p.write_bytes(msgspec.json.encode({"name": "demo", "learner": {"lr": 1e-5}}))
+    assert load_config(p, Run, overrides=["learner.steps=3"]) == Run(name="demo", learner=Learner(lr=1e-5, steps=3))
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not an object"):
+        load_config(p, Run)
+    p.write_text("{oops")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(p, Run)

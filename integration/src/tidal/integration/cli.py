@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import sys
 
 from tidal.core.plugins import KINDS, registry
@@ -44,6 +45,91 @@ def cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tidal.core.errors import ConfigError
+    from tidal.integration.recipe import load_recipe
+    from tidal.integration.report import report
+    from tidal.integration.run import run
+
+    _logging(args.log_level)
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"tidal run: {e}", file=sys.stderr)
+        return 2
+    result = run(cfg, nproc_learner=args.nproc)
+    png = report(result.run_dir)
+    print(f"run {result.status}: {result.versions} versions in {result.wall_s / 60:.1f} min; report {png}")
+    return 0 if result.status == "completed" else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tidal.core.errors import ConfigError
+    from tidal.integration.demo import demo
+
+    _logging(args.log_level)
+    try:
+        return demo(args.out, args.overrides)
+    except ConfigError as e:
+        print(f"tidal demo: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tidal.integration.monitor import read_metrics
+    from tidal.integration.report import report, summarize
+
+    try:
+        png = report(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"tidal report: {e}", file=sys.stderr)
+        return 2
+    s = summarize(read_metrics(args.run_dir))
+    print(f"{png}\n{s['versions']} versions, {s['samples_trained']:.0f} samples trained, {s['wall_s'] / 60:.1f} min, "
+          f"lag mean {s['lag_mean']:.2f} (max {s['lag_max']})")
+    for e in s["eval"]:
+        print(f"  eval at version {e['version']:>4}  ({e['elapsed_s'] / 60:5.1f} min)  accuracy {100 * e['accuracy']:.1f}%")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tidal.integration.monitor import read_metrics
+
+    root = Path(args.run_dir) if args.run_dir else None
+    if root is None:
+        runs = sorted((p for p in Path("runs").glob("*") if (p / "metrics.jsonl").is_file()),
+                      key=lambda p: (p / "metrics.jsonl").stat().st_mtime) if Path("runs").is_dir() else []
+        if not runs:
+            print("no runs under ./runs; pass a run folder: tidal status RUN_DIR", file=sys.stderr)
+            return 2
+        root = runs[-1]
+    try:
+        rows = read_metrics(root)
+    except FileNotFoundError as e:
+        print(f"tidal status: {e}", file=sys.stderr)
+        return 2
+    latest: dict[str, dict] = {}
+    for r in rows:
+        latest[r["source"]] = r
+    import time
+
+    print(f"{root}  ({len(rows)} metric lines, last {time.time() - rows[-1]['time']:.0f} s ago)" if rows else str(root))
+    for source, r in sorted(latest.items()):
+        keys = [k for k in r["scalars"] if any(k.startswith(p) for p in (
+            "train/version", "reward/mean", "loss/total", "eval/accuracy", "depth/ready", "rollout/samples",
+            "rollout/tokens_per_s", "controller/", "staleness/lag_mean", "staleness/mismatch_kl"))]
+        print(f"  {source:<12} " + "  ".join(f"{k}={r['scalars'][k]:.4g}" for k in keys[:8]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tidal",
@@ -56,6 +142,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser("version", help="show the protocol version and the installed tidal packages")
     p.set_defaults(func=cmd_version)
+    log_level = os.environ.get("TIDAL_LOG_LEVEL", "INFO")
+    p = sub.add_parser(
+        "run", help="run a recipe: rollout workers, buffer, learner and controller, until its budget is spent",
+        description="Start every role of RECIPE.toml through its launcher (default: local processes), "
+                    "show live progress, write metrics.jsonl, TensorBoard files and report.png into the run folder.",
+        epilog="Overrides use dotted TOML syntax: workers=4 learner.backend_options.optim.lr=1e-4 "
+               "budget.versions=200 mode=sync domains='[{env=\"countdown\"}]'")
+    p.add_argument("recipe", help="the run's TOML recipe (see integration/recipes/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top of the recipe")
+    p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed) on this machine")
+    p.add_argument("--log-level", default=log_level)
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser(
+        "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic (CPU, ~10 min)",
+        description="The whole system on one CPU machine: a locally built tiny model and tokenizer, a short SFT "
+                    "warm start, then asynchronous GRPO with 2 rollout workers, the buffer, the learner and the "
+                    "controller as real processes. Prints held-out accuracy before and after and the report's path.",
+        epilog="Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), model_build.* (hidden, "
+               "layers, ...) and sft.* (steps, batch, lr).")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
+    p.add_argument("--out", default="runs/demo", help="folder for the model, the warm start and the run")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("status", help="the latest metrics of a run (default: the newest under ./runs)")
+    p.add_argument("run_dir", nargs="?")
+    p.set_defaults(func=cmd_status)
     return parser
 
 

@@ -1,5 +1,5 @@
 """The integration layer's built-ins, registered like any plugin: train backends (``single``,
-``fsdp2``, ``deepspeed``). Factories import torch only when called."""
+``fsdp2``, ``deepspeed``) and launchers (``local``). Factories import torch only when called."""
 
 from __future__ import annotations
 
@@ -21,3 +21,14 @@ def _backend(name: str):
 @hookimpl
 def tidal_train_backends() -> dict[str, Any]:
     return {"single": _backend("single"), "fsdp2": _backend("fsdp2"), "deepspeed": _backend("deepspeed")}
+
+
+@hookimpl
+def tidal_launchers() -> dict[str, Any]:
+    def local(**options: Any) -> Any:
+        """Every role a local process of the driver (tidal.integration.launch)."""
+        from tidal.integration.launch import LocalLauncher
+
+        return LocalLauncher(**options)
+
+    return {"local": local}

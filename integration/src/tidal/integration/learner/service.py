@@ -122,17 +122,29 @@ class Learner:
     def run(self) -> int:
         cfg = self.cfg
         while not self._stop and (cfg.max_steps == 0 or self.step < cfg.max_steps):
-            self.train_one()
+            if self.train_one() is None:
+                break  # stopped while waiting for a batch
         if self.latest is not None:
             self.checkpoint()
         self.close()
         return 0
 
-    def train_one(self) -> dict[str, float]:
+    def train_one(self) -> dict[str, float] | None:
+        """One step; None when stopped while waiting for the batch."""
+        from tidal.core.errors import ChannelTimeout
         from tidal.integration.learner.data import Sample
 
         t0 = time.perf_counter()
-        batch = self.client.next_batch(self.version, timeout=self.cfg.batch_timeout_s)
+        deadline = time.monotonic() + self.cfg.batch_timeout_s
+        while True:  # in slices, so a stop request is seen while the buffer has nothing to give
+            try:
+                batch = self.client.next_batch(self.version, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+                break
+            except ChannelTimeout:
+                if self._stop:
+                    return None
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"no batch from the buffer within {self.cfg.batch_timeout_s:g} s") from None
         t_batch = time.perf_counter()
         samples = [Sample.from_trajectory(t) for t in batch.trajectories]
         metrics = self.trainer.step(samples)
@@ -154,6 +166,11 @@ class Learner:
             "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
         })
+        by_task: dict[str, list[float]] = {}
+        for t in batch.trajectories:
+            by_task.setdefault(t.task, []).append(float(t.reward))
+        if len(by_task) > 1:
+            metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
         if self.pub is not None:
             self._publish("metrics", Metrics(
                 source=f"learner-{self.rank}", step=self.version, time=time.time(), scalars=metrics,

@@ -86,17 +86,26 @@ def load_config(
     typ: type[T],
     overrides: Iterable[str] = (),
 ) -> T:
-    """Read TOML at `path` (None: defaults only), apply overrides, and convert to `typ`."""
+    """Read TOML (or JSON, for a `.json` path) at `path` (None: defaults only), apply overrides, and
+    convert to `typ`."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+        if p.suffix == ".json":  # what launchers write for the roles they start
+            try:
+                data = msgspec.json.decode(p.read_bytes())
+            except msgspec.DecodeError as e:
+                raise ConfigError(f"{p} is not valid JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"{p} holds a JSON {type(data).__name__}, not an object of settings")
+        else:
+            try:
+                data = tomllib.loads(p.read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{p} is not valid TOML: {e}") from None
         source = str(p)
     apply_overrides(data, overrides)
     return convert(data, typ, source=source)

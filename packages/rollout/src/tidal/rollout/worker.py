@@ -59,6 +59,8 @@ from tidal.core.reliable import AckedPusher
 
 log = logging.getLogger("tidal.rollout.worker")
 
+EVAL_KEY = "tidal.eval"  # Assignment.metadata key of held-out evaluation groups (value: the eval round)
+
 
 def _software() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
@@ -98,6 +100,7 @@ class _Group:
     unacked: set[str] = field(default_factory=set)
     sent: bool = False
     started: float = field(default_factory=time.monotonic)
+    eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
 
 
 def sample_seed(group_id: str, index: int, base: int | None) -> int:
@@ -136,6 +139,7 @@ class RolloutWorker:
                                        "updates", "update_failures"), 0.0)
         self._window_start = time.monotonic()
         self._window_tokens = 0.0
+        self._window_samples = 0.0
         self._hb_seq = 0
 
     # ------------------------------------------------------------------ helpers
@@ -196,14 +200,16 @@ class RolloutWorker:
         return 0
 
     def _ask_for_work(self) -> None:
-        want = self.cfg.max_groups - len(self.groups) - self._requested
+        training = sum(1 for g in self.groups.values() if not g.eval)
+        want = self.cfg.max_groups - training - self._requested
         if want > 0:
             self._send_ctl(WorkRequest(want=want, version=self.engine.version, running=len(self.groups)))
             self._requested += want
 
     def _on_controller(self, msg: Any) -> None:
         if isinstance(msg, Assignment):
-            self._requested = max(0, self._requested - 1)
+            if EVAL_KEY not in msg.metadata:  # evaluation is sent without credit, on top of training work
+                self._requested = max(0, self._requested - 1)
             self._start_group(msg)
         elif isinstance(msg, WeightsAvailable):
             self._announce(msg)
@@ -224,7 +230,7 @@ class RolloutWorker:
         if a.group_id in self.groups:
             return  # a repeated assignment of a group in progress
         task = Task(prompt="", answer=a.answer, domain=a.task, metadata=dict(a.metadata))
-        group = _Group(a, task)
+        group = _Group(a, task, eval=EVAL_KEY in a.metadata)
         self.groups[a.group_id] = group
         prompt = [int(x) for x in a.prompt_ids.numpy()]
         for i in range(a.num_samples):
@@ -272,6 +278,9 @@ class RolloutWorker:
                 routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
                 metadata=dict(a.metadata), source=self.cfg.name, group_size=a.num_samples,
             )
+            if group.eval:
+                self._send_ctl(traj)
+                continue
             group.unacked.add(traj.id)
             self.counters["samples"] += 1
             self.counters["tokens"] += len(res.completion_ids)
@@ -279,6 +288,8 @@ class RolloutWorker:
             self._window_tokens += len(res.completion_ids)
             self.pusher.send(traj)
         group.sent = True
+        if group.eval:
+            del self.groups[a.group_id]
 
     def _on_ack(self, ids: list[str]) -> None:
         for tid in ids:
@@ -349,6 +360,7 @@ class RolloutWorker:
         c = self.counters
         scalars = {
             "rollout/tokens_per_s": self._window_tokens / elapsed,
+            "rollout/samples_per_s": (c["samples"] - self._window_samples) / elapsed,
             "rollout/samples": c["samples"],
             "rollout/groups_done": c["groups_done"],
             "rollout/groups_dropped": c["groups_dropped"],
@@ -359,7 +371,7 @@ class RolloutWorker:
             "rollout/resent": float(self.pusher.resent),
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
-        self._window_start, self._window_tokens = now, 0.0
+        self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
 
     def _shutdown(self) -> None:
         self._stop.set()

@@ -1,0 +1,326 @@
+"""The controller: prompts out to rollout workers through the depth gate, held-out evaluation, metrics in.
+
+It owns the run's ROUTER. Rollout workers connect to it, ask for work with `WorkRequest` credits, and
+report every group with `Ack(kind="assignment")` once the buffer holds all of its samples. Each grant of
+G samples passes the staleness depth gate (tidal-staleness), so no sample is trained on more than
+`max_staleness` versions after the policy that generated it (0 in sync mode: lock-step). Training prompts
+are drawn from the recipe's domains by weight. Every `eval.every` versions, once every worker holds that
+version, the held-out problems of each domain go out as evaluation groups (sent without credit; workers
+score them and return the `Trajectory` here instead of to the buffer).
+
+Groups handed to a worker that dies are handed out again to the others (their samples carry the same ids
+and seeds, so the buffer deduplicates whatever the dead worker had already delivered).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.channels import make_hello, poll, router, sub
+from tidal.core.errors import ChannelTimeout, ProtocolError
+from tidal.core.interfaces import Task
+from tidal.core.plugins import registry
+from tidal.core.protocol import (
+    Ack,
+    Assignment,
+    Control,
+    Heartbeat,
+    Metrics,
+    SamplingParams,
+    Trajectory,
+    WeightsAvailable,
+    WorkRequest,
+)
+from tidal.integration.recipe import RunConfig
+from tidal.rollout.worker import EVAL_KEY
+from tidal.staleness.depth import DepthGate
+
+log = logging.getLogger("tidal.controller")
+
+
+@dataclass
+class WorkerState:
+    name: str
+    peer: bytes
+    credits: int = 0
+    version: int = -1
+    last_seen: float = field(default_factory=time.monotonic)
+    outstanding: dict[str, Assignment] = field(default_factory=dict)  # group id -> assignment
+    alive: bool = True
+
+
+@dataclass
+class EvalRound:
+    version: int
+    started: float
+    expected: dict[str, str]  # group id -> domain
+    rewards: dict[str, float] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)  # policy versions of the eval tokens
+
+    @property
+    def done(self) -> bool:
+        return len(self.rewards) == len(self.expected)
+
+
+class Domain:
+    def __init__(self, name: str, env, weight: float, seed: int, eval_size: int) -> None:
+        from tidal.rollout.tasks import first_tasks
+
+        self.name, self.env, self.weight = name, env, weight
+        self.train: Iterator[Task] = env.tasks("train", seed)
+        self.eval: list[Task] = first_tasks(env, "eval", seed, eval_size) if eval_size else []
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, *, endpoint: str, learner_pub: str, buffer_pub: str, run_dir: Path,
+                 tokenizer, emit: Callable[[Metrics], None]) -> None:
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.emit = emit
+        self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0)
+        self.learner_sub = sub(learner_pub, topics=["metrics", "weights"], linger=0)
+        self.buffer_sub = sub(buffer_pub, topics=["metrics"], linger=0)
+        staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
+        self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
+        self.rng = random.Random(cfg.seed)
+        self.domains = [Domain(d.env, registry.create("env", d.env, **d.options), d.weight, cfg.seed + i,
+                               cfg.eval.size if cfg.eval.every else 0) for i, d in enumerate(cfg.domains)]
+        self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
+        stop_ids = [i for s in cfg.sampling.stop for i in tokenizer.encode(s)]
+        s = cfg.sampling
+        self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids)
+        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
+                                            stop_token_ids=stop_ids, seed=cfg.seed)
+        self.workers: dict[str, WorkerState] = {}
+        self.requeued: deque[Assignment] = deque()
+        self.next_group = 0
+        self.learner_version = 0
+        self.evals: dict[int, EvalRound] = {}
+        self._next_eval = cfg.eval.every
+        self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
+        self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
+        self.counts = {"groups_granted": 0, "groups_done": 0, "groups_failed": 0, "groups_requeued": 0}
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, timeout: float = 0.05) -> None:
+        """Handle what arrived within `timeout`, then hand out what the gate allows."""
+        for ch in poll([self.ch, self.learner_sub, self.buffer_sub], timeout=timeout):
+            for _ in range(256):  # drain, bounded so one busy peer cannot starve the rest
+                try:
+                    if ch is self.ch:
+                        peer, msg = self.ch.recv(timeout=0)
+                        self._on_worker(peer, msg)
+                    else:
+                        topic, msg = ch.recv(timeout=0)  # type: ignore[attr-defined]
+                        self._on_published(topic, msg)
+                except ChannelTimeout:
+                    break
+                except ProtocolError as e:
+                    log.error("dropped a malformed message: %s", e)
+        self._advance_version()
+        self._dispatch()
+        self._finish_evals()
+
+    def _on_worker(self, peer: bytes, msg) -> None:
+        hello = self.ch.peers.get(peer)
+        name = hello.name if hello is not None else peer.decode(errors="replace")
+        w = self.workers.get(name)
+        if w is None or w.peer != peer:
+            w = self.workers[name] = WorkerState(name=name, peer=peer,
+                                                 outstanding=w.outstanding if w is not None else {})
+            log.info("worker %s connected", name)
+        w.last_seen = time.monotonic()
+        w.alive = True
+        if isinstance(msg, WorkRequest):
+            w.credits += msg.want
+            w.version = max(w.version, msg.version)
+        elif isinstance(msg, Heartbeat):
+            w.version = max(w.version, msg.version)
+        elif isinstance(msg, Ack) and msg.kind == "assignment":
+            for gid in msg.ids:
+                a = w.outstanding.pop(gid, None)
+                if a is None or EVAL_KEY in a.metadata:
+                    continue
+                if msg.ok:
+                    self.gate.accept(a.num_samples)
+                    self.counts["groups_done"] += 1
+                else:
+                    self.gate.reject(a.num_samples)
+                    self.counts["groups_failed"] += 1
+                    log.warning("group %s failed on %s: %s", gid, name, msg.detail)
+        elif isinstance(msg, Trajectory) and msg.group_id in w.outstanding:
+            a = w.outstanding.pop(msg.group_id)
+            rnd = self.evals.get(int(a.metadata[EVAL_KEY]))
+            if rnd is not None:
+                rnd.rewards[msg.group_id] = msg.reward
+                rnd.versions.extend(int(v) for v in msg.versions.numpy())
+        elif isinstance(msg, Metrics):
+            self._record(msg)
+
+    def _on_published(self, topic: str, msg) -> None:
+        if isinstance(msg, WeightsAvailable):
+            self.learner_version = max(self.learner_version, msg.version)
+        elif isinstance(msg, Metrics):
+            if msg.source.startswith("learner"):
+                self.learner_version = max(self.learner_version, int(msg.scalars.get("train/version", 0)))
+            self._record(msg)
+
+    def _record(self, msg: Metrics) -> None:
+        self.last.setdefault(msg.source, {}).update(msg.scalars)
+        self.emit(msg)
+
+    # ------------------------------------------------------------------ handing out work
+
+    def live_workers(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.alive]
+
+    def generation_version(self) -> int:
+        """The policy version every live worker holds (the oldest of theirs)."""
+        live = [w.version for w in self.live_workers()]
+        return min(live) if live else 0
+
+    def _advance_version(self) -> None:
+        v = self.generation_version()
+        if v > self.gate.state.version:
+            self.gate.set_version(v)
+            self._maybe_start_eval(v)
+
+    def _dispatch(self) -> None:
+        for w in self.live_workers():
+            while w.credits > 0:
+                if self.requeued:
+                    a = self.requeued.popleft()
+                elif self.gate.try_acquire(self.cfg.group_size):
+                    a = self._new_assignment()
+                    self.counts["groups_granted"] += 1
+                else:
+                    return
+                self._send(w, a)
+                w.credits -= 1
+
+    def _send(self, w: WorkerState, a: Assignment) -> None:
+        w.outstanding[a.group_id] = a
+        try:
+            self.ch.send(w.peer, a, timeout=5)
+        except ChannelTimeout:
+            log.warning("could not reach %s; its work will be handed out again", w.name)
+            self.worker_lost(w.name)
+
+    def _new_assignment(self) -> Assignment:
+        d = self.domains[int(self.rng.choices(range(len(self.domains)), weights=self.weights)[0])]
+        task = next(d.train)
+        gid = f"{d.name}-{self.next_group:07d}"
+        self.next_group += 1
+        return Assignment(group_id=gid, prompt_ids=self._encode(task.prompt), num_samples=self.cfg.group_size,
+                          task=d.name, answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata))
+
+    def _encode(self, text: str) -> Array:
+        return Array.from_numpy(np.asarray(self.tok.encode(text), np.int32))
+
+    def worker_lost(self, name: str) -> None:
+        """`name` died or stopped answering: what it held goes to the others."""
+        w = self.workers.get(name)
+        if w is None:
+            return
+        w.alive, w.credits = False, 0
+        again = list(w.outstanding.values())
+        w.outstanding.clear()
+        train = [a for a in again if EVAL_KEY not in a.metadata]
+        self.requeued.extend(train)
+        self.counts["groups_requeued"] += len(train)
+        for a in again:
+            if EVAL_KEY in a.metadata:
+                self._send_eval(a)
+        if again:
+            log.warning("worker %s lost: %d groups handed out again", name, len(again))
+
+    def stale_workers(self, timeout: float) -> list[str]:
+        now = time.monotonic()
+        return [w.name for w in self.live_workers() if now - w.last_seen > timeout]
+
+    def stop_workers(self, reason: str) -> None:
+        for w in self.live_workers():
+            try:
+                self.ch.send(w.peer, Control(command="stop", reason=reason), timeout=2)
+            except ChannelTimeout:
+                pass
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _maybe_start_eval(self, version: int) -> None:
+        every = self.cfg.eval.every
+        if not every or version in self.evals:
+            return
+        if version >= self._next_eval or version >= self.cfg.budget.versions:
+            self._next_eval = (version // every + 1) * every
+            self.start_eval(version)
+
+    def start_eval(self, version: int) -> None:
+        if not any(d.eval for d in self.domains) or not self.live_workers():
+            return
+        expected: dict[str, str] = {}
+        for d in self.domains:
+            for i, task in enumerate(d.eval):
+                gid = f"eval{version}-{d.name}-{i:04d}"
+                expected[gid] = d.name
+                self._send_eval(Assignment(group_id=gid, prompt_ids=self._encode(task.prompt), num_samples=1,
+                                           task=d.name, answer=task.answer, sampling=self.eval_sampling,
+                                           metadata={**task.metadata, EVAL_KEY: str(version)}))
+        self.evals[version] = EvalRound(version, time.monotonic(), expected)
+        log.info("evaluation at version %d: %d held-out problems", version, len(expected))
+
+    def _send_eval(self, a: Assignment) -> None:
+        live = self.live_workers()
+        if not live:
+            self.requeued.append(a)
+            return
+        self._send(min(live, key=lambda w: len(w.outstanding)), a)
+
+    def _finish_evals(self) -> None:
+        for v, rnd in list(self.evals.items()):
+            if not rnd.done or rnd.started < 0:
+                continue
+            rnd.started = -1.0  # reported
+            per: dict[str, list[float]] = {}
+            for gid, r in rnd.rewards.items():
+                per.setdefault(rnd.expected[gid], []).append(r)
+            acc = float(np.mean(list(rnd.rewards.values())))
+            by_domain = {d: float(np.mean(rs)) for d, rs in per.items()}
+            self.eval_results.append((v, acc, by_domain))
+            scalars = {"eval/accuracy": acc, "eval/version": float(v),
+                       "eval/token_version_min": float(min(rnd.versions, default=v)),
+                       "eval/problems": float(len(rnd.rewards))}
+            scalars.update({f"eval/{d}/accuracy": a for d, a in by_domain.items()})
+            log.info("eval at version %d: accuracy %.3f %s", v, acc,
+                     " ".join(f"{d}={a:.3f}" for d, a in by_domain.items()))
+            self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
+
+    def eval_pending(self) -> bool:
+        return any(r.started >= 0 for r in self.evals.values())
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, float]:
+        g = self.gate.state
+        return {"controller/generation_version": float(self.generation_version()),
+                "controller/learner_version": float(self.learner_version),
+                "controller/workers_alive": float(len(self.live_workers())),
+                "controller/gate_in_flight": float(g.in_flight), "controller/gate_accepted": float(g.accepted),
+                "controller/gate_capacity": float(self.gate.capacity()),
+                **{f"controller/{k}": float(v) for k, v in self.counts.items()}}
+
+    def close(self) -> None:
+        for ch in (self.ch, self.learner_sub, self.buffer_sub):
+            ch.close()

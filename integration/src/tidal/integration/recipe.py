@@ -1,0 +1,131 @@
+"""A run's recipe: one TOML file that says what to train, on what, and how the roles are laid out.
+
+    name = "arith"
+    model = "/models/tiny-sft"
+    group_size = 8
+    batch_groups = 8
+    [[domains]]
+    env = "arithmetic"
+    options = { level = 2 }
+    [learner.train.loss]
+    name = "grpo"
+
+The role sections (`rollout`, `buffer`, `learner`) are exactly the configs of those processes
+(`python -m tidal.rollout.worker --help` and friends), so a setting has one name everywhere. The
+launcher fills in what must agree between roles: endpoints, model folder, group size, batch size, seeds.
+`tidal run RECIPE.toml learner.backend_options.optim.lr=1e-4` overrides any field by its dotted name.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from tidal.buffer.config import BufferConfig
+from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.errors import ConfigError
+from tidal.integration.learner.service import LearnerConfig
+from tidal.rollout.worker import WorkerConfig
+
+
+class DomainConfig(ConfigStruct):
+    env: str = "arithmetic"  # environment plugin name (`tidal plugins env`)
+    options: dict[str, object] = {}  # the environment's factory options, e.g. { level = 2 }
+    weight: float = 1.0  # share of training prompts drawn from this domain (normalised over domains)
+
+
+class SamplingConfig(ConfigStruct):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])  # generation ends after any of these strings (single tokens of the tokenizer)
+
+
+class EvalConfig(ConfigStruct):
+    every: int = 5  # evaluate held-out problems every N policy versions (and at the start and the end); 0 = never
+    size: int = 200  # held-out problems per domain
+    temperature: float = 0.0  # 0 = greedy
+    max_tokens: int = 0  # 0 = sampling.max_tokens
+
+
+class BudgetConfig(ConfigStruct):
+    versions: int = 100  # policy versions (learner steps) to train; the run ends after the last
+    minutes: float = 0.0  # stop earlier after this much wall-clock; 0 = no limit
+
+
+class MonitorConfig(ConfigStruct):
+    progress: Literal["auto", "rich", "log", "off"] = "auto"  # auto = rich on a terminal, log lines otherwise
+    tensorboard: bool = True  # also write TensorBoard event files under <run_dir>/tb
+    log_every_s: float = 10.0  # period of the one-line status in "log" mode
+
+
+class LaunchConfig(ConfigStruct):
+    heartbeat_timeout_s: float = 60.0  # a worker silent this long (and alive) is killed and restarted
+    max_restarts: int = 3  # per role; a role that dies more often ends the run
+    shutdown_timeout_s: float = 30.0  # how long roles get to stop before they are killed
+    start_timeout_s: float = 300.0  # how long the run waits for every worker's first request
+
+
+class RunConfig(ConfigStruct):
+    name: str = "run"
+    run_dir: str = ""  # "" = runs/<name>-<date>-<time>
+    mode: Literal["async", "sync"] = "async"  # sync: the same roles in lock-step (generate, train, sync)
+    launcher: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="local"))
+    model: str = ""  # local Hugging Face folder (learner and workers start from it)
+    seed: int = 0
+    group_size: int = 8  # G samples per prompt
+    batch_groups: int = 8  # groups per learner step
+    max_staleness: int = 2  # depth gate: no sample is more than this many versions old when trained (async)
+    domains: list[DomainConfig] = msgspec.field(default_factory=lambda: [DomainConfig()])
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
+    workers: int = 2  # rollout worker processes
+    rollout: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    monitor: MonitorConfig = msgspec.field(default_factory=MonitorConfig)
+    launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)
+
+    @property
+    def batch_samples(self) -> int:
+        return self.group_size * self.batch_groups
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    cfg = load_config(path, RunConfig, overrides)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: RunConfig) -> None:
+    """Errors a run would otherwise meet minutes in, named by field."""
+    if not cfg.model:
+        raise ConfigError("`model` is empty: give a local Hugging Face folder (tidal demo builds one)", field="model")
+    if not Path(cfg.model).is_dir():
+        raise ConfigError(f"model folder {cfg.model} does not exist", field="model")
+    for name, value, low in (("group_size", cfg.group_size, 1), ("batch_groups", cfg.batch_groups, 1),
+                             ("workers", cfg.workers, 1), ("budget.versions", cfg.budget.versions, 1),
+                             ("max_staleness", cfg.max_staleness, 0)):
+        if value < low:
+            raise ConfigError(f"`{name}` must be at least {low}, got {value}", field=name)
+    if not cfg.domains:
+        raise ConfigError("`domains` is empty: name at least one environment", field="domains")
+    if any(d.weight <= 0 for d in cfg.domains):
+        raise ConfigError("every domain needs a positive `weight`", field="domains")
+    if cfg.learner.weights.every < 1:
+        raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
+                          field="learner.weights.every")
+    from tidal.core.plugins import registry
+
+    for d in cfg.domains:
+        registry.get("env", d.env)  # PluginNotFound lists the names that exist
+    registry.get("launcher", cfg.launcher.name)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,0 +1,205 @@
+"""The run driver behind `tidal run` and `tidal demo`: lays out the roles, starts them through the
+configured launcher, plays the controller, restarts what dies, and stops everything at the end.
+
+Role layout (endpoints are loopback ports picked per run):
+
+    rollout-i --Trajectory--> buffer (ingest) --Batch--> learner --WeightsAvailable/Metrics (PUB)--> workers, driver
+        ^  WorkRequest/Ack/Heartbeat/Metrics       buffer (publish): acks to workers, Metrics to the driver
+        +--------------------- controller (ROUTER, in the driver) ---------------------+
+
+Restart rules: a rollout worker that dies (or stops heartbeating) is restarted and its groups go to the
+others; the buffer restarts from its write-ahead log; the learner restarts from its last checkpoint
+(the buffer serves the batch it had not acknowledged again). Each role restarts at most
+`launch.max_restarts` times; past that the run stops with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from tidal.core.config import PluginRef
+from tidal.core.plugins import registry
+from tidal.core.protocol import Metrics
+from tidal.core.testing import free_endpoint
+from tidal.integration.controller import Controller
+from tidal.integration.launch import Role
+from tidal.integration.monitor import Display, MetricsSink
+from tidal.integration.recipe import RunConfig, default_run_dir
+
+log = logging.getLogger("tidal.run")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    status: str  # "completed", "interrupted", "failed: ..."
+    versions: int
+    eval: list[tuple[int, float, dict[str, float]]]
+    restarts: dict[str, int]
+    wall_s: float
+
+
+def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
+    """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles."""
+    ep = {k: free_endpoint() for k in ("controller", "ingest", "serve", "buffer_pub", "learner_pub")}
+    roles_dir = run_dir / "roles"
+    roles_dir.mkdir(parents=True, exist_ok=True)
+    sync = cfg.mode == "sync"
+    buffer = msgspec.structs.replace(
+        cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
+        wal_dir=str(run_dir / "buffer-wal"), group_size=cfg.group_size, batch_samples=cfg.batch_samples)
+    learner = msgspec.structs.replace(
+        cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
+        max_steps=cfg.budget.versions, seed=cfg.seed,
+        checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
+        weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
+    roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
+             _role("learner", "learner", "tidal.integration.learner", learner, roles_dir)]
+    envs = {d.env: dict(d.options) for d in cfg.domains}
+    for i in range(cfg.workers):
+        w = msgspec.structs.replace(
+            cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
+            buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
+            envs={**envs, **cfg.rollout.envs},
+            engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
+                                                                        **cfg.rollout.engine.options}))
+        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir))
+    return roles, ep
+
+
+def _role(name: str, kind: str, module: str, config, roles_dir: Path) -> Role:
+    path = roles_dir / f"{name}.json"
+    path.write_bytes(msgspec.json.encode(config))
+    nproc = int(getattr(config, "nproc", 1)) if kind == "learner" else 1
+    return Role(name=name, kind=kind, module=module, config=path, nproc=nproc,
+                env={"OMP_NUM_THREADS": "1"} if kind == "buffer" else {})
+
+
+class _Stop(Exception):
+    pass
+
+
+def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
+    from tidal.rollout.tiny import load_tokenizer
+
+    run_dir = Path(run_dir or default_run_dir(cfg))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
+    roles, ep = plan(cfg, run_dir)
+    for r in roles:
+        if r.kind == "learner":
+            r.nproc = nproc_learner
+    launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
+    display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
+    controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"], buffer_pub=ep["buffer_pub"],
+                            run_dir=run_dir, tokenizer=load_tokenizer(cfg.model), emit=sink)
+    restarts = {r.name: 0 for r in roles}
+    workers = [r.name for r in roles if r.kind == "rollout"]
+    status, t0 = "completed", time.monotonic()
+    interrupted = False
+
+    def on_signal(sig, _frame):
+        nonlocal interrupted
+        interrupted = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    log.info("run folder %s (%s mode, %d workers, launcher %s)", run_dir, cfg.mode, cfg.workers, cfg.launcher.name)
+    handle = launcher.launch(roles, run_dir)
+    learner_done = False
+    done_at: float | None = None
+    eval0 = False
+    next_status = 0.0
+    try:
+        while True:
+            if interrupted:
+                status = "interrupted"
+                log.warning("interrupted: stopping every role")
+                break
+            controller.step(0.05)
+            now = time.monotonic()
+            if not eval0 and all(w in controller.workers for w in workers):
+                controller.start_eval(0)
+                eval0 = True
+            elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
+                raise _Stop(f"workers did not all connect within {cfg.launch.start_timeout_s:.0f} s "
+                            f"(see {run_dir / 'logs'})")
+            for name, rc in handle.exited().items():
+                if name == "learner" and rc == 0:
+                    learner_done, done_at = True, now
+                    log.info("learner finished %d versions", controller.learner_version)
+                    continue
+                restarts[name] += 1
+                if restarts[name] > cfg.launch.max_restarts:
+                    raise _Stop(f"{name} exited with code {rc} {restarts[name]} times; see {run_dir / 'logs' / name}.log")
+                log.warning("%s exited with code %d: restarting (%d of %d)", name, rc, restarts[name],
+                            cfg.launch.max_restarts)
+                if name in workers:
+                    controller.worker_lost(name)
+                handle.restart(name)
+            for name in controller.stale_workers(cfg.launch.heartbeat_timeout_s):
+                if handle.running(name):
+                    log.warning("%s sent nothing for %.0f s: killing it", name, cfg.launch.heartbeat_timeout_s)
+                    handle.kill(name)
+                controller.worker_lost(name)
+            if now >= next_status:
+                next_status = now + 2.0
+                sink(Metrics(source="controller", step=controller.learner_version, time=time.time(),
+                             scalars=controller.status()))
+                display.update(controller.learner_version, _summary(controller, now - t0))
+            if cfg.budget.minutes and now - t0 > 60 * cfg.budget.minutes and not learner_done:
+                log.info("time budget of %.1f min reached: stopping the learner", cfg.budget.minutes)
+                handle.signal("learner", signal.SIGTERM)
+                cfg = msgspec.structs.replace(cfg, budget=msgspec.structs.replace(cfg.budget, minutes=0.0))
+            if learner_done:
+                final = controller.learner_version
+                if controller.generation_version() >= final and not controller.eval_pending() \
+                        and (not cfg.eval.every or final in controller.evals):
+                    break
+                if now - done_at > 300:  # type: ignore[operator]
+                    log.warning("the final evaluation did not finish within 300 s; stopping anyway")
+                    break
+    except _Stop as e:
+        status = f"failed: {e}"
+        log.error("%s", e)
+    finally:
+        display.update(controller.learner_version, _summary(controller, time.monotonic() - t0))
+        display.close()
+        controller.stop_workers("run over")
+        codes = handle.stop(["learner", *workers, "buffer"], cfg.launch.shutdown_timeout_s)
+        log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
+        sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))
+        controller.close()
+        sink.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
+                     eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
+                     wall_s=time.monotonic() - t0)
+
+
+def _summary(c: Controller, elapsed: float) -> dict[str, str]:
+    learner = c.last.get("learner-0", {})
+    buffer = next((v for k, v in c.last.items() if k.startswith("buffer")), {})
+    workers = [v for k, v in c.last.items() if k.startswith("rollout")]
+    acc = f"{100 * c.eval_results[-1][1]:.1f}% @v{c.eval_results[-1][0]}" if c.eval_results else "-"
+    return {
+        "elapsed": f"{elapsed / 60:.1f} min",
+        "samples/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
+        "tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
+        "reward": f"{learner.get('reward/mean', float('nan')):.3f}",
+        "eval acc": acc,
+        "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
+        "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",
+        "workers": f"{len(c.live_workers())}",
+    }
+
+
+def launcher_ref(name: str) -> PluginRef:
+    return PluginRef(name=name)
