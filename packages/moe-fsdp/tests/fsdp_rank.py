@@ -1,6 +1,7 @@
 """One rank of a 2-rank FSDP2 (gloo) run: a tiny Mixtral whose MoE blocks become `MoEBlock`s, on a
-("dp", "ep") mesh with ep = argv[3], trains STEPS AdamW steps on this rank's batches; then every
-parameter is gathered with `iter_full_weights` and rank 0 saves them (and the losses) to OUT."""
+("dp", "ep") mesh for each ep in argv[3:], trains STEPS AdamW steps on this rank's batches; then every
+parameter is gathered with `iter_full_weights` and rank 0 saves them (and the losses) to OUT/fsdp_ep{ep}.pt.
+One launch runs every mesh shape (processes are costly to start on a busy CPU)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ from tidal.moe_fsdp import iter_full_weights, moe_mesh, shard_moe_model
 
 
 def main() -> int:
-    rank, out, ep = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    rank, out = int(sys.argv[1]), Path(sys.argv[2])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    for ep in map(int, sys.argv[3:]):
+        train(rank, out, ep)
+    dist.destroy_process_group()
+    return 0
+
+
+def train(rank: int, out: Path, ep: int) -> None:
     model = shard_moe_model(tiny_mixtral(), moe_mesh(ep), recompute=True)
     opt = optimizer(model)
     losses = []
@@ -34,8 +42,6 @@ def main() -> int:
             weights[name] = full.clone()
     if rank == 0:
         torch.save({"weights": weights, "losses": losses}, out / f"fsdp_ep{ep}.pt")
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

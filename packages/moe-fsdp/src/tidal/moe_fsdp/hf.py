@@ -34,7 +34,8 @@ def moe_config_of(module: nn.Module, *, recompute: bool = False) -> MoEConfig:
         raise ValueError(f"{name} uses router jitter noise {module.jitter_noise}; set the config's "
                          "router_jitter_noise=0 (MoEBlock routes deterministically)")
     act = getattr(module.experts, "act_fn", None)
-    if act is not None and not isinstance(act, nn.SiLU):
+    probe = torch.linspace(-4, 4, 9)
+    if act is not None and not torch.allclose(act(probe), nn.functional.silu(probe)):
         raise ValueError(f"{name}'s experts use {type(act).__name__}; MoEBlock implements SwiGLU (silu) experts")
     experts, hidden = module.experts.gate_up_proj.shape[0], module.experts.gate_up_proj.shape[2]
     return MoEConfig(hidden_size=hidden, intermediate_size=module.experts.down_proj.shape[2],
