@@ -29,10 +29,12 @@ def main() -> int:
 def train(rank: int, out: Path, ep: int) -> None:
     model = shard_moe_model(tiny_mixtral(), moe_mesh(ep), recompute=True)
     opt = optimizer(model)
-    losses = []
+    losses, first_grads = [], {}
     for step in range(STEPS):
         loss = lm_loss(model, batch(step, rank))
         loss.backward()
+        if step == 0:  # AdamW hides a wrongly scaled gradient; compare the reduced gradients directly too
+            first_grads = {name: g.clone() for name, g in iter_full_weights(model, grads=True)}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -41,7 +43,7 @@ def train(rank: int, out: Path, ep: int) -> None:
         if rank == 0:
             weights[name] = full.clone()
     if rank == 0:
-        torch.save({"weights": weights, "losses": losses}, out / f"fsdp_ep{ep}.pt")
+        torch.save({"weights": weights, "losses": losses, "grads": first_grads}, out / f"fsdp_ep{ep}.pt")
 
 
 if __name__ == "__main__":

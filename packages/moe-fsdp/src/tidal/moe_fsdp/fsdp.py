@@ -60,14 +60,16 @@ def shard_moe_model(model: nn.Module, mesh: DeviceMesh, *, recompute: bool = Fal
     return model
 
 
-def iter_full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(model: nn.Module, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) for every parameter, one at a time, with the names of the unsharded
     model (for MoE layers: the Hugging Face names). Gathers FSDP shards over their mesh and expert slices
     over the EP group, so every rank must iterate to the end in step; each tensor can be sent and dropped
-    before the next is gathered, so at most one full parameter exists at a time."""
+    before the next is gathered, so at most one full parameter exists at a time. `grads=True` yields the
+    parameters' reduced gradients instead (after backward; a parameter without one gives zeros)."""
     owner = {id(p): b for b in moe_blocks(model) for p in b.experts.parameters()}
     for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
         block = owner.get(id(p))
         if block is not None and block.ep_size > 1:
             parts = [torch.empty_like(full) for _ in range(block.ep_size)]
