@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """all_to_all_single over dim 0 of x ([n, ...], n = group size): part i goes to rank i."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after .contiguous(): empty_like keeps a view's strides
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

@@ -96,12 +96,12 @@ def unshard(x: torch.Tensor, layout: ShardLayout, mesh: SPMesh, *, dim: int = 1)
     and checks). Shape: `x` with `dim` of size layout.seq_len."""
     import torch.distributed as dist
 
-    dim = dim % x.dim()
+    dim, x = dim % x.dim(), x.contiguous()
     if mesh.size == 1:
         parts = [x]
     else:
         parts = [torch.empty_like(x) for _ in range(mesh.size)]
-        dist.all_gather(parts, x.contiguous(), group=mesh.group)
+        dist.all_gather(parts, x, group=mesh.group)
     order = torch.cat([layout.rank_indices(i // mesh.ulysses, i % mesh.ulysses) for i in range(mesh.size)])
     full = torch.cat(parts, dim)
     out = torch.empty_like(full)

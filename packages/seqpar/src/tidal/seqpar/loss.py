@@ -62,4 +62,6 @@ def sum_grads(params: Iterable[torch.nn.Parameter], mesh: SPMesh) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif not p.grad.is_contiguous():  # a collective reduces the memory, not the view
+            p.grad = p.grad.contiguous()
         dist.all_reduce(p.grad, group=mesh.group)
