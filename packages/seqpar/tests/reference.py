@@ -22,7 +22,7 @@ def attention(q, k, v, position_ids, *, causal: bool, sinks=None, scale=None):
     seg = segments_of(position_ids)
     allowed = seg[:, :, None] == seg[:, None, :]
     if causal:
-        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed[:, None], float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks[None, :, None, None].expand(b, h, s, 1)], -1)

@@ -21,6 +21,7 @@ from reference import attention as ref_attention
 
 from tidal.seqpar import make_mesh, plan_layout, shard, sp_attention, sp_cross_entropy, sum_grads, unshard
 
+DEVICE = os.environ.get("TIDAL_SP_DEVICE", "cpu")  # "cuda" with NCCL: tools/gpu/seqpar_check.sh
 MESHES = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}
 
@@ -33,12 +34,12 @@ def attention_case(mesh, *, causal: bool, sinks: bool, packed: bool, heads: str,
     hq, hkv = HEADS[heads]
     b, s, d = 2, 37, 8  # 37 is divisible by no mesh: padding is always exercised
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, s, d, generator=g, requires_grad=True)
-    k = torch.randn(b, hkv, s, d, generator=g, requires_grad=True)
-    v = torch.randn(b, hkv, s, d, generator=g, requires_grad=True)
-    sink = (torch.randn(hq, generator=g) * 2).requires_grad_() if sinks else None
-    pos = packed_positions(b, [11, 15, 11]) if packed else torch.arange(s)[None].expand(b, s)
-    weight = torch.randn(b, hq, s, d, generator=g)  # a fixed random cotangent
+    q = torch.randn(b, hq, s, d, generator=g).to(DEVICE).requires_grad_()
+    k = torch.randn(b, hkv, s, d, generator=g).to(DEVICE).requires_grad_()
+    v = torch.randn(b, hkv, s, d, generator=g).to(DEVICE).requires_grad_()
+    sink = (torch.randn(hq, generator=g) * 2).to(DEVICE).requires_grad_() if sinks else None
+    pos = (packed_positions(b, [11, 15, 11]) if packed else torch.arange(s)[None].expand(b, s)).to(DEVICE)
+    weight = torch.randn(b, hq, s, d, generator=g).to(DEVICE)  # a fixed random cotangent
     leaves = [q, k, v] + ([sink] if sinks else [])
 
     ref = ref_attention(q, k, v, pos, causal=causal, sinks=sink)
@@ -64,7 +65,7 @@ def tiny_qwen(hkv: int):
     cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=hkv, max_position_embeddings=128,
                       attn_implementation="eager")
-    return Qwen2ForCausalLM(cfg).float()
+    return Qwen2ForCausalLM(cfg).float().to(DEVICE)
 
 
 def hf_case(mesh, *, hkv: int, backend: str, packed: bool) -> dict:
@@ -72,8 +73,8 @@ def hf_case(mesh, *, hkv: int, backend: str, packed: bool) -> dict:
 
     lengths = [13, 9, 15] if packed else [37]
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 96, (1, sum(lengths)), generator=g)
-    pos = packed_positions(1, lengths)
+    ids = torch.randint(0, 96, (1, sum(lengths)), generator=g).to(DEVICE)
+    pos = packed_positions(1, lengths).to(DEVICE)
 
     ref_model = tiny_qwen(hkv)
     total, count, start = 0.0, 0, 0
@@ -107,6 +108,8 @@ def cases(world: int) -> list[tuple[str, tuple[int, int], str, dict]]:
                                   (False, True), HEADS)):
             if backend == "sdpa" and world == 4 and not (packed and heads == "gqa"):
                 continue  # the sdpa kernel is covered fully with 2 processes; keep the 4-process run short
+            if world == 4 and not causal and (u, r) != (2, 2):
+                continue  # non-causal with 4 ranks: on the hybrid mesh only (every mesh has it with 2)
             key = (f"u{u}r{r}/{backend}/{'causal' if causal else 'full'}/{'sinks' if sinks else 'nosinks'}/"
                    f"{'packed' if packed else 'single'}/{heads}")
             out.append((key, (u, r), "attn", dict(causal=causal, sinks=sinks, packed=packed, heads=heads,
@@ -122,7 +125,9 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=world)
     results: dict[str, dict] = {}
     meshes = {}
     for key, dims, kind, kwargs in cases(world):
