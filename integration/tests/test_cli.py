@@ -51,3 +51,32 @@ def test_plugins_lists_a_third_party_plugin(tmp_path):
 def test_plugins_rejects_unknown_kind(kind):
     out = tidal("plugins", kind)
     assert out.returncode == 2 and "kinds are: engine" in out.stderr
+
+
+def test_help_of_run_and_demo_explains_them():
+    out = tidal("--help")
+    for command in ("run", "demo", "status", "report"):
+        assert command in out.stdout
+    run_help = tidal("run", "--help").stdout
+    assert "RECIPE" in run_help.upper() and "--nproc" in run_help and "dotted" in run_help
+    assert "SFT" in tidal("demo", "--help").stdout
+
+
+def test_run_names_the_bad_field_of_a_recipe(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('model = "/nowhere"\ngroup_sise = 4\n')
+    out = tidal("run", str(recipe))
+    assert out.returncode == 2 and "group_sise" in out.stderr and "group_size" in out.stderr
+    recipe.write_text(f'model = "{tmp_path}"\n[learner]\nbackend_options = {{ optim = {{ lr = "fast" }} }}\n')
+    out = tidal("run", str(recipe))
+    assert out.returncode == 2 and "learner.backend_options.optim.lr" in out.stderr
+    out = tidal("run", str(recipe), "learner.backend_options.optim.lr=1e-4", "domains=[{env=\"algebra\"}]")
+    assert out.returncode == 2 and "algebra" in out.stderr and "arithmetic" in out.stderr
+    out = tidal("run", str(recipe), 'model="/nowhere"', "learner.backend_options.optim.lr=1e-4")
+    assert out.returncode == 2 and "/nowhere" in out.stderr
+
+
+def test_report_and_status_name_a_folder_that_is_not_a_run(tmp_path):
+    for command in ("report", "status"):
+        out = tidal(command, str(tmp_path))
+        assert out.returncode == 2 and "metrics.jsonl" in out.stderr

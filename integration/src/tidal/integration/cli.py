@@ -52,7 +52,7 @@ def _logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tidal.core.errors import ConfigError
+    from tidal.core.errors import ConfigError, PluginNotFound
     from tidal.integration.recipe import load_recipe
     from tidal.integration.report import report
     from tidal.integration.run import run
@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-    except ConfigError as e:
+    except (ConfigError, PluginNotFound) as e:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     result = run(cfg, nproc_learner=args.nproc)
@@ -70,13 +70,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tidal.core.errors import ConfigError
+    from tidal.core.errors import ConfigError, PluginNotFound
     from tidal.integration.demo import demo
 
     _logging(args.log_level)
     try:
         return demo(args.out, args.overrides)
-    except ConfigError as e:
+    except (ConfigError, PluginNotFound) as e:
         print(f"tidal demo: {e}", file=sys.stderr)
         return 2
 

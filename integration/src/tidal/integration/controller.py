@@ -296,10 +296,12 @@ class Controller:
             per: dict[str, list[float]] = {}
             for gid, r in rnd.rewards.items():
                 per.setdefault(rnd.expected[gid], []).append(r)
-            acc = float(np.mean(list(rnd.rewards.values())))
-            by_domain = {d: float(np.mean(rs)) for d, rs in per.items()}
+            # accuracy counts full successes (reward 1); partial credit only shapes training
+            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()]))
+            by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
             self.eval_results.append((v, acc, by_domain))
-            scalars = {"eval/accuracy": acc, "eval/version": float(v),
+            scalars = {"eval/accuracy": acc, "eval/reward": float(np.mean(list(rnd.rewards.values()))),
+                       "eval/version": float(v),
                        "eval/token_version_min": float(min(rnd.versions, default=v)),
                        "eval/problems": float(len(rnd.rewards))}
             scalars.update({f"eval/{d}/accuracy": a for d, a in by_domain.items()})

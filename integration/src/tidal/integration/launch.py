@@ -11,6 +11,7 @@ PR_SET_PDEATHSIG), so a driver killed with SIGKILL leaves no orphans. Logs go to
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -80,6 +81,8 @@ class LocalRun:
         args = [*role.argv()] + (["--nproc", str(role.nproc)] if role.nproc > 1 else [])
         p = start_process([sys.executable, *args], self.run_dir / "logs" / f"{role.name}.log", role.env)
         self.procs[role.name] = p
+        pids = self.run_dir / "pids.json"  # what is running now, for `kill -9` drills and debugging
+        pids.write_text(json.dumps({n: q.pid for n, q in self.procs.items() if q.poll() is None}))
         log.info("started %s (pid %d)%s", role.name, p.pid,
                  f", start {self.starts[role.name]}" if self.starts[role.name] > 1 else "")
 
@@ -149,3 +152,170 @@ def wait_until(pred, timeout: float, every: float = 0.1) -> bool:
             return True
         time.sleep(every)
     return pred()
+
+
+class _RoleHost:
+    """A Ray actor that owns one role's process on the node Ray placed it on (it inherits the actor's
+    environment: CUDA_VISIBLE_DEVICES, the node's address)."""
+
+    def __init__(self, argv: list[str], log_path: str, env: dict[str, str]) -> None:
+        self.argv, self.log_path, self.env = argv, Path(log_path), env
+        self.proc: subprocess.Popen | None = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def start(self, extra_env: dict[str, str] | None = None) -> int:
+        self.proc = start_process([sys.executable, *self.argv], self.log_path, {**self.env, **(extra_env or {})})
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return None if self.proc is None else self.proc.wait(timeout=30)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class RayRun:
+    """Each role placed as a Ray actor (`_RoleHost`); learner ranks are one actor each, joined under
+    torch.distributed through rank 0's node address."""
+
+    def __init__(self, roles: list[Role], run_dir: Path, resources: dict[str, dict[str, float]]) -> None:
+        import ray
+
+        self.ray = ray
+        self.roles = {r.name: r for r in roles}
+        self.run_dir = run_dir
+        self.resources = resources
+        self.hosts: dict[str, list] = {}
+        self.done: set[str] = set()
+        self.starts: dict[str, int] = {}
+        self.owns_ray = False  # a local head started for this run is shut down with it
+        for r in roles:
+            self._start(r)
+
+    def _start(self, role: Role) -> None:
+        from tidal.core.testing import free_port
+
+        self.starts[role.name] = self.starts.get(role.name, 0) + 1
+        opts = {"num_cpus": 0.5, **self.resources.get(role.kind, {})}
+        host_cls = self.ray.remote(_RoleHost)
+        hosts = []
+        for rank in range(role.nproc):
+            log_path = self.run_dir / "logs" / (f"{role.name}.log" if role.nproc == 1 else f"{role.name}-{rank}.log")
+            hosts.append(host_cls.options(**opts).remote(role.argv(), str(log_path), role.env))
+        if role.nproc > 1:
+            master = self.ray.get(hosts[0].node_ip.remote())
+            port = str(free_port())  # on the driver's node: a local head in practice; see the note in run.py
+            pids = [h.start.remote({"RANK": str(i), "WORLD_SIZE": str(role.nproc), "LOCAL_RANK": "0",
+                                    "MASTER_ADDR": master, "MASTER_PORT": port}) for i, h in enumerate(hosts)]
+        else:
+            pids = [hosts[0].start.remote()]
+        self.ray.get(pids)
+        self.hosts[role.name] = hosts
+        self.done.discard(role.name)
+        log.info("placed %s as %d Ray actor(s)", role.name, len(hosts))
+
+    def _codes(self, name: str) -> list[int | None]:
+        try:
+            return self.ray.get([h.poll.remote() for h in self.hosts[name]], timeout=30)
+        except self.ray.exceptions.RayActorError:
+            return [-9]
+
+    def exited(self) -> dict[str, int]:
+        out = {}
+        for name in list(self.hosts):
+            if name in self.done:
+                continue
+            codes = self._codes(name)
+            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+                rc = next((c for c in codes if c not in (None, 0)), 0)
+                for h in self.hosts[name]:  # a failed rank takes its peers with it
+                    self.ray.get(h.kill.remote())
+                out[name] = rc
+                self.done.add(name)
+        return out
+
+    def running(self, name: str) -> bool:
+        return name in self.hosts and name not in self.done and all(c is None for c in self._codes(name))
+
+    def restart(self, name: str) -> None:
+        self.kill(name)
+        for h in self.hosts.pop(name, []):
+            self.ray.kill(h)
+        self._start(self.roles[name])
+
+    def kill(self, name: str) -> None:
+        for h in self.hosts.get(name, []):
+            try:
+                self.ray.get(h.kill.remote(), timeout=60)
+            except self.ray.exceptions.RayActorError:
+                pass
+
+    def signal(self, name: str, sig: int) -> None:
+        for h in self.hosts.get(name, []):
+            h.signal.remote(sig)
+
+    def stop(self, order: list[str], timeout: float) -> dict[str, int]:
+        codes: dict[str, int] = {}
+        for name in [*order, *(n for n in self.hosts if n not in order)]:
+            hosts = self.hosts.pop(name, [])
+            if not hosts:
+                continue
+            try:
+                for h in hosts:
+                    h.signal.remote(signal.SIGTERM)
+                got = self.ray.get([h.wait.remote(timeout) for h in hosts], timeout=timeout + 30)
+                if any(c is None for c in got):
+                    log.warning("%s did not stop within %.0f s: killed", name, timeout)
+                    got = self.ray.get([h.kill.remote() for h in hosts], timeout=60)
+                codes[name] = next((c for c in got if c), 0) or 0
+            except self.ray.exceptions.RayActorError:
+                codes[name] = -9
+            for h in hosts:
+                self.ray.kill(h)
+        if self.owns_ray and not self.hosts:
+            self.ray.shutdown()
+        return codes
+
+
+class RayLauncher:
+    """Roles as Ray actors on a Ray cluster (plugin ``ray``; `pip install tidal[ray]`).
+
+    `address`: the cluster to join ("auto" = the one `ray start` made on this node; "" = start a local
+    head for this run). `resources`: Ray options per role kind, e.g.
+    ``{ learner = { num_gpus = 1 }, rollout = { num_gpus = 1 } }``."""
+
+    def __init__(self, address: str = "", resources: dict[str, dict[str, float]] | None = None,
+                 num_cpus: int | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise RuntimeError("the ray launcher needs Ray: pip install 'tidal[ray]'") from None
+        self.ray = ray
+        self.address, self.resources, self.num_cpus = address, resources or {}, num_cpus
+
+    def launch(self, roles: list[Role], run_dir: Path) -> RayRun:
+        if not self.ray.is_initialized():
+            kw = {"address": self.address} if self.address else {"num_cpus": self.num_cpus or max(4, len(roles) + 2),
+                                                                  "include_dashboard": False}
+            self.ray.init(log_to_driver=False, **kw)
+        handle = RayRun(roles, run_dir, self.resources)
+        handle.owns_ray = not self.address
+        return handle

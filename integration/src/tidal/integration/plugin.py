@@ -1,5 +1,6 @@
 """The integration layer's built-ins, registered like any plugin: train backends (``single``,
-``fsdp2``, ``deepspeed``) and launchers (``local``). Factories import torch only when called."""
+``fsdp2``, ``deepspeed``), launchers (``local``, ``ray``) and the benchmark engine ``simulated``.
+Factories import torch only when called."""
 
 from __future__ import annotations
 
@@ -31,4 +32,21 @@ def tidal_launchers() -> dict[str, Any]:
 
         return LocalLauncher(**options)
 
-    return {"local": local}
+    def ray(**options: Any) -> Any:
+        """Roles as Ray actors on a Ray cluster (tidal.integration.launch; needs tidal[ray])."""
+        from tidal.integration.launch import RayLauncher
+
+        return RayLauncher(**options)
+
+    return {"local": local, "ray": ray}
+
+
+@hookimpl
+def tidal_engines() -> dict[str, Any]:
+    def simulated(model: Any = None, **options: Any) -> Any:
+        """Sleep-based continuous-batching engine for pipeline benchmarks (tidal.integration.sim)."""
+        from tidal.integration.sim import SimulatedEngine
+
+        return SimulatedEngine(model, **options)
+
+    return {"simulated": simulated}

@@ -16,6 +16,7 @@ others; the buffer restarts from its write-ahead log; the learner restarts from 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -59,8 +60,9 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
         max_steps=cfg.budget.versions, seed=cfg.seed,
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
+    threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
-             _role("learner", "learner", "tidal.integration.learner", learner, roles_dir)]
+             _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, threads)]
     envs = {d.env: dict(d.options) for d in cfg.domains}
     for i in range(cfg.workers):
         w = msgspec.structs.replace(
@@ -69,16 +71,15 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
             envs={**envs, **cfg.rollout.envs},
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
-        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir))
+        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, threads))
     return roles, ep
 
 
-def _role(name: str, kind: str, module: str, config, roles_dir: Path) -> Role:
+def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: int = 1) -> Role:
     path = roles_dir / f"{name}.json"
     path.write_bytes(msgspec.json.encode(config))
-    nproc = int(getattr(config, "nproc", 1)) if kind == "learner" else 1
-    return Role(name=name, kind=kind, module=module, config=path, nproc=nproc,
-                env={"OMP_NUM_THREADS": "1"} if kind == "buffer" else {})
+    t = "1" if kind == "buffer" else str(threads)  # torch reads these at start: no oversubscribed cores
+    return Role(name=name, kind=kind, module=module, config=path, env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t})
 
 
 class _Stop(Exception):
@@ -172,8 +173,13 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         display.update(controller.learner_version, _summary(controller, time.monotonic() - t0))
         display.close()
         controller.stop_workers("run over")
-        codes = handle.stop(["learner", *workers, "buffer"], cfg.launch.shutdown_timeout_s)
+        codes = handle.stop(["learner", *workers], cfg.launch.shutdown_timeout_s)
+        final_buffer = _buffer_status(ep["serve"])
+        codes.update(handle.stop(["buffer"], cfg.launch.shutdown_timeout_s))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
+        (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode({
+            "status": status, "versions": controller.learner_version, "restarts": restarts,
+            "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})))
         sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))
         controller.close()
         sink.close()
@@ -182,6 +188,22 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
                      wall_s=time.monotonic() - t0)
+
+
+def _buffer_status(endpoint: str) -> dict[str, float]:
+    """The buffer's counters at the end (what it acknowledged and still holds), or {} if it is gone."""
+    from tidal.core.channels import dealer, make_hello
+    from tidal.core.errors import ChannelTimeout
+    from tidal.core.protocol import Control
+
+    try:
+        with dealer(endpoint, linger=0) as ch:
+            ch.handshake(make_hello("controller", "run-end"), timeout=5)
+            reply = ch.request(Control(command="status"), timeout=5)
+        return dict(reply.scalars) if isinstance(reply, Metrics) else {}
+    except (ChannelTimeout, OSError) as e:
+        log.warning("could not read the buffer's final status: %s", e)
+        return {}
 
 
 def _summary(c: Controller, elapsed: float) -> dict[str, str]:

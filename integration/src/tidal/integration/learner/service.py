@@ -57,6 +57,8 @@ class LearnerConfig(ConfigStruct):
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     max_steps: int = 0  # stop after this many steps; 0 = run until stopped
+    simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
+    record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)
     batch_timeout_s: float = 600.0  # how long to wait for the buffer to have a batch
     device: str = "cpu"
     seed: int = 0
@@ -92,6 +94,8 @@ class Learner:
         self.trainer = Trainer(self.backend, cfg.train, reference)
         self.step = 0
         self.version = 0
+        self.samples_trained = 0  # trajectories trained on, over the whole run (kept in checkpoints)
+        self.trained_ids: list[str] = []  # with record_trained_ids: every one of them
         self.trained: deque[str] = deque(maxlen=64)
         self.latest = Path(cfg.checkpoint_dir) / "latest" if cfg.checkpoint_dir else None
         if self.latest is not None and (self.latest / "progress.json").is_file():
@@ -99,6 +103,8 @@ class Learner:
 
             progress = load_checkpoint(self.latest, self.backend)
             self.step, self.version = progress["step"], progress["version"]
+            self.samples_trained = int(progress.get("samples_trained", 0))
+            self.trained_ids = list(progress.get("trained_ids", []))
             self.trained.extend(progress.get("trained", []))
             log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
         self.client = BatchClient(cfg.buffer, self.rank, self.world, name=f"learner-{self.rank}",
@@ -148,10 +154,15 @@ class Learner:
         t_batch = time.perf_counter()
         samples = [Sample.from_trajectory(t) for t in batch.trajectories]
         metrics = self.trainer.step(samples)
+        if self.cfg.simulate_s_per_sample:
+            time.sleep(self.cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / self.world)
         t_train = time.perf_counter()
         self.step += 1
         self.version += 1
+        self.samples_trained += int(metrics["train/sequences"])  # all ranks
         self.trained.append(batch.batch_id)
+        if self.cfg.record_trained_ids:
+            self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories]))
         if self.latest is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         self.client.ack(batch.batch_id)
@@ -163,6 +174,7 @@ class Learner:
             "train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
             "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9),
             "train/version": float(self.version),
+            "train/samples_total": float(self.samples_trained),
             "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
         })
@@ -222,12 +234,24 @@ class Learner:
 
         assert self.latest is not None
         save_checkpoint(self.latest, self.backend,
-                        {"step": self.step, "version": self.version, "trained": list(self.trained)})
+                        {"step": self.step, "version": self.version, "trained": list(self.trained),
+                         "samples_trained": self.samples_trained,
+                         **({"trained_ids": self.trained_ids} if self.cfg.record_trained_ids else {})})
+
+    def _gather_ids(self, ids: list[str]) -> list[str]:
+        if self.world == 1:
+            return ids
+        import torch.distributed as dist
+
+        every: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(every, ids)
+        return [i for part in every for i in (part or [])]
 
     def close(self) -> None:
         self.client.close()
         if self.sender is not None:
-            self._wait_for_last_version()
+            if not self._stop:  # finished its steps: the generators should get the last version
+                self._wait_for_last_version()
             self._announcer_stop.set()
             if self._announcer is not None:
                 self._announcer.join(timeout=10)

@@ -58,18 +58,24 @@ class Arithmetic:
     """`a+b=`, `a-b=`, `a*b=` problems; the reward is 1 for the exact integer answer, else 0.
 
     Levels: 1 = one-digit addition; 2 = two-digit addition and subtraction; 3 = adds one-digit by
-    two-digit multiplication; 4 = three-digit addition/subtraction and two-digit multiplication.
-    `level` may be a list to mix levels. The answer must be the whole completion (up to a newline).
+    two-digit multiplication; 4 = three-digit addition/subtraction and two-digit multiplication;
+    5 = two-digit plus one-digit addition (a carry drill: its sub-skills are shared between train and
+    held-out problems, so what is learnt on one transfers to the other). `level` may be a list to mix
+    levels. The answer must be the whole completion (up to a newline). Additions whose units digits
+    carry are marked ``metadata["carry"] = "1"``.
     """
 
     domain = "arithmetic"
 
-    def __init__(self, level: int | list[int] = 1, eval_size: int = 200) -> None:
+    def __init__(self, level: int | list[int] = 1, eval_size: int = 200, partial_credit: float = 0.0) -> None:
         self.levels = [level] if isinstance(level, int) else list(level)
-        bad = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
+        bad = [lv for lv in self.levels if lv not in (1, 2, 3, 4, 5)]
         if bad or not self.levels:
-            raise ValueError(f"arithmetic levels are 1..4, got {level!r}")
+            raise ValueError(f"arithmetic levels are 1..5, got {level!r}")
+        if not 0.0 <= partial_credit < 1.0:
+            raise ValueError(f"partial_credit is a reward in [0, 1), got {partial_credit}")
         self.eval_size = eval_size
+        self.partial_credit = partial_credit
 
     def _make(self, rng: random.Random) -> Task:
         level = rng.choice(self.levels)
@@ -80,17 +86,30 @@ class Arithmetic:
         elif level == 3:
             op = rng.choice("+-*")
             a, b = (rng.randint(10, 99), rng.randint(2, 9)) if op == "*" else (rng.randint(10, 99), rng.randint(0, 99))
-        else:
+        elif level == 4:
             op = rng.choice("+-*")
             a, b = (rng.randint(10, 99), rng.randint(10, 99)) if op == "*" else (rng.randint(100, 999), rng.randint(0, 999))
+        else:
+            op, a, b = "+", rng.randint(10, 99), rng.randint(0, 9)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return Task(prompt=f"{a}{op}{b}=", answer=str(value), domain=self.domain, metadata={"level": str(level)})
+        meta = {"level": str(level)}
+        if op == "+" and a % 10 + b % 10 >= 10:
+            meta["carry"] = "1"
+        return Task(prompt=f"{a}{op}{b}=", answer=str(value), domain=self.domain, metadata=meta)
 
     def tasks(self, split: str, seed: int) -> Iterator[Task]:
         return _stream(self._make, split, seed, self.eval_size)
 
     def score(self, task: Task, completion: str) -> float:
-        return 1.0 if _answer_of(completion) == task.answer else 0.0
+        """1 for the exact answer. With `partial_credit` p > 0, a wrong answer of the right length earns
+        p x (fraction of its characters that are right), a denser signal for small models; evaluation
+        counts exact answers only (see `exact_match`)."""
+        got = _answer_of(completion)
+        if got == task.answer:
+            return 1.0
+        if self.partial_credit and len(got) == len(task.answer):
+            return self.partial_credit * sum(a == b for a, b in zip(got, task.answer, strict=True)) / len(got)
+        return 0.0
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
