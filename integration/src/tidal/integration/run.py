@@ -192,18 +192,17 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:
     """The buffer's counters at the end (what it acknowledged and still holds), or {} if it is gone."""
-    from tidal.core.channels import dealer, make_hello
+    from tidal.buffer.client import BatchClient
     from tidal.core.errors import ChannelTimeout
-    from tidal.core.protocol import Control
 
+    client = BatchClient(endpoint, name="run-end")
     try:
-        with dealer(endpoint, linger=0) as ch:
-            ch.handshake(make_hello("controller", "run-end"), timeout=5)
-            reply = ch.request(Control(command="status"), timeout=5)
-        return dict(reply.scalars) if isinstance(reply, Metrics) else {}
+        return dict(client.status(timeout=10).scalars)
     except (ChannelTimeout, OSError) as e:
         log.warning("could not read the buffer's final status: %s", e)
         return {}
+    finally:
+        client.close()
 
 
 def _summary(c: Controller, elapsed: float) -> dict[str, str]:
