@@ -268,7 +268,8 @@ class Controller:
             self.start_eval(version)
 
     def start_eval(self, version: int) -> None:
-        if not any(d.eval for d in self.domains) or not self.live_workers():
+        """Evaluate the held-out problems on the workers that hold `version` (or newer)."""
+        if not any(d.eval for d in self.domains) or not self._eval_workers(version):
             return
         expected: dict[str, str] = {}
         for d in self.domains:
@@ -281,12 +282,18 @@ class Controller:
         self.evals[version] = EvalRound(version, time.monotonic(), expected)
         log.info("evaluation at version %d: %d held-out problems", version, len(expected))
 
+    def _eval_workers(self, version: int) -> list[WorkerState]:
+        return [w for w in self.live_workers() if w.version >= version]
+
     def _send_eval(self, a: Assignment) -> None:
-        live = self.live_workers()
-        if not live:
+        ready = self._eval_workers(int(a.metadata[EVAL_KEY])) or self.live_workers()
+        if not ready:
             self.requeued.append(a)
             return
-        self._send(min(live, key=lambda w: len(w.outstanding)), a)
+        self._send(min(ready, key=lambda w: len(w.outstanding)), a)
+
+    def max_worker_version(self) -> int:
+        return max((w.version for w in self.live_workers()), default=-1)
 
     def _finish_evals(self) -> None:
         for v, rnd in list(self.evals.items()):

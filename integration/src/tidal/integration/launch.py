@@ -45,7 +45,7 @@ class RunHandle(Protocol):
     def kill(self, name: str) -> None: ...
     def signal(self, name: str, sig: int) -> None: ...
     def running(self, name: str) -> bool: ...
-    def stop(self, order: list[str], timeout: float) -> dict[str, int]: ...
+    def stop(self, order: list[str], timeout: float, only: bool = False) -> dict[str, int]: ...
 
 
 PR_SET_PDEATHSIG = 1
@@ -115,11 +115,11 @@ class LocalRun:
         if p is not None and p.poll() is None:
             p.send_signal(sig)
 
-    def stop(self, order: list[str], timeout: float) -> dict[str, int]:
-        """SIGTERM each role in `order` (then any left), waiting up to `timeout` for each before SIGKILL
-        of its whole process group (learner ranks included)."""
+    def stop(self, order: list[str], timeout: float, only: bool = False) -> dict[str, int]:
+        """SIGTERM each role in `order` (then, unless `only`, any left), waiting up to `timeout` for each
+        before SIGKILL of its whole process group (learner ranks included)."""
         codes = {}
-        for name in [*order, *(n for n in self.procs if n not in order)]:
+        for name in [*order, *(n for n in list(self.procs) if n not in order and not only)]:
             p = self.procs.pop(name, None)
             if p is None:
                 continue
@@ -272,9 +272,9 @@ class RayRun:
         for h in self.hosts.get(name, []):
             h.signal.remote(sig)
 
-    def stop(self, order: list[str], timeout: float) -> dict[str, int]:
+    def stop(self, order: list[str], timeout: float, only: bool = False) -> dict[str, int]:
         codes: dict[str, int] = {}
-        for name in [*order, *(n for n in self.hosts if n not in order)]:
+        for name in [*order, *(n for n in list(self.hosts) if n not in order and not only)]:
             hosts = self.hosts.pop(name, [])
             if not hosts:
                 continue

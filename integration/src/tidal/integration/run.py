@@ -160,8 +160,9 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 cfg = msgspec.structs.replace(cfg, budget=msgspec.structs.replace(cfg.budget, minutes=0.0))
             if learner_done:
                 final = controller.learner_version
-                if controller.generation_version() >= final and not controller.eval_pending() \
-                        and (not cfg.eval.every or final in controller.evals):
+                if cfg.eval.every and final not in controller.evals and controller.max_worker_version() >= final:
+                    controller.start_eval(final)  # on the workers that already hold the last version
+                if not controller.eval_pending() and (not cfg.eval.every or final in controller.evals):
                     break
                 if now - done_at > 300:  # type: ignore[operator]
                     log.warning("the final evaluation did not finish within 300 s; stopping anyway")
@@ -173,12 +174,13 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         display.update(controller.learner_version, _summary(controller, time.monotonic() - t0))
         display.close()
         controller.stop_workers("run over")
-        codes = handle.stop(["learner", *workers], cfg.launch.shutdown_timeout_s)
+        codes = handle.stop(["learner", *workers], cfg.launch.shutdown_timeout_s, only=True)
         final_buffer = _buffer_status(ep["serve"])
         codes.update(handle.stop(["buffer"], cfg.launch.shutdown_timeout_s))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
         (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode({
-            "status": status, "versions": controller.learner_version, "restarts": restarts,
+            "status": status, "versions": controller.learner_version,
+            "restarts": {k: v for k, v in restarts.items() if v},
             "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})))
         sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))
         controller.close()
