@@ -125,7 +125,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 break
             controller.step(0.05)
             now = time.monotonic()
-            if not eval0 and all(w in controller.workers for w in workers):
+            if not eval0 and controller.workers:  # the starting point, on the first worker to connect
                 controller.start_eval(0)
                 eval0 = True
             elif not eval0 and now - t0 > cfg.launch.start_timeout_s:

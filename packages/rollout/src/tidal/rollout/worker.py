@@ -163,8 +163,21 @@ class RolloutWorker:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
-        # refuses a controller of another protocol major version with an error naming both
-        self.ctl.handshake(make_hello("rollout", self.cfg.name, _software()), timeout=self.cfg.connect_timeout_s)
+        # refuses a controller of another protocol major version with an error naming both; asks again
+        # every 2 s (a stop request is seen meanwhile) until connect_timeout_s
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            try:
+                self.ctl.handshake(make_hello("rollout", self.cfg.name, _software()),
+                                   timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+                break
+            except ChannelTimeout:
+                if self._stop.is_set():
+                    self._shutdown_early()
+                    return 0
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"no answer from the controller at {self.cfg.controller} within "
+                                         f"{self.cfg.connect_timeout_s:g} s") from None
         self._weights_thread.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
                  self.cfg.max_groups)
@@ -372,6 +385,15 @@ class RolloutWorker:
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
         self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
+
+    def _shutdown_early(self) -> None:
+        """Stopped before the controller answered: nothing was generated, close what is open."""
+        log.info("%s: stopped before the controller answered", self.cfg.name)
+        self.engine.close()
+        self.pusher.close()
+        self.ctl.close()
+        if self.wsub is not None:
+            self.wsub.close()
 
     def _shutdown(self) -> None:
         self._stop.set()
