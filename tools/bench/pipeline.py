@@ -46,13 +46,16 @@ def recipe(model: Path, run_dir: Path, mode: str, a: argparse.Namespace) -> obje
     }, __import__("tidal.integration.recipe", fromlist=["RunConfig"]).RunConfig, source="pipeline bench")
 
 
-def throughput(run_dir: Path) -> tuple[float, int]:
+def throughput(run_dir: Path) -> tuple[float, int, dict[str, float]]:
+    """Samples/s between the first and the last learner step, steps, and where a learner step's time went."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["source"] == "learner-0"]
     if len(steps) < 3:
         raise RuntimeError(f"{run_dir}: only {len(steps)} learner steps recorded")
     samples = sum(r["scalars"]["train/sequences"] for r in steps[1:])
-    return samples / (steps[-1]["time"] - steps[0]["time"]), len(steps)
+    parts = {k: sum(r["scalars"][f"train/{k}"] for r in steps[1:]) / (len(steps) - 1)
+             for k in ("step_s", "wait_batch_s", "compute_s")}
+    return samples / (steps[-1]["time"] - steps[0]["time"]), len(steps), parts
 
 
 def mean_length(a: argparse.Namespace, n: int = 20000) -> float:
@@ -88,11 +91,12 @@ def main() -> None:
     g = b * mean_length(a) * a.token_ms / 1e3 / (a.slots * a.workers)
     t = b * a.train_ms / 1e3
     ideal = b / max(g, t)
-    (sync, _), (asyn, steps) = got["sync"], got["async"]
+    (sync, _, _), (asyn, steps, _) = got["sync"], got["async"]
     print(f"batch {b} samples; G = {g:.2f} s, T = {t:.2f} s per batch; ideal {ideal:.1f} samples/s")
-    print(f"{'mode':<6} {'samples/s':>10}")
-    print(f"{'sync':<6} {sync:>10.1f}")
-    print(f"{'async':<6} {asyn:>10.1f}")
+    print(f"{'mode':<6} {'samples/s':>10} {'step s':>8} {'wait s':>8} {'train s':>8}  (learner, mean per step)")
+    for mode in ("sync", "async"):
+        tp, _, p = got[mode]
+        print(f"{mode:<6} {tp:>10.1f} {p['step_s']:>8.2f} {p['wait_batch_s']:>8.2f} {p['compute_s']:>8.2f}")
     print(f"async / sync = {asyn / sync:.2f}x   async / ideal = {asyn / ideal:.2f}")
     print(json.dumps({"bench": "pipeline", "sync_samples_per_s": sync, "async_samples_per_s": asyn,
                       "async_over_sync": asyn / sync, "async_over_ideal": asyn / ideal, "G_s": g, "T_s": t,
