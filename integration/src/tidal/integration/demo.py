@@ -97,7 +97,7 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
         stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stats["seconds"]}))
     check(cfg)
     (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
-    print(f"[3/4] async GRPO: {cfg.workers} rollout workers, buffer, learner, controller "
+    print(f"[3/4] {cfg.mode} GRPO: {cfg.workers} rollout workers, buffer, learner, controller "
           f"({cfg.budget.versions} versions or {cfg.budget.minutes:g} min); logs in {Path(cfg.run_dir) / 'logs'}",
           flush=True)
     result = run(cfg)
