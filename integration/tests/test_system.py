@@ -161,3 +161,43 @@ def test_ray_launcher_places_the_roles_on_a_local_head(tmp_path, sft_model):
     assert final["status"] == "completed" and final["versions"] == 3
     assert [e[0] for e in final["eval"]] == [0, 3]
     assert (run_dir / "logs" / "rollout-0.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent's wait() is gone for our purposes
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_stopping_the_driver_leaves_no_process_behind(tmp_path, sft_model, how):
+    run_dir = tmp_path / "run"
+    proc = tidal_run(run_dir, sft_model, "budget.versions=1000", "eval.every=0")
+    try:
+        deadline = time.monotonic() + 180
+        while _learner_version(run_dir) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = _pids(run_dir)
+        assert set(pids) == {"buffer", "learner", "rollout-0", "rollout-1"} and all(map(_alive, pids.values()))
+        if how == "ctrl-c":
+            os.kill(proc.pid, signal.SIGINT)  # what a terminal sends the driver (the roles have their own session)
+            assert proc.wait(timeout=120) == 1  # the run did not complete its budget
+            assert json.loads((run_dir / "final.json").read_text())["status"] == "interrupted"
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, pids.values())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [name for name, pid in pids.items() if _alive(pid)], "orphaned role processes"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _pids(run_dir).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
