@@ -145,9 +145,9 @@ class Controller:
         w.alive = True
         if isinstance(msg, WorkRequest):
             w.credits += msg.want
-            w.version = max(w.version, msg.version)
+            w.version = msg.version  # what this process holds (a restarted one starts over)
         elif isinstance(msg, Heartbeat):
-            w.version = max(w.version, msg.version)
+            w.version = msg.version
         elif isinstance(msg, Ack) and msg.kind == "assignment":
             for gid in msg.ids:
                 a = w.outstanding.pop(gid, None)
@@ -198,7 +198,10 @@ class Controller:
             self._maybe_start_eval(v)
 
     def _dispatch(self) -> None:
+        gate_version = self.gate.state.version
         for w in self.live_workers():
+            if w.version < gate_version:
+                continue  # (re)started behind the others: training work waits until it has the weights
             while w.credits > 0:
                 if self.requeued:
                     a = self.requeued.popleft()
@@ -234,7 +237,7 @@ class Controller:
         w = self.workers.get(name)
         if w is None:
             return
-        w.alive, w.credits = False, 0
+        w.alive, w.credits, w.version = False, 0, -1
         again = list(w.outstanding.values())
         w.outstanding.clear()
         train = [a for a in again if EVAL_KEY not in a.metadata]
