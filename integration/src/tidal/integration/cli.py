@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=log_level)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser(
-        "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic (CPU, ~10 min)",
+        "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic (CPU, ~2 min)",
         description="The whole system on one CPU machine: a locally built tiny model and tokenizer, a short SFT "
                     "warm start, then asynchronous GRPO with 2 rollout workers, the buffer, the learner and the "
                     "controller as real processes. Prints held-out accuracy before and after and the report's path.",
