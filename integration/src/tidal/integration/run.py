@@ -129,7 +129,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 controller.start_eval(0)
                 eval0 = True
             elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
-                raise _Stop(f"workers did not all connect within {cfg.launch.start_timeout_s:.0f} s "
+                raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
                             f"(see {run_dir / 'logs'})")
             for name, rc in handle.exited().items():
                 if name == "learner" and rc == 0:
