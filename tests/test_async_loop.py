@@ -46,6 +46,12 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
              f'publish="{weights}"', f"max_steps={STEPS}", "backend_options.optim.lr=1e-3"],
             stdout=logs["learner"], stderr=subprocess.STDOUT)
         metrics_sub = sub(weights, topics=["metrics"], linger=0)
+        # PUB/SUB drops what is published before a subscription reaches the publisher: the worker (and
+        # so the first batch) starts only once the learner's PUB is bound and we are subscribed
+        deadline = time.monotonic() + 120
+        while "learner up at version" not in (tmp_path / "learner.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
         procs["worker"] = subprocess.Popen(
             [sys.executable, "-m", "tidal.rollout.worker", 'name="rollout-0"', f'controller="{ctl.endpoint}"',
              f'buffer_ingest="{ingest}"', f'buffer_acks="{publish}"', f'weights="{weights}"', f'model="{model}"',
@@ -82,11 +88,8 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
             print(f"--- {name}\n{(tmp_path / f'{name}.log').read_text()[-2000:]}")
     versions = [m.scalars["train/version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] == STEPS
-    # PUB/SUB drops what is published before the subscription reaches the publisher: when the buffer
-    # already holds a batch, step 1 can be published within milliseconds of the learner binding
-    assert set(versions) >= set(range(2, STEPS + 1)), versions
     assert ctl.heartbeats[-1].version == STEPS, "the worker should hold the learner's last version"
     lags = [m.scalars["staleness/lag_mean"] for m in metrics]
-    assert all(lag >= 0 for lag in lags)  # per-step lag of the trained tokens
+    assert len(lags) == STEPS and all(lag >= 0 for lag in lags)  # per-step lag of the trained tokens
     assert all(len(m.histograms["lag"].numpy()) > 0 for m in metrics)
     assert sum(1 for a in ctl.acks.values() if a.ok) >= STEPS * 2  # groups reported done

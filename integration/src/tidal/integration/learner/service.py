@@ -121,6 +121,9 @@ class Learner:
                 self._announcer = threading.Thread(target=self._reannounce_loop, name="tidal-reannounce", daemon=True)
                 self._announcer.start()
         self._stop = False
+        if self.rank == 0:
+            log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
+                     self.version, cfg.buffer, cfg.publish)
 
     def stop(self) -> None:
         self._stop = True
