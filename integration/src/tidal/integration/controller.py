@@ -151,7 +151,11 @@ class Controller:
         elif isinstance(msg, Ack) and msg.kind == "assignment":
             for gid in msg.ids:
                 a = w.outstanding.pop(gid, None)
-                if a is None or EVAL_KEY in a.metadata:
+                if a is None:
+                    continue
+                if EVAL_KEY in a.metadata:
+                    if not msg.ok:  # dropped (e.g. partial_mode "drop" met a weight update): evaluate it again
+                        self._send_eval(a)
                     continue
                 if msg.ok:
                     self.gate.accept(a.num_samples)
