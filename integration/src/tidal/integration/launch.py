@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 log = logging.getLogger("tidal.launch")
 
@@ -37,15 +36,6 @@ class Role:
 
     def argv(self) -> list[str]:
         return ["-m", self.module, "--config", str(self.config), *self.args]
-
-
-class RunHandle(Protocol):
-    def exited(self) -> dict[str, int]: ...  # roles that ended since the last call -> exit code
-    def restart(self, name: str) -> None: ...
-    def kill(self, name: str) -> None: ...
-    def signal(self, name: str, sig: int) -> None: ...
-    def running(self, name: str) -> bool: ...
-    def stop(self, order: list[str], timeout: float, only: bool = False) -> dict[str, int]: ...
 
 
 PR_SET_PDEATHSIG = 1

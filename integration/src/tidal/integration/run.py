@@ -24,7 +24,6 @@ from pathlib import Path
 
 import msgspec
 
-from tidal.core.config import PluginRef
 from tidal.core.plugins import registry
 from tidal.core.protocol import Metrics
 from tidal.core.testing import free_endpoint
@@ -222,7 +221,3 @@ def _summary(c: Controller, elapsed: float) -> dict[str, str]:
         "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",
         "workers": f"{len(c.live_workers())}",
     }
-
-
-def launcher_ref(name: str) -> PluginRef:
-    return PluginRef(name=name)

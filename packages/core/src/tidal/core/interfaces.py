@@ -219,16 +219,29 @@ class TrainBackend(Protocol):
 
 @runtime_checkable
 class RunHandle(Protocol):
-    def wait(self, timeout: float | None = None) -> int: ...
+    """The running roles of one run, by role name. The run driver decides what to restart."""
 
-    def stop(self) -> None: ...
+    def exited(self) -> dict[str, int]:
+        """Roles that ended since the last call -> exit code (negative: killed by that signal)."""
+
+    def running(self, name: str) -> bool: ...
+
+    def restart(self, name: str) -> None: ...
+
+    def kill(self, name: str) -> None: ...
+
+    def signal(self, name: str, sig: int) -> None: ...
+
+    def stop(self, order: Sequence[str], timeout: float, only: bool = False) -> dict[str, int]:
+        """SIGTERM the roles in `order` (then, unless `only`, the rest), SIGKILL after `timeout`."""
 
 
 @runtime_checkable
 class Launcher(Protocol):
-    """Starts the roles of a run and watches them."""
+    """Starts the roles of a run (each one command: ``python -m MODULE --config ROLE.json``, see
+    tidal.integration.launch.Role) with logs under `run_dir`, and hands back their handle."""
 
-    def launch(self, config: Any) -> RunHandle: ...
+    def launch(self, roles: Sequence[Any], run_dir: Any) -> RunHandle: ...
 
 
 __all__ = [
