@@ -99,6 +99,20 @@ def test_pub_sub_filters_by_topic():
         assert topic == "metrics/learner" and got == msg
 
 
+def test_a_publisher_can_wait_for_its_first_subscriber():
+    with pub(LOCAL, watch_subscriptions=True) as out:
+        assert not out.wait_for_subscriber("metrics", 0.2)  # nobody yet
+        with sub(out.endpoint, topics=["weights"]):
+            assert not out.wait_for_subscriber("metrics/learner", 0.3)  # someone, for another topic
+            with sub(out.endpoint, topics=["metrics"]) as listener:
+                assert out.wait_for_subscriber("metrics/learner", 10)
+                msg = Metrics(source="l", step=1, time=0.0, scalars={"loss": 1.0})
+                out.publish("metrics/learner", msg)  # the very first message arrives: no slow joiner
+                assert listener.recv(timeout=10) == ("metrics/learner", msg)
+    with pub(LOCAL) as plain, pytest.raises(ValueError, match="watch_subscriptions"):
+        plain.wait_for_subscriber("metrics", 0.1)
+
+
 def test_router_dealer_handshake_and_request_reply():
     with router(LOCAL, hello=make_hello("buffer", "buffer-0")) as server, dealer(server.endpoint) as client:
         def serve_one():

@@ -37,6 +37,16 @@ def test_unknown_message_type_is_named():
     assert e.value.field == "message type"
 
 
+def test_a_single_type_codec_names_what_it_takes_and_what_came():
+    from tidal.core.protocol import Ack, Trajectory
+
+    narrow = Codec(message_type=Trajectory)
+    assert narrow.decode([bytes(f) for f in narrow.encode(make_trajectory(0))]) == make_trajectory(0)
+    with pytest.raises(ProtocolError, match="takes Trajectory messages, not Ack") as e:
+        narrow.decode([bytes(CODEC.encode(Ack(kind="x", ids=["a"]))[0])])
+    assert e.value.field == "message type"
+
+
 def test_missing_required_fields_are_reported():
     frames, header = _traj_frames()
     with pytest.raises(ProtocolError, match="Expected `array` of at least length"):

@@ -105,6 +105,7 @@ class Controller:
         self.requeued: deque[Assignment] = deque()
         self.next_group = 0
         self.learner_version = 0
+        self.learner_metrics_version = -1  # newest learner step whose metrics arrived
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
@@ -178,7 +179,9 @@ class Controller:
             self.learner_version = max(self.learner_version, msg.version)
         elif isinstance(msg, Metrics):
             if msg.source.startswith("learner"):
-                self.learner_version = max(self.learner_version, int(msg.scalars.get("train/version", 0)))
+                version = int(msg.scalars.get("train/version", 0))
+                self.learner_version = max(self.learner_version, version)
+                self.learner_metrics_version = max(self.learner_metrics_version, version)
             self._record(msg)
 
     def _record(self, msg: Metrics) -> None:

@@ -57,6 +57,7 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
     learner = msgspec.structs.replace(
         cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
         max_steps=cfg.budget.versions, seed=cfg.seed,
+        wait_for_subscriber_s=cfg.learner.wait_for_subscriber_s or 30.0,  # this driver's controller
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
     threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
@@ -161,7 +162,9 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 final = controller.learner_version
                 if cfg.eval.every and final not in controller.evals and controller.max_worker_version() >= final:
                     controller.start_eval(final)  # on the workers that already hold the last version
-                if not controller.eval_pending() and (not cfg.eval.every or final in controller.evals):
+                # the learner's last metrics may still be queued on our subscription: take them first
+                settled = controller.learner_metrics_version >= final or now - done_at > 5  # type: ignore[operator]
+                if settled and not controller.eval_pending() and (not cfg.eval.every or final in controller.evals):
                     break
                 if now - done_at > 300:  # type: ignore[operator]
                     log.warning("the final evaluation did not finish within 300 s; stopping anyway")

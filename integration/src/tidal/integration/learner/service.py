@@ -60,6 +60,7 @@ class LearnerConfig(ConfigStruct):
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)
     batch_timeout_s: float = 600.0  # how long to wait for the buffer to have a batch
+    wait_for_subscriber_s: float = 0.0  # before the first step, wait this long for a metrics subscriber (a driver)
     device: str = "cpu"
     seed: int = 0
 
@@ -109,7 +110,13 @@ class Learner:
             log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
         self.client = BatchClient(cfg.buffer, self.rank, self.world, name=f"learner-{self.rank}",
                                   trained=list(self.trained))
-        self.pub = pub(cfg.publish, linger=1.0) if self.rank == 0 else None
+        self.pub = pub(cfg.publish, linger=1.0, watch_subscriptions=True) if self.rank == 0 else None
+        if self.pub is not None and cfg.wait_for_subscriber_s > 0:
+            # PUB/SUB drops what is published before a subscription arrives: a step that comes at once
+            # (the buffer already holds a batch) would lose its metrics
+            if not self.pub.wait_for_subscriber("metrics", cfg.wait_for_subscriber_s):
+                log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", cfg.publish,
+                            cfg.wait_for_subscriber_s)
         self._pub_lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
         self.sender = None
         self._announced = None  # the latest WeightsAvailable, re-published every weights.reannounce_s

@@ -68,6 +68,7 @@ class Restore(msgspec.Struct, tag=True, array_like=True, gc=False):
 Record = Put | Serve | Consume | Drop | Release | Snapshot | Restore
 
 _encoder = msgspec.msgpack.Encoder()
+_PENDING_LIMIT = 1 << 20  # appended bytes held before they are written to the file
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
@@ -135,6 +136,7 @@ class WriteAheadLog:
         self.bytes_written = 0  # size of the current segment
         self.appended_total = 0  # bytes appended by this process (diagnostics)
         self.compacted_size = 0  # size of the segment the last compaction wrote
+        self._pending = bytearray()  # appended records not yet handed to the file
 
     # ------------------------------------------------------------------ segments
 
@@ -181,18 +183,30 @@ class WriteAheadLog:
     # ------------------------------------------------------------------ writing
 
     def append(self, rec: Record) -> None:
+        """Encode `rec` into the pending buffer (one copy of its bytes); `flush`/`sync` write it out."""
         if self._file is None:
             self._open_new(1)
-        data = encode_record(rec)
-        self._file.write(data)
-        self.bytes_written += len(data)
-        self.appended_total += len(data)
+        buf = self._pending
+        start = len(buf)
+        _encoder.encode_into(rec, buf, start + HEADER.size)
+        n = len(buf) - start - HEADER.size
+        HEADER.pack_into(buf, start, n, zlib.crc32(memoryview(buf)[start + HEADER.size :]))
+        self.bytes_written += n + HEADER.size
+        self.appended_total += n + HEADER.size
         if self.fsync_policy == "always":
             self.sync()
+        elif len(buf) >= _PENDING_LIMIT:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if self._pending:
+            self._file.write(self._pending)
+            self._pending.clear()
 
     def flush(self) -> None:
         """Hand appended records to the OS: they survive a crash of this process, not a power loss."""
         if self._file is not None:
+            self._write_pending()
             self._file.flush()
 
     def sync(self) -> None:
@@ -200,6 +214,7 @@ class WriteAheadLog:
         not a power loss)."""
         if self._file is None:
             return
+        self._write_pending()
         self._file.flush()
         if self.fsync_policy != "never":
             os.fsync(self._file.fileno())
@@ -218,6 +233,7 @@ class WriteAheadLog:
             f.flush()
             os.fsync(f.fileno())
         old = self.segments()
+        self._pending.clear()  # records not yet written are part of the snapshot just made durable
         if self._file is not None:
             self._file.close()
         os.replace(tmp, final)

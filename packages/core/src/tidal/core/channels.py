@@ -182,10 +182,36 @@ class PullChannel(Channel):
 class PubChannel(Channel):
     socket_type = zmq.PUB
 
+    def __init__(self, endpoint: str, *, watch_subscriptions: bool = False, **kw: Any) -> None:
+        if watch_subscriptions:  # an XPUB socket: publishes the same, and sees subscriptions arrive
+            self.socket_type = zmq.XPUB
+        self._prefixes: set[bytes] = set()
+        super().__init__(endpoint, **kw)
+
     def publish(self, topic: str, msg: Message) -> None:
         """Send `msg` to every subscriber of a prefix of `topic`. Never blocks (slow subscribers drop)."""
         self._check_open()
         self.socket.send_multipart([topic.encode(), *self.codec.encode(msg)], copy=False)
+
+    def wait_for_subscriber(self, topic: str, timeout: float) -> bool:
+        """Wait until some subscriber takes `topic` (PUB/SUB drops what is published before a subscription
+        arrives). Needs ``watch_subscriptions=True``. False if none arrived within `timeout`."""
+        if self.socket_type != zmq.XPUB:
+            raise ValueError("wait_for_subscriber needs a channel made with watch_subscriptions=True")
+        want = topic.encode()
+        deadline = time.monotonic() + timeout
+        while not any(want.startswith(p) for p in self._prefixes):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.socket.poll(_ms(min(left, 0.1))):
+                if left <= 0:
+                    return False
+                continue
+            event = self.socket.recv()
+            if event[:1] == b"\x01":
+                self._prefixes.add(event[1:])
+            elif event[:1] == b"\x00":
+                self._prefixes.discard(event[1:])
+        return True
 
 
 class SubChannel(Channel):

@@ -60,6 +60,10 @@ class Codec:
         self._preamble = MAGIC + bytes(protocol)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(message_type)
+        # A narrower decoder (one message type) is faster; a message of another type then gets an error
+        # that names both.
+        args = typing.get_args(message_type)
+        self._expects = [t.__name__ for t in args] if args else [getattr(message_type, "__name__", str(message_type))]
         # Per-call state for the encode hook (msgspec hooks take no context argument).
         self._out_frames: list[memoryview] = []
 
@@ -138,6 +142,10 @@ class Codec:
         try:
             return self._decoder.decode(body)
         except msgspec.ValidationError as e:
+            other = _tag_of(body)
+            if other in _TAGS and other not in self._expects:
+                raise ProtocolError(f"this endpoint takes {' or '.join(self._expects)} messages, not {other}",
+                                    field="message type", peer=peer) from None
             field = _field_of(str(e), body)
             text = f"invalid {field or 'message'}: {_strip_path(str(e))}"
             raise ProtocolError(text, field=field, peer=peer) from None
@@ -146,6 +154,14 @@ class Codec:
 
 
 # ---------------------------------------------------------------------- error paths -> field names
+
+
+def _tag_of(body: memoryview) -> Any:
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return raw[0] if isinstance(raw, list) and raw else None
 
 
 def _strip_path(text: str) -> str:
