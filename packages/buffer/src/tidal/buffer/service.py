@@ -12,11 +12,12 @@ one fsync per drained batch of records); a batch is forgotten only when its lear
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import signal
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import msgspec
@@ -38,6 +39,8 @@ from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
 
 log = logging.getLogger("tidal.buffer")
+LAG_SAMPLE_GROUPS = 256
+INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
 
 
 def validate(t: Trajectory) -> str | None:
@@ -94,6 +97,11 @@ class BufferService:
         self._commit_due: float | None = None
         self._acks: dict[str, list[str]] = defaultdict(list)
         self._refusals: list[tuple[str, str, str]] = []
+        self._replies: list[tuple[bytes, Batch]] = []  # served batches wait for their Serve records too
+        self._formed: list[str] = []  # shares formed since the last commit
+        self._undurable: set[str] = set()  # shares whose Serve record is not durable yet: not sent
+        self.syncer = wal.Syncer(self.wal) if cfg.fsync == "batch" else None
+        self._waiting: deque[tuple[int, tuple]] = deque()  # (syncer token, effects) in commit order
 
     # ------------------------------------------------------------------ main loop
 
@@ -106,15 +114,18 @@ class BufferService:
             for poller, chans in ((both, (self.server, self.ingest)), (serve_only, (self.server,))):
                 for ch in chans:
                     poller.register(ch.socket, zmq.POLLIN)
+                if self.syncer is not None:
+                    poller.register(self.syncer.fd, zmq.POLLIN)
             while not self._stop:
                 poller = serve_only if self.backpressured() else both
                 wait = 0.1 if self._commit_due is None else max(0.0, self._commit_due - time.monotonic())
                 ready = dict(poller.poll(int(wait * 1000)))
+                if self.server.socket in ready:  # learners first: a waiting learner is idle compute
+                    self.handle_requests()
                 if self.ingest.socket in ready:
                     self.drain_ingest()
-                if self.server.socket in ready:
-                    self.handle_requests()
                 self.commit()
+                self.release_durable()
                 self.tick()
         finally:
             self.commit(force=True)
@@ -130,7 +141,7 @@ class BufferService:
 
     def drain_ingest(self) -> None:
         n = 0
-        while n < self.cfg.max_batch_records and not self.backpressured():
+        while n < INGEST_CHUNK and not self.backpressured():
             try:
                 msg, frames = self.ingest.recv_with_frames(timeout=0)
             except ChannelTimeout:
@@ -154,22 +165,55 @@ class BufferService:
         self.maybe_compact()
 
     def commit(self, force: bool = False) -> None:
-        """Group commit: make the appended records durable with one fsync, then acknowledge them.
-        Runs when enough records wait, when the oldest has waited commit_interval_s, or when forced."""
+        """Group commit: make the appended records durable with one fsync, then let their effects out
+        (trajectory acks, refusals, served batches). Runs when enough records wait, when the oldest has
+        waited commit_interval_s, or when forced. With fsync "batch" the fsync runs on the WAL's syncer
+        thread while this one goes on; the effects leave when it is done (`release_durable`)."""
         if self._commit_due is None:
             return
         if not force and self._uncommitted < self.cfg.max_batch_records and time.monotonic() < self._commit_due:
             return
-        self.wal.sync()
+        effects = (self._acks, self._refusals, self._replies, self._formed)
+        self._acks, self._refusals, self._replies, self._formed = defaultdict(list), [], [], []
         self._uncommitted = 0
         self._commit_due = None
-        for source, ids in self._acks.items():
+        if self.syncer is None or force:
+            if self.syncer is not None:
+                self.syncer.wait()
+                self.release_durable()
+            self.wal.sync()
+            self._check_sync()
+            self._publish_effects(*effects)
+        else:
+            self.wal.flush()
+            self._waiting.append((self.syncer.request(), effects))
+
+    def release_durable(self) -> None:
+        """Send what waited for an fsync that has finished, in commit order."""
+        if self.syncer is None:
+            return
+        self.syncer.clear_wakeups()
+        done = self.syncer.done
+        if self._waiting and self._waiting[0][0] <= done:
+            self._check_sync()
+        while self._waiting and self._waiting[0][0] <= done:
+            self._publish_effects(*self._waiting.popleft()[1])
+
+    def _check_sync(self) -> None:
+        if self.syncer is not None and self.syncer.error is not None:
+            raise OSError(f"fsync of the write-ahead log in {self.cfg.wal_dir} failed: {self.syncer.error}; "
+                          "nothing more is acknowledged (the unacknowledged data is resent by its producers)")
+
+    def _publish_effects(self, acks: dict[str, list[str]], refusals: list[tuple[str, str, str]],
+                         replies: list[tuple[bytes, Batch]], formed: list[str]) -> None:
+        self._undurable.difference_update(formed)
+        for source, ids in acks.items():
             self.publish_ack(source, Ack(kind="trajectory", ids=ids))
-        for source, tid, why in self._refusals:
+        for source, tid, why in refusals:
             self.rejected += 1
             self.publish_ack(source, Ack(kind="trajectory", ids=[tid], ok=False, detail=why))
-        self._acks = defaultdict(list)
-        self._refusals = []
+        for peer, batch in replies:
+            self._reply(peer, batch)
 
     def accept(self, t: Trajectory, frame: bytes | None = None) -> str | None:
         """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
@@ -270,8 +314,15 @@ class BufferService:
         trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
                       step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories))
-        self._reply(peer, batch)
+        if served.batch_id in self._undurable:
+            self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
+            if self._commit_due is None:
+                self._commit_due = time.monotonic()
+        else:
+            self._reply(peer, batch)
         self._served_since += len(trajs)
+        if len(q) < 2:  # form the next share now, so it is durable by the time this rank asks for it
+            self.form_step(req.world_size)
 
     def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
         """Apply the admission policy again at serving time (the hard staleness guarantee). An unchanged
@@ -305,9 +356,12 @@ class BufferService:
             batch_id = f"b{seq}-r{rank}"
             self.wal.append(wal.Serve(batch_id, rank, world_size, ids))
             self.store.serve(batch_id, rank, world_size, ids)
+            self._undurable.add(batch_id)
+            self._formed.append(batch_id)
         self.store.next_batch_seq = seq + 1
-        self.wal.sync()
-        return True
+        if self._commit_due is None:
+            self._commit_due = time.monotonic() + self.cfg.commit_interval_s
+        return True  # durable with the next commit, before any share is sent
 
     def _step_full(self, samples: int, tokens: int) -> bool:
         if self.cfg.batch_tokens > 0:
@@ -359,9 +413,7 @@ class BufferService:
         now = time.monotonic()
         dt = max(now - self._last_metrics, 1e-9)
         s = self.store
-        lags = [self.learner_version - int(t.versions.numpy().min()) if t.versions.shape[0] else 0
-                for g in s.ready.values() for t in g.members.values()]
-        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16).astype(np.int64)
+        hist = self._lag_histogram()
         scalars = {
             "depth/ready_groups": float(len(s.ready)),
             "depth/ready_samples": float(s.ready_samples),
@@ -389,7 +441,23 @@ class BufferService:
         return Metrics(source="buffer", step=self.learner_version, time=time.time(), scalars=scalars,
                        histograms={"lag": Array.from_numpy(hist)})
 
+    def _lag_histogram(self) -> np.ndarray:
+        """Lag (learner version - oldest token version) of the ready samples, 16 bins (the last one is
+        15+). Over a strided sample of at most LAG_SAMPLE_GROUPS groups, counts scaled to the whole: a
+        deep unbounded buffer would otherwise spend a fifth of its time here."""
+        groups = self.store.ready
+        stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
+        lags = [self.learner_version - int(t.versions.numpy().min()) if t.versions.shape[0] else 0
+                for g in itertools.islice(groups.values(), 0, None, stride) for t in g.members.values()]
+        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16) * stride
+        return hist.astype(np.int64)
+
     def close(self) -> None:
+        if self.syncer is not None:  # what is durable still goes out before the sockets close
+            self.syncer.wait()
+            self.release_durable()
+            self.syncer.close()
+            self.syncer = None
         self.wal.close()
         for ch in (self.ingest, self.server, self.pub):
             ch.close(linger=0.5)

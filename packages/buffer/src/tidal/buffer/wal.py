@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class WriteAheadLog:
         self.appended_total = 0  # bytes appended by this process (diagnostics)
         self.compacted_size = 0  # size of the segment the last compaction wrote
         self._pending = bytearray()  # appended records not yet handed to the file
+        self._file_lock = threading.Lock()  # a Syncer's fsync against closing / replacing the file
 
     # ------------------------------------------------------------------ segments
 
@@ -219,6 +221,12 @@ class WriteAheadLog:
         if self.fsync_policy != "never":
             os.fsync(self._file.fileno())
 
+    def fsync_now(self) -> None:
+        """fsync what was already handed to the OS (thread-safe against appends; see `Syncer`)."""
+        with self._file_lock:
+            if self._file is not None:
+                os.fsync(self._file.fileno())
+
     def compact(self, live: Iterator[Record]) -> None:
         """Write a new segment holding only `live` (which starts with a Snapshot), then drop the old ones."""
         n = self._segment + 1
@@ -234,22 +242,88 @@ class WriteAheadLog:
             os.fsync(f.fileno())
         old = self.segments()
         self._pending.clear()  # records not yet written are part of the snapshot just made durable
-        if self._file is not None:
-            self._file.close()
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
-        for seg in old:
-            seg.unlink()
-        self._segment = n
-        self._file = open(final, "ab")
+        with self._file_lock:
+            if self._file is not None:
+                self._file.close()
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            for seg in old:
+                seg.unlink()
+            self._segment = n
+            self._file = open(final, "ab")
         self.bytes_written = size
         self.compacted_size = size
 
     def close(self) -> None:
         if self._file is not None:
             self.sync()
-            self._file.close()
-            self._file = None
+            with self._file_lock:
+                self._file.close()
+                self._file = None
+
+
+class Syncer:
+    """fsync on a thread of its own, so the service keeps ingesting while the disk works (group commit
+    whose effects wait for durability). `request()` covers everything written to the file so far and
+    returns a token; `done` is the newest token made durable. `fd` becomes readable after each sync:
+    poll it to wake up. `wait()` blocks until every request is done (before the file is closed or
+    replaced)."""
+
+    def __init__(self, log: WriteAheadLog) -> None:
+        self._log = log
+        self._cond = threading.Condition()
+        self.requested = 0
+        self.done = 0
+        self.error: OSError | None = None
+        self.fd, self._wake = os.pipe()
+        os.set_blocking(self.fd, False)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tidal-wal-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self) -> int:
+        """Sync everything handed to the OS so far (call `log.flush()` first)."""
+        with self._cond:
+            self.requested += 1
+            self._cond.notify()
+            return self.requested
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self.done == self.requested and not self._stop:
+                    self._cond.wait()
+                if self._stop and self.done == self.requested:
+                    return
+                target = self.requested
+            try:
+                self._log.fsync_now()
+            except OSError as e:  # surfaced by the service: acknowledging would be a lie
+                self.error = e
+            with self._cond:
+                self.done = target
+                self._cond.notify_all()
+            os.write(self._wake, b"x")
+
+    def clear_wakeups(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait(self) -> None:
+        with self._cond:
+            while self.done != self.requested:
+                self._cond.wait()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(10)
+        os.close(self.fd)
+        os.close(self._wake)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -108,13 +108,15 @@ class Channel:
             self._check_open()
         sock = self.socket
         try:  # a busy stream has a message waiting: skip the poll system call
-            first = sock.recv(zmq.NOBLOCK)
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._wait(timeout)
-            first = sock.recv()
-        frames: list[Any] = [first]
-        while sock.getsockopt(zmq.RCVMORE):
-            frames.append(sock.recv(copy=len(frames) < self._copied_frames))
+            frame = sock.recv(copy=False)
+        # zmq.Frame tells `more` without a getsockopt call; the leading frames are copied out as bytes
+        frames: list[Any] = [frame.bytes]
+        while frame.more:
+            frame = sock.recv(copy=False)
+            frames.append(frame.bytes if len(frames) < self._copied_frames else frame)
         return frames
 
     def _send_frames(self, frames: list[Any], timeout: float | None) -> None:

@@ -105,6 +105,14 @@ class Codec:
     def decode(self, frames: Sequence[Any], peer: bytes | None = None) -> Message:
         """Decode one message. Raises ProtocolError for anything that is not a valid message."""
         n = len(frames)
+        if n == 1:  # the hot path (one self-contained frame), checked inline; errors take the long way
+            header = frames[0]
+            if (type(header) is bytes and PREAMBLE_BYTES < len(header) <= self.max_header_bytes + PREAMBLE_BYTES
+                    and header[:2] == MAGIC and header[2] == self.protocol[0]):
+                try:
+                    return self._decoder.decode(memoryview(header)[PREAMBLE_BYTES:])
+                except msgspec.MsgspecError:
+                    pass
         if n == 0:
             raise ProtocolError("empty message: no frames", peer=peer)
         if n > self.max_frames:
