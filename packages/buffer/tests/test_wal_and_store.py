@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
 from tidal.buffer.store import Group, Store, encode_trajectory
@@ -100,3 +102,16 @@ def test_lpt_split_balances_tokens_by_whole_groups():
     shares = split_groups(groups, 2)
     loads = [sum(g.tokens for g in s) for s in shares]
     assert sorted(len(s) for s in shares) == [3, 3] and max(loads) - min(loads) <= 32 + 10
+
+
+def test_put_records_are_written_as_msgspec_encodes_them(tmp_path):
+    frames = [b"", b"a" * 255, b"b" * 256, b"c" * 65_535, b"d" * 65_536, b"e" * 200_000]
+    for f in frames:
+        assert wal._put_prefix(len(f)) + f == msgspec.msgpack.encode(wal.Put(f))
+    log = wal.WriteAheadLog(tmp_path)
+    for f in frames:
+        log.append(wal.Put(f))
+    log.append(wal.Consume("b0-r0"))
+    log.close()
+    recs, report = wal.WriteAheadLog(tmp_path).replay()
+    assert recs == [*(wal.Put(f) for f in frames), wal.Consume("b0-r0")] and not report.corrupt_regions
