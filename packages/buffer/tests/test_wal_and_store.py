@@ -6,7 +6,7 @@ import msgspec
 
 from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
-from tidal.buffer.store import Group, Store, encode_trajectory
+from tidal.buffer.store import Store, encode_trajectory, num_tokens
 from tidal.core.testing import make_trajectory
 
 
@@ -96,8 +96,9 @@ def test_groups_are_ready_only_when_complete():
 def test_lpt_split_balances_tokens_by_whole_groups():
     groups = []
     for i, n in enumerate([100, 90, 50, 40, 30, 10]):
-        g = Group(f"g{i}", 1)
-        g.members["t"] = traj(i, n=n)
+        store = Store(1)
+        g = store.put(traj(i, group=f"g{i}", n=n))  # completes its group of one
+        assert g.tokens == sum(num_tokens(t) for t in g.members.values())
         groups.append(g)
     shares = split_groups(groups, 2)
     loads = [sum(g.tokens for g in s) for s in shares]

@@ -43,10 +43,7 @@ class Group:
     size: int  # expected number of samples
     members: dict[str, Trajectory] = field(default_factory=dict)  # trajectory id -> trajectory
     first_seen: float = field(default_factory=time.monotonic)
-
-    @property
-    def tokens(self) -> int:
-        return sum(num_tokens(t) for t in self.members.values())
+    tokens: int = 0  # prompt + completion tokens of the members (kept up to date by Store)
 
 
 @dataclass
@@ -102,6 +99,7 @@ class Store:
             g = Group(t.group_id, t.group_size or self.group_size)
             self.assembling[t.group_id] = g
         g.members[t.id] = t
+        g.tokens += num_tokens(t)
         self.where[t.id] = t.group_id
         self.stats["accepted"] += 1
         if t.group_id in self.assembling and len(g.members) >= g.size:
@@ -124,7 +122,9 @@ class Store:
             for groups in (self.assembling, self.ready):
                 g = groups.get(gid)
                 if g is not None:
-                    g.members.pop(i, None)
+                    t = g.members.pop(i, None)
+                    if t is not None:
+                        g.tokens -= num_tokens(t)
                     if not g.members:
                         del groups[gid]
             self.stats["dropped"] += 1
@@ -137,7 +137,9 @@ class Store:
             g = self.ready.get(gid) if gid is not None else None
             if g is None or i not in g.members:
                 raise KeyError(f"trajectory {i} is not ready to serve")
-            trajs.append(g.members.pop(i))
+            t = g.members.pop(i)
+            g.tokens -= num_tokens(t)
+            trajs.append(t)
             if not g.members:
                 del self.ready[gid]
             self.where[i] = batch_id
