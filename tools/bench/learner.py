@@ -53,7 +53,7 @@ class PaddedTrainer(Trainer):
     def step(self, samples):
         from tidal.algos.types import LossInputs
 
-        adv = self.advantages(samples)
+        adv, _ = self.advantages(samples)
         total = float(sum(int(s.loss_mask.sum()) for s in samples))
         for start in range(0, len(samples), self.pad_batch):
             ss = samples[start : start + self.pad_batch]

@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large", type=int, default=24, help="64 MiB payloads per large-message trial")
     ap.add_argument("--trials", type=int, default=5, help="trials per cell (median reported)")
     args = ap.parse_args(argv)
+    if min(args.small, args.large) < 2:
+        ap.error("--small and --large need at least 2 messages (the receiver's clock starts at the first)")
 
     modes = ["tidal", "pickle", "zerocopy"]
     results: dict[str, dict[str, float]] = {"small": {}, "large": {}}

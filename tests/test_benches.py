@@ -1,0 +1,41 @@
+"""Every benchmark in tools/bench/ still runs (tiny sizes) and prints its JSON line: a benchmark that
+rots silently measures nothing. Timings are not checked (machines are noisy); the slow tier runs this."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "transport.py": ["--small", "2000", "--large", "2", "--trials", "1"],
+    "algos.py": ["--batch", "4", "--tokens", "64", "--reps", "1"],
+    "buffer.py": ["--n", "1024", "--trials", "1"],
+    "weight_sync.py": ["--big-gib", "0.02", "--small", "60", "--trials", "1", "--bucket-mib", "4"],
+    "engine.py": ["--requests", "16", "--concurrency", "4", "--max-tokens", "16", "--reps", "1"],
+    "learner.py": ["--samples", "8", "--max-len", "64", "--hidden", "64", "--layers", "1", "--reps", "1"],
+    "moe.py": ["--tokens", "256", "--hidden", "64", "--ffn", "128", "--experts", "4"],
+    "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
+                  "--block", "64", "--timeout", "200"],
+    "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
+}
+
+
+def test_every_benchmark_is_listed():
+    assert {p.name for p in (ROOT / "tools" / "bench").glob("*.py")} == set(TINY)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_benchmark_runs_and_reports(script):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / script), *TINY[script]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert reports, f"{script} printed no JSON report:\n{proc.stdout[-2000:]}"
