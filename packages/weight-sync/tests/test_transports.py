@@ -243,3 +243,23 @@ def test_receiver_names_a_transport_mismatch(tmp_path):
         with pytest.raises(WeightSyncError, match="published over 'fs'.*WeightReceiver\\('fs'\\)"):
             receiver.receive(ann, lambda t: None)
         assert receiver.version == -1
+
+
+@pytest.mark.timeout(180)
+def test_torch_distributed_skips_an_abandoned_stream_and_an_unannounced_version(receiver, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    r = receiver("torch_dist", address=address, rank=1, world_size=2, timeout_s=120)
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=2, timeout_s=120) as sender:
+        assert r.announce(sender.send(make_state(1), 1))["held"] == 1
+        # buckets stream out as they are packed: many have gone by the time the bad tensor is reached
+        bad = {**make_state(2), "zz.complex": torch.zeros(3, dtype=torch.complex64)}
+        with pytest.raises(TypeError, match="complex"):
+            sender.send(bad, 2)
+        retry = make_state(22)
+        assert r.announce(sender.send(retry, 2))["held"] == 2  # the same version again, other weights
+        assert_bit_identical(r.held(2), retry)
+        sender.send(make_state(3), 3)  # broadcast, but its announcement never reaches the receiver
+        last = make_state(4)
+        assert r.announce(sender.send(last, 4))["held"] == 4
+        assert_bit_identical(r.held(4), last)
+        assert sender.last_stats["weights/pack_s"] > 0 and sender.last_stats["weights/stage_s"] > 0
