@@ -44,7 +44,7 @@ def main() -> int:
                 continue
 
             def apply(tensors):
-                held.update({n: t.clone() for n, t in tensors})
+                held.update({n: t.to("cpu", copy=True) for n, t in tensors})  # GPU tensors too (cuda_ipc)
 
             try:
                 receiver.receive(msg, apply)

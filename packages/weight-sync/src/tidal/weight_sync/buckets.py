@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,6 +135,7 @@ class Bucket:
     data: np.ndarray | torch.Tensor | None = None  # uint8 [nbytes] once sealed (a torch tensor on a device)
     crc: int = 0
     seal_s: float = 0.0  # seconds spent packing and checksumming
+    ready: Any = None  # a CUDA event: the parts' producing stream got this far (device packing)
 
     def seal(self, alloc: Alloc = fresh, algorithm: str = CHECKSUM) -> Bucket:
         """Pack the parts into `alloc`'s buffer and checksum it: host memory (numpy) or device memory
@@ -144,7 +146,7 @@ class Bucket:
         if isinstance(buf, torch.Tensor):
             from tidal.weight_sync.device import pack_device
 
-            self.crc = pack_device(self.parts, offsets, buf, algorithm)
+            self.crc = pack_device(self.parts, offsets, buf, algorithm, self.ready)
         else:
             self.crc = pack_host([p.numpy() for p in self.parts], offsets, buf, algorithm)
         self.parts = []
@@ -170,7 +172,7 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         raw = as_bytes(tensor, device)
         b = open_by_dtype.get(dt)
         if b is not None and b.nbytes + raw.numel() > bucket_bytes and b.specs:
-            yield open_by_dtype.pop(dt)
+            yield _mark_ready(open_by_dtype.pop(dt), device)
             b = None
         if b is None:
             b = open_by_dtype[dt] = Bucket(index=index, dtype=dt)
@@ -179,7 +181,17 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                                   offset=b.nbytes, nbytes=raw.numel()))
         b.parts.append(raw)
         b.nbytes += raw.numel()
-    yield from sorted(open_by_dtype.values(), key=lambda b: b.index)
+    for b in sorted(open_by_dtype.values(), key=lambda b: b.index):
+        yield _mark_ready(b, device)
+
+
+def _mark_ready(b: Bucket, device: torch.device | None) -> Bucket:
+    """Device buckets are packed in another thread, on its stream: record how far this thread's
+    stream (which produced the parts) has got, for the packer to wait on."""
+    if device is not None and device.type == "cuda":
+        b.ready = torch.cuda.Event()
+        b.ready.record()
+    return b
 
 
 def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, alloc: Alloc = fresh) -> Iterator[Bucket]:
@@ -189,13 +201,17 @@ def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, a
         yield b.seal(alloc)
 
 
-def unpack(data: np.ndarray | memoryview, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors viewing `data` (no copy; `data` must stay alive and unchanged while they are used)."""
-    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
+def unpack(data: np.ndarray | memoryview | torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors viewing `data` (no copy; `data` must stay alive and unchanged while they are used); on
+    `data`'s device when it is a torch tensor."""
+    if isinstance(data, torch.Tensor):
+        base = data.reshape(-1)
+    else:
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
     out = []
     for s in specs:
         chunk = base[s.offset : s.offset + s.nbytes]
-        t = chunk.view(TORCH_DTYPES[s.dtype]) if s.nbytes else torch.empty(0, dtype=TORCH_DTYPES[s.dtype])
+        t = chunk.view(TORCH_DTYPES[s.dtype]) if s.nbytes else torch.empty(0, dtype=TORCH_DTYPES[s.dtype], device=base.device)
         out.append((s.name, t.reshape(s.shape)))
     return out

@@ -11,6 +11,8 @@ about 2^-64. It guards against torn and corrupted transfers, not against an adve
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 MIX64 = "mix64-sum"
@@ -70,9 +72,13 @@ def checksum_tensor(buf: torch.Tensor, algorithm: str) -> int:
     return checksum(buf.cpu().numpy(), algorithm)
 
 
-def pack_device(parts: list[torch.Tensor], offsets: list[int], dest: torch.Tensor, algorithm: str) -> int:
+def pack_device(parts: list[torch.Tensor], offsets: list[int], dest: torch.Tensor, algorithm: str,
+                ready: Any = None) -> int:
     """Copy `parts` into the device buffer `dest` at `offsets` (device-to-device, queued on the current
-    stream) and return the checksum of `dest` (reading it back for the checksum waits for the copies)."""
+    stream once it has waited for the CUDA event `ready`) and return the checksum of `dest` (reading it
+    back for the checksum waits for the copies)."""
+    if ready is not None:
+        torch.cuda.current_stream(dest.device).wait_event(ready)
     for off, part in zip(offsets, parts, strict=True):
         if part.numel():
             dest[off : off + part.numel()].copy_(part.reshape(-1), non_blocking=True)
