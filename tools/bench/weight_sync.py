@@ -73,7 +73,10 @@ def start(target, *args):
 # ----------------------------------------------------------------------------- measurements
 
 
-def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, **receiver_options) -> float:
+def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, **receiver_options) -> tuple[float, dict]:
+    """Median seconds from send() to the receiver's verified apply, and the median of the sender's
+    breakdown (send_s: send() itself; pack_s: packing and checksums; stage_s: handing buckets to the
+    transport; pack_s + stage_s > send_s where they overlap)."""
     sopts: dict = {}
     ropts: dict = dict(receiver_options)
     if transport == "fs":
@@ -85,7 +88,7 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
     proc, conn = start(receiver_main, transport, ropts)
     sender = WeightSender(transport, bucket_bytes=bucket_bytes, **sopts)
     assert conn.recv_bytes() == b"ready"
-    times = []
+    times, stats = [], []
     warmup = 3  # steady state: every reused buffer (3 sender generations, 2 receiver sets) faulted in
     for v in range(trials + warmup):
         t0 = time.perf_counter()
@@ -94,10 +97,12 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
         assert conn.recv_bytes() == b"done"
         if v >= warmup:
             times.append(time.perf_counter() - t0)
+            stats.append(dict(sender.last_stats))
     conn.send_bytes(b"stop")
     proc.join(30)
     sender.close()
-    return statistics.median(times)
+    keys = ("send_s", "pack_s", "stage_s")
+    return statistics.median(times), {k: round(statistics.median(s.get(f"weights/{k}", 0.0) for s in stats), 3) for k in keys}
 
 
 def time_memcpy(state: dict, trials: int) -> float:
@@ -144,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     memcpy = time_memcpy(big, args.trials)
     results["big"] = {"bytes": nbytes, "memcpy_s": memcpy}
     print(f"big state: {nbytes / 2**30:.2f} GiB in {len(big)} tensors; memcpy {nbytes / memcpy / 1e9:.2f} GB/s")
-    print(f"{'transport':<12}{'seconds':>10}{'GB/s':>8}{'vs memcpy':>11}")
+    print(f"{'transport':<12}{'seconds':>10}{'GB/s':>8}{'vs memcpy':>11}{'send s':>9}{'pack s':>9}{'stage s':>9}")
     for tr in ("shm", "zmq", "torch_dist", "fs"):
-        s = time_transport(tr, big, args.trials, args.bucket_mib * 2**20)
-        results["big"][tr] = {"s": round(s, 3), "vs_memcpy": round(memcpy / s, 3)}
-        print(f"{tr:<12}{s:>10.3f}{nbytes / s / 1e9:>8.2f}{memcpy / s:>11.3f}")
+        s, st = time_transport(tr, big, args.trials, args.bucket_mib * 2**20)
+        results["big"][tr] = {"s": round(s, 3), "vs_memcpy": round(memcpy / s, 3), **st}
+        print(f"{tr:<12}{s:>10.3f}{nbytes / s / 1e9:>8.2f}{memcpy / s:>11.3f}"
+              f"{st['send_s']:>9.3f}{st['pack_s']:>9.3f}{st['stage_s']:>9.3f}")
     del big
 
     small = small_state(args.small)
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     results["small"] = {"tensors": len(small), "bytes": sbytes}
     for label, tr, opts in (("zmq (pipelined)", "zmq", {}), ("zmq (serial)", "zmq", {"window": 1}),
                             ("torch_dist (gloo)", "torch_dist", {})):
-        b = time_transport(tr, small, args.trials, args.bucket_mib * 2**20)
-        n = time_transport(tr, small, args.trials, 1, **opts)  # every tensor in a bucket of its own
+        b, _ = time_transport(tr, small, args.trials, args.bucket_mib * 2**20)
+        n, _ = time_transport(tr, small, args.trials, 1, **opts)  # every tensor in a bucket of its own
         results["small"][label] = {"bucketed_s": round(b, 3), "per_param_s": round(n, 3), "speedup": round(n / b, 2)}
         print(f"{label:<22}{b:>12.3f}{n:>13.3f}{n / b:>10.2f}")
 

@@ -44,14 +44,17 @@ def main() -> int:
                 continue
 
             def apply(tensors):
-                held.update({n: t.clone() for n, t in tensors})
+                held.update({n: t.to("cpu", copy=True) for n, t in tensors})  # GPU tensors too (cuda_ipc)
 
             try:
                 receiver.receive(msg, apply)
                 save_file(dict(held), str(out / f"v{msg.version}.safetensors"))
             except WeightSyncError as e:
                 (out / f"v{msg.version}.error").write_text(str(e))
-            (out / f"v{msg.version}.done").write_text(json.dumps({"held": receiver.version}))
+            # written whole, then renamed: the test polls for the file and reads it at once
+            tmp = out / f"v{msg.version}.done.tmp"
+            tmp.write_text(json.dumps({"held": receiver.version}))
+            tmp.rename(out / f"v{msg.version}.done")
         receiver.close()
 
 

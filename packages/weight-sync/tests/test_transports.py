@@ -1,6 +1,6 @@
 """Every transport between real processes: bit-identical weights (fp32 and bf16, many tensors, odd
 sizes, an empty tensor), increasing versions, corrupted transfers rejected with the old version kept,
-delta updates bit-exact over 20 optimizer steps, LoRA-only updates."""
+delta updates bit-exact over 20 optimizer steps, LoRA-only updates. The cuda_ipc tests need a GPU."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from tidal.core.channels import push
 from tidal.core.protocol import Control
 from tidal.core.testing import free_port
 from tidal.weight_sync import WeightSender
+from tidal.weight_sync.transport_cuda_ipc import decode_location
 
 HERE = Path(__file__).parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (tools/gpu/weight_sync_check.sh)")
 
 
 def make_state(seed: int, n: int = 120) -> dict[str, torch.Tensor]:
@@ -243,3 +245,47 @@ def test_receiver_names_a_transport_mismatch(tmp_path):
         with pytest.raises(WeightSyncError, match="published over 'fs'.*WeightReceiver\\('fs'\\)"):
             receiver.receive(ann, lambda t: None)
         assert receiver.version == -1
+
+
+@pytest.mark.timeout(180)
+def test_torch_distributed_rejected_version_leaves_the_broadcast_in_step(receiver, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    r = receiver("torch_dist", address=address, rank=1, world_size=2, timeout_s=120)
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=2, timeout_s=120) as sender:
+        assert r.announce(sender.send(make_state(1), 1))["held"] == 1
+        ann = sender.send(make_state(2), 2)
+        ann = msgspec.structs.replace(ann, checksums=[ann.checksums[0] ^ 1, *ann.checksums[1:]])
+        assert r.announce(ann)["held"] == 1  # rejected at its first bucket; the other buckets still taken
+        assert "bucket 0" in r.error(2) and "checksum" in r.error(2)
+        fresh = make_state(3)
+        assert r.announce(sender.send(fresh, 3))["held"] == 3
+        assert_bit_identical(r.held(3), fresh)
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_ipc_weights_arrive_bit_identical_on_the_gpu(receiver):
+    r = receiver("cuda_ipc")
+    with WeightSender("cuda_ipc", bucket_bytes=16 * 1024) as sender:
+        for version in (1, 2, 5):
+            state = {k: v.cuda() for k, v in make_state(version).items()}
+            ann = sender.send(state, version)
+            assert ann.checksum == "mix64-sum" and len(ann.bucket_sizes) > 10
+            assert r.announce(ann)["held"] == version
+            assert_bit_identical(r.held(version), {k: v.cpu() for k, v in state.items()})
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_ipc_corrupted_bucket_is_rejected_and_the_old_version_kept(receiver):
+    r = receiver("cuda_ipc")
+    with WeightSender("cuda_ipc", bucket_bytes=16 * 1024) as sender:
+        assert r.announce(sender.send({k: v.cuda() for k, v in make_state(1).items()}, 1))["held"] == 1
+        ann = sender.send({k: v.cuda() for k, v in make_state(2).items()}, 2)
+        slot = decode_location(ann.location).slot
+        sender.transport._slots[slot][3][10] ^= 0xFF  # scribble over a bucket in the sender's GPU memory
+        assert r.announce(ann)["held"] == 1
+        assert "bucket 3" in r.error(2) and "checksum" in r.error(2)
+        fresh = {k: v.cuda() for k, v in make_state(3).items()}
+        assert r.announce(sender.send(fresh, 3))["held"] == 3
+        assert_bit_identical(r.held(3), {k: v.cpu() for k, v in fresh.items()})

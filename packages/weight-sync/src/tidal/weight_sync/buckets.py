@@ -7,11 +7,14 @@ gathers sharded weights one tensor at a time never holds more than the open buck
 
 from __future__ import annotations
 
+import bisect
 import os
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +44,13 @@ def dtype_name(t: torch.Tensor) -> str:
         raise TypeError(f"tensors of dtype {t.dtype} cannot be synced; supported: {', '.join(DTYPE_NAMES.values())}") from None
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU copy of `t` (no copy when it already is one)."""
+def as_bytes(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A flat uint8 view of a contiguous copy of `t` in host memory, or on `device` (no copy when it
+    already is one)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu", non_blocking=False)
+    target = device or torch.device("cpu")
+    if t.device != target:
+        t = t.to(target, non_blocking=False)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -76,18 +81,8 @@ def _tree_xxh3(buf: np.ndarray | memoryview | bytes) -> int:
 
 
 def copy_and_checksum(src: np.ndarray, dest: np.ndarray, algorithm: str = CHECKSUM) -> int:
-    """Copy `src` into `dest` and return the checksum of the copy: chunk by chunk, in parallel threads,
-    each chunk hashed while it is still in cache (one pass over memory instead of two)."""
-    n = src.size
-    if algorithm != "xxh3_64-tree16m" or n <= _CHUNK:
-        np.copyto(dest, src)
-        return checksum(dest, algorithm)
-
-    def one(i: int) -> int:
-        np.copyto(dest[i : i + _CHUNK], src[i : i + _CHUNK])
-        return xxhash.xxh3_64_intdigest(dest[i : i + _CHUNK])
-
-    return _combine(list(_threads().map(one, range(0, n, _CHUNK))), n)
+    """Copy `src` into `dest` and return the checksum of the copy, in one pass (see `pack_host`)."""
+    return pack_host([src.reshape(-1)], [0], dest, algorithm)
 
 
 def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) -> int:
@@ -100,11 +95,34 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) ->
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32")
 
 
-Alloc = Callable[[int, int], np.ndarray]  # (bucket index, nbytes) -> uint8 buffer to pack into
+Alloc = Callable[[int, int], "np.ndarray | torch.Tensor"]  # (bucket index, nbytes) -> uint8 buffer to pack into
 
 
 def fresh(index: int, nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
+
+
+def pack_host(parts: list[np.ndarray], offsets: list[int], dest: np.ndarray, algorithm: str = CHECKSUM) -> int:
+    """Copy `parts` (uint8, at `offsets`) into `dest` and return the checksum of `dest`: 16 MiB chunk by
+    chunk in parallel threads, each chunk hashed right after it is written, while it is still in cache.
+    memcpy (np.copyto) rather than torch's copy_: its intra-op threads crawl on a busy machine."""
+    n = dest.size
+    if algorithm != "xxh3_64-tree16m" or n <= _CHUNK:
+        for off, part in zip(offsets, parts, strict=True):
+            np.copyto(dest[off : off + part.size], part)
+        return checksum(dest, algorithm)
+
+    def one(lo: int) -> int:
+        hi = min(lo + _CHUNK, n)
+        k = max(0, bisect.bisect_right(offsets, lo) - 1)  # the first part that reaches into [lo, hi)
+        while k < len(parts) and offsets[k] < hi:
+            a, b = max(lo, offsets[k]), min(hi, offsets[k] + parts[k].size)
+            if a < b:
+                np.copyto(dest[a:b], parts[k][a - offsets[k] : b - offsets[k]])
+            k += 1
+        return xxhash.xxh3_64_intdigest(dest[lo:hi])
+
+    return _combine(list(_threads().map(one, range(0, n, _CHUNK))), n)
 
 
 @dataclass
@@ -114,23 +132,33 @@ class Bucket:
     specs: list[TensorSpec] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)  # uint8 views, packed on `seal`
     nbytes: int = 0
-    data: np.ndarray | None = None  # uint8 [nbytes] once sealed
+    data: np.ndarray | torch.Tensor | None = None  # uint8 [nbytes] once sealed (a torch tensor on a device)
     crc: int = 0
+    seal_s: float = 0.0  # seconds spent packing and checksumming
+    ready: Any = None  # a CUDA event: the parts' producing stream got this far (device packing)
 
-    def seal(self, alloc: Alloc = fresh) -> Bucket:
+    def seal(self, alloc: Alloc = fresh, algorithm: str = CHECKSUM) -> Bucket:
+        """Pack the parts into `alloc`'s buffer and checksum it: host memory (numpy) or device memory
+        (a torch tensor, checksummed there with `mix64`; see device.py)."""
+        t0 = time.perf_counter()
         buf = alloc(self.index, self.nbytes)
-        out = torch.from_numpy(buf) if self.nbytes else torch.empty(0, dtype=torch.uint8)
-        for spec, part in zip(self.specs, self.parts, strict=True):
-            out[spec.offset : spec.offset + spec.nbytes].copy_(part)
+        offsets = [s.offset for s in self.specs]
+        if isinstance(buf, torch.Tensor):
+            from tidal.weight_sync.device import pack_device
+
+            self.crc = pack_device(self.parts, offsets, buf, algorithm, self.ready)
+        else:
+            self.crc = pack_host([p.numpy() for p in self.parts], offsets, buf, algorithm)
         self.parts = []
         self.data = buf
-        self.crc = checksum(self.data)
+        self.seal_s = time.perf_counter() - t0
         return self
 
 
-def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, alloc: Alloc = fresh) -> Iterator[Bucket]:
-    """Yield sealed buckets as they fill, grouped by dtype, in a deterministic order. `alloc` provides
-    the memory to pack into (reusing buffers from an earlier version avoids page faults)."""
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 device: torch.device | None = None) -> Iterator[Bucket]:
+    """Yield unsealed buckets (specs and byte views of their tensors, nothing copied yet) as they fill,
+    grouped by dtype, in a deterministic order. Tensors are brought to host memory, or to `device`."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     open_by_dtype: dict[str, Bucket] = {}
@@ -141,10 +169,10 @@ def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, a
             raise ValueError(f"tensor {name!r} appears twice in one weight update")
         seen.add(name)
         dt = dtype_name(tensor)
-        raw = as_bytes(tensor)
+        raw = as_bytes(tensor, device)
         b = open_by_dtype.get(dt)
         if b is not None and b.nbytes + raw.numel() > bucket_bytes and b.specs:
-            yield open_by_dtype.pop(dt).seal(alloc)
+            yield _mark_ready(open_by_dtype.pop(dt), device)
             b = None
         if b is None:
             b = open_by_dtype[dt] = Bucket(index=index, dtype=dt)
@@ -154,16 +182,36 @@ def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, a
         b.parts.append(raw)
         b.nbytes += raw.numel()
     for b in sorted(open_by_dtype.values(), key=lambda b: b.index):
+        yield _mark_ready(b, device)
+
+
+def _mark_ready(b: Bucket, device: torch.device | None) -> Bucket:
+    """Device buckets are packed in another thread, on its stream: record how far this thread's
+    stream (which produced the parts) has got, for the packer to wait on."""
+    if device is not None and device.type == "cuda":
+        b.ready = torch.cuda.Event()
+        b.ready.record()
+    return b
+
+
+def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, alloc: Alloc = fresh) -> Iterator[Bucket]:
+    """Yield sealed buckets as they fill (see `plan_buckets`); `alloc` provides the memory to pack into
+    (reusing buffers from an earlier version avoids page faults)."""
+    for b in plan_buckets(named, bucket_bytes):
         yield b.seal(alloc)
 
 
-def unpack(data: np.ndarray | memoryview, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors viewing `data` (no copy; `data` must stay alive and unchanged while they are used)."""
-    buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
+def unpack(data: np.ndarray | memoryview | torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors viewing `data` (no copy; `data` must stay alive and unchanged while they are used); on
+    `data`'s device when it is a torch tensor."""
+    if isinstance(data, torch.Tensor):
+        base = data.reshape(-1)
+    else:
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
     out = []
     for s in specs:
         chunk = base[s.offset : s.offset + s.nbytes]
-        t = chunk.view(TORCH_DTYPES[s.dtype]) if s.nbytes else torch.empty(0, dtype=TORCH_DTYPES[s.dtype])
+        t = chunk.view(TORCH_DTYPES[s.dtype]) if s.nbytes else torch.empty(0, dtype=TORCH_DTYPES[s.dtype], device=base.device)
         out.append((s.name, t.reshape(s.shape)))
     return out

@@ -15,6 +15,7 @@ TRANSPORTS: dict[str, tuple[str, str, str]] = {
     "fs": ("transport_fs", "FsSenderTransport", "FsReceiverTransport"),
     "shm": ("transport_shm", "ShmSenderTransport", "ShmReceiverTransport"),
     "torch_dist": ("transport_dist", "DistSenderTransport", "DistReceiverTransport"),
+    "cuda_ipc": ("transport_cuda_ipc", "CudaIpcSenderTransport", "CudaIpcReceiverTransport"),
 }
 
 

@@ -15,6 +15,7 @@ from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import checksum, copy_and_checksum, unpack
+from tidal.weight_sync.device import checksum_tensor
 from tidal.weight_sync.errors import WeightSyncError
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -29,8 +30,9 @@ class WeightReceiver:
         self.transport = transport
         self.keep_for_delta = keep_for_delta
         self.version = -1
-        self._buckets: list[np.ndarray] = []  # the held version's bytes (delta base)
-        self._spare: list[np.ndarray] = []  # the previous set, reused for the next version
+        # a bucket is host memory (numpy), or a torch tensor on a GPU (cuda_ipc)
+        self._buckets: list[Any] = []  # the held version's bytes (delta base)
+        self._spare: list[Any] = []  # the previous set, reused for the next version
         self._layout: list[tuple[str, int]] = []  # (dtype, nbytes) per bucket of the held version
         self.last_error = ""
 
@@ -59,21 +61,25 @@ class WeightReceiver:
         self.version = ann.version
         self._spare, self._buckets = self._buckets, buckets
         if self.keep_for_delta:
-            self._layout = [(by_bucket[i][0].dtype if by_bucket.get(i) else "uint8", b.size) for i, b in enumerate(buckets)]
+            self._layout = [(by_bucket[i][0].dtype if by_bucket.get(i) else "uint8", len(b)) for i, b in enumerate(buckets)]
         self.transport.report(ann, ok=True)
         return self.version
 
-    def _fetch_and_verify(self, ann: WeightsAvailable) -> list[np.ndarray]:
+    def _fetch_and_verify(self, ann: WeightsAvailable) -> list[Any]:
         n = len(ann.bucket_sizes)
         if len(ann.checksums) != n:
             raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
         dtypes = {s.bucket: s.dtype for s in ann.manifest}
-        out: list[np.ndarray | None] = [None] * n
+        out: list[Any] = [None] * n
         # buckets are verified as they arrive, while the transport brings in the next ones
         for i, encoding, base, payload in self.transport.fetch(ann, self.version if self._buckets else -1):
             size = ann.bucket_sizes[i]
+            if isinstance(payload, torch.Tensor):  # GPU bytes (cuda_ipc): copied and checked on the GPU
+                out[i] = self._verify_on_device(ann, i, payload)
+                continue
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
-            dest = self._spare[i] if i < len(self._spare) and self._spare[i].size == size else np.empty(size, np.uint8)
+            spare = self._spare[i] if i < len(self._spare) else None
+            dest = spare if isinstance(spare, np.ndarray) and spare.size == size else np.empty(size, np.uint8)
             if encoding == "delta":
                 if base != self.version or i >= len(self._buckets):
                     raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
@@ -102,7 +108,28 @@ class WeightReceiver:
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
             raise WeightSyncError(f"buckets {missing[:5]} of version {ann.version} never arrived")
-        return out  # type: ignore[return-value]
+        return out
+
+    def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor) -> torch.Tensor:
+        size = ann.bucket_sizes[i]
+        if payload.numel() != size:
+            raise WeightSyncError(f"bucket {i} of version {ann.version} has {payload.numel()} bytes, "
+                                  f"expected {size} (partial transfer)")
+        device = getattr(self.transport, "device", None) or payload.device
+        spare = self._spare[i] if i < len(self._spare) else None
+        if isinstance(spare, torch.Tensor) and spare.numel() == size and spare.device == torch.device(device):
+            dest = spare  # last-but-one version's memory
+        else:
+            dest = torch.empty(size, dtype=torch.uint8, device=device)
+        dest.copy_(payload)  # our own copy, verified: the sender rewrites its buffers
+        try:
+            crc = checksum_tensor(dest, ann.checksum)
+        except ValueError as e:
+            raise WeightSyncError(str(e)) from None
+        if crc != ann.checksums[i]:
+            raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
+                                  f"({crc:#018x} != {ann.checksums[i]:#018x}): corrupted in transfer")
+        return dest
 
     def close(self) -> None:
         self.transport.close()

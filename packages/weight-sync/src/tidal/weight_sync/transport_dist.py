@@ -4,7 +4,14 @@ the trainer or the generators already use. gloo on CPU; NCCL when the buckets li
 
 This is a collective: every receiver must take every announced version, in order (as with NCCL
 weight sync in other RL stacks). The sender broadcasts from a background thread, so `send()` returns
-the announcement at once and the broadcast proceeds while receivers join it.
+the announcement at once and the broadcast proceeds while receivers join it. A receiver takes the
+buckets in a thread of its own, one ahead of the caller, so bucket k+1 arrives while bucket k is
+checked.
+
+Receivers join a version's broadcast only once its announcement reaches them, so the broadcast cannot
+start while the sender still packs: that would need receivers listening between updates, and a thread
+left blocked in a gloo collective aborts its process at exit ("terminate called without an active
+exception") when the collective completes during interpreter shutdown; gloo's abort() does not free it.
 """
 
 from __future__ import annotations
@@ -101,9 +108,13 @@ class DistReceiverTransport:
         if rank < 1:
             raise ValueError("receivers take ranks 1..world_size-1; rank 0 is the sender")
         self.device = device
+        self.timeout_s = timeout_s
+        self._taker: threading.Thread | None = None  # takes the buckets of the version being fetched
         self._pg = _group(address, rank, world_size, backend, timeout_s)
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
+        if self._taker is not None and self._taker.is_alive():
+            raise WeightSyncError("the previous version's broadcast is still being taken; it did not finish in time")
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         _broadcast(self._pg, header)
         version, n = (int(x) for x in header.tolist())
@@ -111,10 +122,41 @@ class DistReceiverTransport:
             raise WeightSyncError(f"broadcast carries version {version} ({n} buckets) but the announcement is "
                                   f"version {ann.version} ({len(ann.bucket_sizes)} buckets): receivers must take "
                                   "every version, in order, on a collective transport")
-        for i, size in enumerate(ann.bucket_sizes):
-            t = torch.empty(size, dtype=torch.uint8, device=self.device)
-            _broadcast(self._pg, t)
-            yield i, "dense", -1, (t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
+        arrived: queue.Queue = queue.Queue(maxsize=1)  # one bucket ahead: bounds the memory in flight
+        give_up = threading.Event()
+
+        def take() -> None:  # every bucket must be taken, even after the caller gave up: it is a collective
+            try:
+                if self.device.startswith("cuda"):
+                    torch.cuda.set_device(torch.device(self.device))
+                for i, size in enumerate(ann.bucket_sizes):
+                    t = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    _broadcast(self._pg, t)
+                    if not give_up.is_set():
+                        arrived.put((i, t))
+            except BaseException as e:
+                if not give_up.is_set():
+                    arrived.put((-1, e))
+
+        self._taker = threading.Thread(target=take, name="tidal-weight-take", daemon=True)
+        self._taker.start()
+        try:
+            for _ in ann.bucket_sizes:
+                try:
+                    i, t = arrived.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise WeightSyncError(f"bucket of version {ann.version} did not arrive within {self.timeout_s:g} s") from None
+                if i < 0:
+                    raise WeightSyncError(f"weight broadcast of version {ann.version} failed: {t}")
+                yield i, "dense", -1, (t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
+        finally:  # given up part way (a bad bucket): the rest of the version is taken, and dropped
+            give_up.set()
+            while True:
+                try:
+                    arrived.get_nowait()
+                except queue.Empty:
+                    break
+            self._taker.join(self.timeout_s)
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         pass

@@ -33,18 +33,34 @@ class FsSenderTransport:
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.fsync = fsync
+        self._writing = -1  # the version whose shards are being written
+        self._written: set[int] = set()
+
+    def _tmp(self, version: int) -> Path:
+        """The folder version `version` is written into, made on its first bucket."""
+        tmp = version_dir(self.root, version).with_name(version_dir(self.root, version).name + ".tmp")
+        if self._writing != version:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            self._writing, self._written = version, set()
+        return tmp
+
+    def stage_bucket(self, version: int, b: Bucket) -> None:
+        """Write one shard now, while the sender packs the next bucket."""
+        path = self._tmp(version) / f"bucket-{b.index:05d}.safetensors"
+        tensors = {name: t.contiguous() for name, t in unpack(b.data, b.specs)}
+        path.write_bytes(st_save(tensors, metadata={"tidal_version": str(version), "bucket": str(b.index)}))
+        if self.fsync:
+            _fsync(path)
+        self._written.add(b.index)
 
     def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
-        final = version_dir(self.root, version)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp = self._tmp(version)
         for b in buckets:
-            tensors = {name: t.contiguous() for name, t in unpack(b.data, b.specs)}
-            path = tmp / f"bucket-{b.index:05d}.safetensors"
-            path.write_bytes(st_save(tensors, metadata={"tidal_version": str(version), "bucket": str(b.index)}))
-            if self.fsync:
-                _fsync(path)
+            if b.index not in self._written:
+                self.stage_bucket(version, b)
+        self._writing = -1
+        final = version_dir(self.root, version)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if self.fsync:
@@ -52,6 +68,11 @@ class FsSenderTransport:
         for old in sorted(p for p in self.root.glob("v*") if p.is_dir() and not p.name.endswith(".tmp"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return str(final)
+
+    def abort(self, version: int) -> None:
+        if self._writing == version:
+            shutil.rmtree(self._tmp(version), ignore_errors=True)
+            self._writing = -1
 
     def write_manifest(self, ann: WeightsAvailable) -> None:
         path = Path(ann.location) / "manifest.json"

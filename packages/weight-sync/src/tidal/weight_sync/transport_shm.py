@@ -2,7 +2,7 @@
 receiver maps it and copies the bytes out once. The sender rewrites the segments of `keep` slots in
 turn (version k uses slot k mod keep), so memory is faulted in once, not every version; a receiver more
 than `keep` versions behind reads a rewritten slot and fails its checksum rather than reading garbage.
-(CUDA IPC handles for GPU-resident weights are not implemented yet.)"""
+Weights on a GPU go through `cuda_ipc` instead (transport_cuda_ipc.py), without a trip through host memory."""
 
 from __future__ import annotations
 
