@@ -289,3 +289,22 @@ def test_cuda_ipc_corrupted_bucket_is_rejected_and_the_old_version_kept(receiver
         fresh = {k: v.cuda() for k, v in make_state(3).items()}
         assert r.announce(sender.send(fresh, 3))["held"] == 3
         assert_bit_identical(r.held(3), {k: v.cpu() for k, v in fresh.items()})
+
+
+def test_fs_shards_are_safetensors_files_that_load_bit_identical(tmp_path):
+    """The fs transport writes packed buckets as they are, behind a safetensors header: safetensors' own
+    loader must read every dtype back, an empty tensor included."""
+    from tidal.weight_sync import WeightSender
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "empty": torch.empty(0),
+             "steps": torch.arange(9, dtype=torch.int64), "h": torch.randn(13).half(),
+             "flags": torch.tensor([True, False, True])}
+    with WeightSender("fs", root=str(tmp_path), bucket_bytes=64) as sender:
+        ann = sender.send(state, 1)
+    got: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(ann.location).glob("*.safetensors")):
+        got.update(load_file(str(shard)))
+    assert set(got) == set(state)
+    for name, t in state.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name

@@ -14,11 +14,26 @@ import msgspec
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from tidal.core.protocol import WeightsAvailable
-from tidal.weight_sync.buckets import Bucket, unpack
+from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
+
+# safetensors dtype names (https://github.com/huggingface/safetensors: format)
+_ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+              "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
+
+
+def _safetensors_header(b: Bucket, metadata: dict[str, str]) -> bytes:
+    """u64 length + JSON header (padded with spaces to 8 bytes) for a bucket's tensors, which lie back to
+    back from offset 0: the bucket's bytes are the file's data section as they are."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for spec in b.specs:
+        header[spec.name] = {"dtype": _ST_DTYPES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [spec.offset, spec.offset + spec.nbytes]}
+    raw = msgspec.json.encode(header)
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -48,8 +63,9 @@ class FsSenderTransport:
     def stage_bucket(self, version: int, b: Bucket) -> None:
         """Write one shard now, while the sender packs the next bucket."""
         path = self._tmp(version) / f"bucket-{b.index:05d}.safetensors"
-        tensors = {name: t.contiguous() for name, t in unpack(b.data, b.specs)}
-        path.write_bytes(st_save(tensors, metadata={"tidal_version": str(version), "bucket": str(b.index)}))
+        with open(path, "wb") as f:  # the packed bucket is already a safetensors data section: no copy
+            f.write(_safetensors_header(b, {"tidal_version": str(version), "bucket": str(b.index)}))
+            f.write(memoryview(b.data))
         if self.fsync:
             _fsync(path)
         self._written.add(b.index)
