@@ -110,6 +110,7 @@ class DistReceiverTransport:
         self.device = device
         self.timeout_s = timeout_s
         self._taker: threading.Thread | None = None  # takes the buckets of the version being fetched
+        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> receive buffer, reused across versions
         self._pg = _group(address, rank, world_size, backend, timeout_s)
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
@@ -130,7 +131,11 @@ class DistReceiverTransport:
                 if self.device.startswith("cuda"):
                     torch.cuda.set_device(torch.device(self.device))
                 for i, size in enumerate(ann.bucket_sizes):
-                    t = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    # bucket i of the previous version was copied out before this version began: its
+                    # memory is reused (fresh memory costs page faults, more than the copy itself)
+                    t = self._buffers.get(i)
+                    if t is None or t.numel() != size:
+                        t = self._buffers[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
                     _broadcast(self._pg, t)
                     if not give_up.is_set():
                         arrived.put((i, t))
