@@ -145,6 +145,24 @@ class Learner:
         self.close()
         return 0
 
+    def _ack(self, batch_id: str, timeout: float = 60.0) -> None:
+        """Acknowledge a trained batch, in slices so that a stop request is seen (the buffer may be
+        stopping too). Stopped with the ack unconfirmed: the checkpoint taken at exit records the batch
+        as trained, and when the buffer serves it again it is acknowledged without training."""
+        from tidal.core.errors import ChannelTimeout
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.ack(batch_id, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+                return
+            except ChannelTimeout:
+                if self._stop:
+                    log.warning("stopping before the buffer confirmed the ack of %s (it is recorded as trained)", batch_id)
+                    return
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"the buffer did not confirm the ack of {batch_id} within {timeout:g} s") from None
+
     def train_one(self) -> dict[str, float] | None:
         """One step; None when stopped while waiting for the batch."""
         from tidal.core.errors import ChannelTimeout
@@ -175,7 +193,7 @@ class Learner:
             self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories]))
         if self.latest is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        self.client.ack(batch.batch_id)
+        self._ack(batch.batch_id)
         if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
             self.publish_weights()
         t_end = time.perf_counter()

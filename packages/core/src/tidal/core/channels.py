@@ -196,13 +196,15 @@ class PubChannel(Channel):
         self.socket.send_multipart([topic.encode(), *self.codec.encode(msg)], copy=False)
 
     def wait_for_subscriber(self, topic: str, timeout: float) -> bool:
-        """Wait until some subscriber takes `topic` (PUB/SUB drops what is published before a subscription
-        arrives). Needs ``watch_subscriptions=True``. False if none arrived within `timeout`."""
+        """Wait until a subscription to exactly `topic` arrives (PUB/SUB drops what is published before
+        a subscription arrives). A catch-all or other-topic subscriber does not count: the point is to
+        wait for the one consumer that subscribes to `topic`. Needs ``watch_subscriptions=True``. False
+        if none arrived within `timeout`."""
         if self.socket_type != zmq.XPUB:
             raise ValueError("wait_for_subscriber needs a channel made with watch_subscriptions=True")
         want = topic.encode()
         deadline = time.monotonic() + timeout
-        while not any(want.startswith(p) for p in self._prefixes):
+        while want not in self._prefixes:
             left = deadline - time.monotonic()
             if left <= 0 or not self.socket.poll(_ms(min(left, 0.1))):
                 if left <= 0:

@@ -80,6 +80,7 @@ class WorkerConfig(ConfigStruct):
     buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
     buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
     weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
+    weights_topic: str = "weights"  # topic prefix of the announcements there ("" = every message)
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
     envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (by Assignment.task)
@@ -128,7 +129,7 @@ class RolloutWorker:
         self.pusher = AckedPusher(cfg.buffer_ingest, cfg.buffer_acks, cfg.name, window=max(64, cfg.max_groups * 64),
                                   resend_after=cfg.resend_after_s, on_ack=self._on_ack)
         self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0)
-        self.wsub = sub(cfg.weights, linger=0) if cfg.weights else None
+        self.wsub = sub(cfg.weights, topics=[cfg.weights_topic], linger=0) if cfg.weights else None
         self._requested = 0  # assignments asked for and not yet received
         self._rejections_seen = 0
         self._stop = threading.Event()
