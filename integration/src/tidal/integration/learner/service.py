@@ -23,7 +23,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -145,40 +147,31 @@ class Learner:
         self.close()
         return 0
 
-    def _ack(self, batch_id: str, timeout: float = 60.0) -> None:
-        """Acknowledge a trained batch, in slices so that a stop request is seen (the buffer may be
-        stopping too). Stopped with the ack unconfirmed: the checkpoint taken at exit records the batch
-        as trained, and when the buffer serves it again it is acknowledged without training."""
+    def _until_stopped(self, call: Callable[[float], Any], timeout: float, what: str) -> tuple[bool, Any]:
+        """`call(slice_timeout)` in slices of at most 2 s until it returns, so that a stop request is seen
+        while the buffer is quiet or gone: (True, result), or (False, None) once stopped. ChannelTimeout
+        naming `what` after `timeout` s."""
         from tidal.core.errors import ChannelTimeout
 
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client.ack(batch_id, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
-                return
+                return True, call(min(2.0, max(0.01, deadline - time.monotonic())))
             except ChannelTimeout:
                 if self._stop:
-                    log.warning("stopping before the buffer confirmed the ack of %s (it is recorded as trained)", batch_id)
-                    return
+                    return False, None
                 if time.monotonic() >= deadline:
-                    raise ChannelTimeout(f"the buffer did not confirm the ack of {batch_id} within {timeout:g} s") from None
+                    raise ChannelTimeout(f"{what} within {timeout:g} s") from None
 
     def train_one(self) -> dict[str, float] | None:
         """One step; None when stopped while waiting for the batch."""
-        from tidal.core.errors import ChannelTimeout
         from tidal.integration.learner.data import Sample
 
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.cfg.batch_timeout_s
-        while True:  # in slices, so a stop request is seen while the buffer has nothing to give
-            try:
-                batch = self.client.next_batch(self.version, timeout=min(2.0, max(0.01, deadline - time.monotonic())))
-                break
-            except ChannelTimeout:
-                if self._stop:
-                    return None
-                if time.monotonic() >= deadline:
-                    raise ChannelTimeout(f"no batch from the buffer within {self.cfg.batch_timeout_s:g} s") from None
+        got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t),
+                                         self.cfg.batch_timeout_s, "no batch from the buffer")
+        if not got:
+            return None
         t_batch = time.perf_counter()
         samples = [Sample.from_trajectory(t) for t in batch.trajectories]
         metrics = self.trainer.step(samples)
@@ -193,7 +186,12 @@ class Learner:
             self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories]))
         if self.latest is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        self._ack(batch.batch_id)
+        # Stopped with the ack unconfirmed (the buffer may be stopping too): the checkpoint taken at exit
+        # records the batch as trained, and if the buffer serves it again it is acknowledged untrained.
+        acked, _ = self._until_stopped(lambda t: self.client.ack(batch.batch_id, timeout=t), 60.0,
+                                       f"the buffer did not confirm the ack of {batch.batch_id}")
+        if not acked:
+            log.warning("stopping before the buffer confirmed the ack of %s (it is recorded as trained)", batch.batch_id)
         if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
             self.publish_weights()
         t_end = time.perf_counter()

@@ -159,8 +159,7 @@ class BufferService:
                 self._refusals.append((msg.source, msg.id, verdict))
         if n:
             self._uncommitted += n
-            if self._commit_due is None:
-                self._commit_due = time.monotonic() + self.cfg.commit_interval_s
+            self._commit_within(self.cfg.commit_interval_s)
         self._ingested_since += n
         self.maybe_compact()
 
@@ -187,6 +186,12 @@ class BufferService:
         else:
             self.wal.flush()
             self._waiting.append((self.syncer.request(), effects))
+
+    def _commit_within(self, delay: float) -> None:
+        """Make sure a commit happens within `delay` seconds (records or effects are waiting for one)."""
+        due = time.monotonic() + delay
+        if self._commit_due is None or due < self._commit_due:
+            self._commit_due = due
 
     def release_durable(self) -> None:
         """Send what waited for an fsync that has finished, in commit order."""
@@ -316,8 +321,7 @@ class BufferService:
                       step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories))
         if served.batch_id in self._undurable:
             self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
-            if self._commit_due is None:
-                self._commit_due = time.monotonic()
+            self._commit_within(0.0)  # a learner waits for it
         else:
             self._reply(peer, batch)
         self._served_since += len(trajs)
@@ -359,8 +363,7 @@ class BufferService:
             self._undurable.add(batch_id)
             self._formed.append(batch_id)
         self.store.next_batch_seq = seq + 1
-        if self._commit_due is None:
-            self._commit_due = time.monotonic() + self.cfg.commit_interval_s
+        self._commit_within(self.cfg.commit_interval_s)
         return True  # durable with the next commit, before any share is sent
 
     def _step_full(self, samples: int, tokens: int) -> bool:

@@ -33,7 +33,6 @@ class WeightReceiver:
         # a bucket is host memory (numpy), or a torch tensor on a GPU (cuda_ipc)
         self._buckets: list[Any] = []  # the held version's bytes (delta base)
         self._spare: list[Any] = []  # the previous set, reused for the next version
-        self._layout: list[tuple[str, int]] = []  # (dtype, nbytes) per bucket of the held version
         self.last_error = ""
 
     def receive(self, ann: WeightsAvailable, apply: Callable[[NamedTensors], Any]) -> int:
@@ -60,8 +59,6 @@ class WeightReceiver:
         apply(tensors)
         self.version = ann.version
         self._spare, self._buckets = self._buckets, buckets
-        if self.keep_for_delta:
-            self._layout = [(by_bucket[i][0].dtype if by_bucket.get(i) else "uint8", len(b)) for i, b in enumerate(buckets)]
         self.transport.report(ann, ok=True)
         return self.version
 
@@ -90,9 +87,7 @@ class WeightReceiver:
                     raise WeightSyncError(f"bucket {i} of version {ann.version}: bad delta: {e}") from None
             else:
                 src = np.frombuffer(payload, dtype=np.uint8)
-                if src.size != size:
-                    raise WeightSyncError(f"bucket {i} of version {ann.version} has {src.size} bytes, "
-                                          f"expected {size} (partial transfer)")
+                _check_size(ann, i, src.size)
                 data = dest  # our own copy, verified: the transport's memory may be reused or freed
             try:
                 if encoding == "delta":
@@ -101,9 +96,7 @@ class WeightReceiver:
                     crc = copy_and_checksum(src, dest, ann.checksum)
             except ValueError as e:
                 raise WeightSyncError(str(e)) from None
-            if crc != ann.checksums[i]:
-                raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
-                                      f"({crc:#010x} != {ann.checksums[i]:#010x}): corrupted in transfer")
+            _check_sum(ann, i, crc)
             out[i] = data
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
@@ -112,9 +105,7 @@ class WeightReceiver:
 
     def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor) -> torch.Tensor:
         size = ann.bucket_sizes[i]
-        if payload.numel() != size:
-            raise WeightSyncError(f"bucket {i} of version {ann.version} has {payload.numel()} bytes, "
-                                  f"expected {size} (partial transfer)")
+        _check_size(ann, i, payload.numel())
         device = getattr(self.transport, "device", None) or payload.device
         spare = self._spare[i] if i < len(self._spare) else None
         if isinstance(spare, torch.Tensor) and spare.numel() == size and spare.device == torch.device(device):
@@ -126,9 +117,7 @@ class WeightReceiver:
             crc = checksum_tensor(dest, ann.checksum)
         except ValueError as e:
             raise WeightSyncError(str(e)) from None
-        if crc != ann.checksums[i]:
-            raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
-                                  f"({crc:#018x} != {ann.checksums[i]:#018x}): corrupted in transfer")
+        _check_sum(ann, i, crc)
         return dest
 
     def close(self) -> None:
@@ -139,6 +128,18 @@ class WeightReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_size(ann: WeightsAvailable, i: int, got: int) -> None:
+    if got != ann.bucket_sizes[i]:
+        raise WeightSyncError(f"bucket {i} of version {ann.version} has {got} bytes, "
+                              f"expected {ann.bucket_sizes[i]} (partial transfer)")
+
+
+def _check_sum(ann: WeightsAvailable, i: int, crc: int) -> None:
+    if crc != ann.checksums[i]:
+        raise WeightSyncError(f"bucket {i} of version {ann.version} fails its checksum "
+                              f"({crc:#018x} != {ann.checksums[i]:#018x}): corrupted in transfer")
 
 
 def load_into(module: torch.nn.Module, *, strict: bool = True) -> Callable[[NamedTensors], None]:
