@@ -179,13 +179,15 @@ def test_lost_acks_are_resent_and_never_duplicated(system, tiny):
     work = assignments(tok, 4, "g")
     system.proxy.drop_once = {f"g0:{i}" for i in range(G)} | {f"g2:{i}" for i in range(G)}
     system.ctl.assign(*work)
-    system.start_worker()
+    system.start_worker(acked_log=f'"{system.tmp}/acked-{{name}}.txt"')
     served = drain(system.learner, 4)
     ids = Counter(t.id for t in served)
     assert len(ids) == 4 * G and set(ids.values()) == {1}, ids
     assert sum(system.proxy.dropped.values()) == 2 * G  # the acks really were lost
     wait_for(lambda: len(system.ctl.acks) == 4, 60, "every group reported done")
     assert all(a.ok for a in system.ctl.acks.values())
+    # the worker's own record: each acknowledged id once, however many times its ack was needed
+    assert sorted((system.tmp / "acked-rollout-0.txt").read_text().split()) == sorted(ids)
     status = system.learner.status().scalars
     assert status["total/duplicates"] >= 2 * G  # the resends arrived and were recognised
     t = served[0]

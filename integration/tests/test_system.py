@@ -106,7 +106,12 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     run_dir = tmp_path / "run"
     proc = tidal_run(run_dir, sft_model, "budget.versions=60", "eval.every=0", "learner.checkpoint_every=1",
                      "learner.simulate_s_per_sample=0.003",  # ~0.2 s more per step: time for three kills
-                     "learner.record_trained_ids=true", "launch.heartbeat_timeout_s=30")
+                     "learner.record_trained_ids=true", "launch.heartbeat_timeout_s=30",
+                     f'rollout.acked_log="{tmp_path}/acked-{{name}}.txt"')
+    # What the buffer acknowledged, seen two ways: by this test on the buffer's ack topic, and by each
+    # worker in its own record. Neither alone sees everything across a kill -9: a resend answered in the
+    # first milliseconds of the restarted buffer can reach the worker before this subscriber has joined
+    # again, and a worker killed just after an ack came in may not have written it down.
     acked: set[str] = set()
     deadline = time.monotonic() + 120
     while not (run_dir / "roles" / "buffer.json").is_file() and time.monotonic() < deadline:
@@ -142,6 +147,10 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert killed == ["rollout-1", "buffer", "learner"]
+    seen_here = len(acked)
+    for log in tmp_path.glob("acked-rollout-*.txt"):
+        acked.update(log.read_text().split())
+    print(f"acknowledgements: {seen_here} seen on the ack topic, {len(acked)} with the workers' records")
     assert final["restarts"] == {"rollout-1": 1, "buffer": 1, "learner": 1}
     progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
     trained = progress["trained_ids"]

@@ -91,6 +91,10 @@ class WorkerConfig(ConfigStruct):
     resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
     stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
     connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
+    # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
+    # (audits and fault tests: the producer's own record of what the buffer promised to keep);
+    # "{name}" is replaced by the worker's name; "" = no record
+    acked_log: str = ""
 
 
 @dataclass
@@ -142,6 +146,8 @@ class RolloutWorker:
         self._window_tokens = 0.0
         self._window_samples = 0.0
         self._hb_seq = 0
+        self._acked_log = (open(cfg.acked_log.replace("{name}", cfg.name), "a", encoding="utf-8")
+                           if cfg.acked_log else None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -306,6 +312,9 @@ class RolloutWorker:
             del self.groups[a.group_id]
 
     def _on_ack(self, ids: list[str]) -> None:
+        if self._acked_log is not None:  # one write per ack, straight to the OS (a kill -9 keeps it)
+            self._acked_log.write("".join(f"{tid}\n" for tid in ids))
+            self._acked_log.flush()
         for tid in ids:
             self._settle(tid)
 
@@ -395,6 +404,8 @@ class RolloutWorker:
         self.ctl.close()
         if self.wsub is not None:
             self.wsub.close()
+        if self._acked_log is not None:
+            self._acked_log.close()
 
     def _shutdown(self) -> None:
         self._stop.set()
@@ -409,6 +420,8 @@ class RolloutWorker:
         self.ctl.close(linger=0.5)
         if self.wsub is not None:
             self.wsub.close()
+        if self._acked_log is not None:
+            self._acked_log.close()
 
     def stop(self) -> None:
         self._stop.set()
