@@ -114,5 +114,8 @@ def test_put_records_are_written_as_msgspec_encodes_them(tmp_path):
         log.append(wal.Put(f))
     log.append(wal.Consume("b0-r0"))
     log.close()
+    # byte for byte what the general path writes (header, checksum, msgspec's encoding)
+    expected = b"".join(wal.encode_record(r) for r in (*(wal.Put(f) for f in frames), wal.Consume("b0-r0")))
+    assert b"".join(p.read_bytes() for p in log.segments()) == expected
     recs, report = wal.WriteAheadLog(tmp_path).replay()
     assert recs == [*(wal.Put(f) for f in frames), wal.Consume("b0-r0")] and not report.corrupt_regions

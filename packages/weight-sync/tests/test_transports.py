@@ -5,6 +5,7 @@ delta updates bit-exact over 20 optimizer steps, LoRA-only updates. The cuda_ipc
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -308,3 +309,42 @@ def test_fs_shards_are_safetensors_files_that_load_bit_identical(tmp_path):
     assert set(got) == set(state)
     for name, t in state.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_shm_bytes_leased_to_a_receiver_are_not_written_over():
+    """The shm receiver verifies and applies in place; a sender two versions on packs elsewhere."""
+    import fcntl
+
+    from tidal.weight_sync import WeightReceiver, WeightSyncError
+
+    with WeightSender("shm", bucket_bytes=16 * 1024) as sender, WeightReceiver("shm") as receiver:
+        v1, later = make_state(1), {v: make_state(v) for v in (2, 3)}
+        seen: dict[str, torch.Tensor] = {}
+
+        def apply(named):  # runs while version 1 is leased: the sender goes on meanwhile
+            for v in (2, 3):  # version 3 reuses version 1's slot
+                sender.send(later[v], v)
+            seen.update((n, t.clone()) for n, t in named)
+
+        assert receiver.receive(sender.send(v1, 1), apply) == 1
+        assert_bit_identical(seen, v1)
+        assert sender.transport.replaced > 0  # version 3 went to fresh segments
+        # released: version 4 reuses the slot without replacing it again
+        replaced = sender.transport.replaced
+        ann5 = sender.send(make_state(4), 4) and sender.send(make_state(5), 5)
+        assert sender.transport.replaced == replaced
+        got: dict = {}
+        assert receiver.receive(ann5, lambda named: got.update((n, t.clone()) for n, t in named)) == 5
+        assert_bit_identical(got, make_state(5))
+
+        # a slot being written (as the sender holds it while packing) is not read: take a newer version
+        ann6 = sender.send(make_state(6), 6)
+        fd = os.open(f"/dev/shm/{ann6.location}-b2", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with pytest.raises(WeightSyncError, match="being overwritten by a newer version"):
+                receiver.receive(ann6, lambda named: None)
+        finally:
+            os.close(fd)
+        assert receiver.version == 5
+        assert receiver.receive(ann6, lambda named: None) == 6  # the leases of the failed try were let go

@@ -88,23 +88,29 @@ class Store:
 
     def put(self, t: Trajectory, frame: bytes | None = None) -> Group | None:
         """Add an accepted trajectory with its encoded frame. Returns its group when this completed it."""
-        if self.known(t.id):
+        tid, gid = t.id, t.group_id
+        if tid in self.where or tid in self.consumed_ids:
             self.stats["duplicates"] += 1
             return None
         frame = encode_trajectory(t) if frame is None else frame
-        self.frames[t.id] = frame
+        self.frames[tid] = frame
         self.live_bytes += len(frame)
-        g = self.assembling.get(t.group_id) or self.ready.get(t.group_id)
-        if g is None:
-            g = Group(t.group_id, t.group_size or self.group_size)
-            self.assembling[t.group_id] = g
-        g.members[t.id] = t
-        g.tokens += num_tokens(t)
-        self.where[t.id] = t.group_id
+        self.where[tid] = gid
         self.stats["accepted"] += 1
-        if t.group_id in self.assembling and len(g.members) >= g.size:
-            del self.assembling[t.group_id]
-            self.ready[t.group_id] = g
+        g = self.assembling.get(gid)
+        if g is None:
+            g = self.ready.get(gid)
+            if g is None:
+                g = self.assembling[gid] = Group(gid, t.group_size or self.group_size)
+            else:  # a late member of a group released early: it joins the ready group
+                g.members[tid] = t
+                g.tokens += num_tokens(t)
+                return None
+        g.members[tid] = t
+        g.tokens += num_tokens(t)
+        if len(g.members) >= g.size:
+            del self.assembling[gid]
+            self.ready[gid] = g
             return g
         return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -208,7 +209,9 @@ def unpack(data: np.ndarray | memoryview | torch.Tensor, specs: list[TensorSpec]
         base = data.reshape(-1)
     else:
         buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-        base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read-only memory (shm leases): the tensors are only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
     out = []
     for s in specs:
         chunk = base[s.offset : s.offset + s.nbytes]

@@ -37,32 +37,39 @@ class WeightReceiver:
 
     def receive(self, ann: WeightsAvailable, apply: Callable[[NamedTensors], Any]) -> int:
         """Fetch, verify and apply `ann`; returns the version now held. Older announcements are ignored.
-        The tensors given to `apply` view the receiver's buffers: copy them (as `load_into` and vLLM's
-        load_weights do) before returning; they are overwritten by a later version."""
+        The tensors given to `apply` view the receiver's buffers, or with `shm` the sender's shared
+        memory, mapped read-only: copy them (as `load_into` and vLLM's load_weights do) before
+        returning, and never write to them; they are overwritten by a later version."""
         if ann.version <= self.version:
             return self.version
         if ann.transport != self.transport.name:
             raise WeightSyncError(f"version {ann.version} was published over {ann.transport!r} but this receiver "
                                   f"uses {self.transport.name!r}; create WeightReceiver({ann.transport!r})")
+        zero_copy = getattr(self.transport, "zero_copy", False)
         try:
-            buckets = self._fetch_and_verify(ann)
-        except WeightSyncError as e:
-            self.last_error = str(e)
-            self.transport.report(ann, ok=False, detail=str(e))
-            raise
-        by_bucket: dict[int, list] = {}
-        for spec in ann.manifest:
-            by_bucket.setdefault(spec.bucket, []).append(spec)
-        tensors: NamedTensors = []
-        for i, data in enumerate(buckets):
-            tensors.extend(unpack(data, by_bucket.get(i, [])))
-        apply(tensors)
+            try:
+                buckets = self._fetch_and_verify(ann, zero_copy)
+            except WeightSyncError as e:
+                self.last_error = str(e)
+                self.transport.report(ann, ok=False, detail=str(e))
+                raise
+            by_bucket: dict[int, list] = {}
+            for spec in ann.manifest:
+                by_bucket.setdefault(spec.bucket, []).append(spec)
+            tensors: NamedTensors = []
+            for i, data in enumerate(buckets):
+                tensors.extend(unpack(data, by_bucket.get(i, [])))
+            apply(tensors)
+        finally:
+            if zero_copy:  # the transport's memory, leased from fetch until now
+                self.transport.release(ann)
         self.version = ann.version
-        self._spare, self._buckets = self._buckets, buckets
+        if not zero_copy:  # leased bytes go back to the transport: not kept (no delta base, no spare)
+            self._spare, self._buckets = self._buckets, buckets
         self.transport.report(ann, ok=True)
         return self.version
 
-    def _fetch_and_verify(self, ann: WeightsAvailable) -> list[Any]:
+    def _fetch_and_verify(self, ann: WeightsAvailable, zero_copy: bool = False) -> list[Any]:
         n = len(ann.bucket_sizes)
         if len(ann.checksums) != n:
             raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
@@ -76,7 +83,8 @@ class WeightReceiver:
                 continue
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
             spare = self._spare[i] if i < len(self._spare) else None
-            dest = spare if isinstance(spare, np.ndarray) and spare.size == size else np.empty(size, np.uint8)
+            dest = (None if zero_copy and encoding != "delta" else
+                    spare if isinstance(spare, np.ndarray) and spare.size == size else np.empty(size, np.uint8))
             if encoding == "delta":
                 if base != self.version or i >= len(self._buckets):
                     raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
@@ -88,9 +96,11 @@ class WeightReceiver:
             else:
                 src = np.frombuffer(payload, dtype=np.uint8)
                 _check_size(ann, i, src.size)
-                data = dest  # our own copy, verified: the transport's memory may be reused or freed
+                # our own copy, verified (the transport's memory may be reused or freed), unless the
+                # transport leases it unchanged until `release`
+                data = src if zero_copy else dest
             try:
-                if encoding == "delta":
+                if encoding == "delta" or zero_copy:
                     crc = checksum(data, ann.checksum)
                 else:
                     crc = copy_and_checksum(src, dest, ann.checksum)
