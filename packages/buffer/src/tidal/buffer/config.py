@@ -35,7 +35,7 @@ class BufferConfig(ConfigStruct):
     max_batch_records: int = 512  # group commit: fsync once this many records wait for it...
     commit_interval_s: float = 0.005  # ...or once the oldest has waited this long (acks go out after)
     compact_bytes: int = 256 * 1024**2  # compact the log when it grows past this
-    dedupe_window: int = 1_000_000  # consumed trajectory ids remembered to refuse late resends
+    dedupe_window: int = 1_000_000  # consumed trajectory ids remembered to refuse late resends (the last half to all of them)
 
     # observability
     metrics_interval_s: float = 2.0  # period of Metrics messages on the PUB socket

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tidal.buffer import wal
@@ -35,6 +35,34 @@ def num_tokens(t: Trajectory) -> int:
     return (t.prompt_ids.shape[0] if t.prompt_ids.shape else 0) + (
         t.completion_ids.shape[0] if t.completion_ids.shape else 0
     )
+
+
+class RecentIds:
+    """The ids seen most recently: between the last `window // 2` and the last `window` of them, in two
+    generations of sets (adding is a set insert; the older generation is dropped whole)."""
+
+    def __init__(self, window: int, ids: Iterable[str] = ()) -> None:
+        self.half = max(1, window // 2)
+        self.old: set[str] = set()
+        self.new: set[str] = set()
+        for i in ids:
+            self.add(i)
+
+    def add(self, i: str) -> None:
+        new = self.new
+        new.add(i)
+        if len(new) >= self.half:
+            self.old, self.new = new, set()
+
+    def __contains__(self, i: object) -> bool:
+        return i in self.new or i in self.old
+
+    def __len__(self) -> int:
+        return len(self.old) + len(self.new)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.old
+        yield from self.new
 
 
 @dataclass
@@ -63,8 +91,8 @@ class Store:
         self.outstanding: dict[str, Served] = {}  # served, not yet consumed
         self.pending_shares: dict[int, deque[str]] = {}  # rank -> served batch ids not yet handed over
         self.where: dict[str, str] = {}  # live trajectory id -> group id or batch id
-        self.consumed_ids: OrderedDict[str, None] = OrderedDict()
-        self.consumed_batches: OrderedDict[str, None] = OrderedDict()
+        self.consumed_ids = RecentIds(dedupe_window)
+        self.consumed_batches = RecentIds(200_000)
         self.next_batch_seq = 0
         self.frames: dict[str, bytes] = {}  # live trajectory id -> its encoded frame (WAL record, served raw)
         self.live_bytes = 0
@@ -162,19 +190,16 @@ class Store:
         served = self.outstanding.pop(batch_id, None)
         if served is None:
             return False
+        where, frames, consumed = self.where, self.frames, self.consumed_ids
         for t in served.trajectories:
-            self.where.pop(t.id, None)
-            self.live_bytes -= len(self.frames.pop(t.id, b""))
-            self.consumed_ids[t.id] = None
+            where.pop(t.id, None)
+            self.live_bytes -= len(frames.pop(t.id, b""))
+            consumed.add(t.id)
         q = self.pending_shares.get(served.rank)
         if q is not None and batch_id in q:
             q.remove(batch_id)
-        self.consumed_batches[batch_id] = None
+        self.consumed_batches.add(batch_id)
         self.stats["consumed"] += len(served.trajectories)
-        while len(self.consumed_ids) > self.dedupe_window:
-            self.consumed_ids.popitem(last=False)
-        while len(self.consumed_batches) > 100_000:
-            self.consumed_batches.popitem(last=False)
         return True
 
     def apply(self, rec: wal.Record) -> None:
@@ -193,8 +218,8 @@ class Store:
             self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames], rec.frames)
         elif type(rec) is wal.Snapshot:
             self.next_batch_seq = rec.next_batch_seq
-            self.consumed_ids = OrderedDict.fromkeys(rec.consumed_ids)
-            self.consumed_batches = OrderedDict.fromkeys(rec.consumed_batches)
+            self.consumed_ids = RecentIds(self.dedupe_window, rec.consumed_ids)
+            self.consumed_batches = RecentIds(200_000, rec.consumed_batches)
 
     def restore(self, batch_id: str, rank: int, world_size: int, trajs: list[Trajectory], frames: list[bytes]) -> None:
         for t, frame in zip(trajs, frames, strict=True):

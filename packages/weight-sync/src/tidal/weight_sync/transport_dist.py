@@ -6,7 +6,7 @@ This is a collective: every receiver must take every announced version, in order
 weight sync in other RL stacks). The sender broadcasts from a background thread, so `send()` returns
 the announcement at once and the broadcast proceeds while receivers join it. A receiver takes the
 buckets in a thread of its own, one ahead of the caller, so bucket k+1 arrives while bucket k is
-checked.
+checked, and verifies and applies them where they arrived (no copy of its own).
 
 Receivers join a version's broadcast only once its announcement reaches them, so the broadcast cannot
 start while the sender still packs: that would need receivers listening between updates, and a thread
@@ -102,6 +102,9 @@ class DistSenderTransport:
 
 class DistReceiverTransport:
     name = "torch_dist"
+    # a version's buckets stay in their receive buffers until the next version's broadcast, which only
+    # starts at the next fetch: the receiver verifies and applies them in place
+    zero_copy = True
 
     def __init__(self, address: str, rank: int, world_size: int, *, backend: str = "gloo", device: str = "cpu",
                  timeout_s: float = 300.0) -> None:
@@ -131,8 +134,8 @@ class DistReceiverTransport:
                 if self.device.startswith("cuda"):
                     torch.cuda.set_device(torch.device(self.device))
                 for i, size in enumerate(ann.bucket_sizes):
-                    # bucket i of the previous version was copied out before this version began: its
-                    # memory is reused (fresh memory costs page faults, more than the copy itself)
+                    # bucket i of the previous version was applied before this version began: its
+                    # memory is reused (fresh memory costs page faults, more than a copy)
                     t = self._buffers.get(i)
                     if t is None or t.numel() != size:
                         t = self._buffers[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -162,6 +165,9 @@ class DistReceiverTransport:
                 except queue.Empty:
                     break
             self._taker.join(self.timeout_s)
+
+    def release(self, ann: WeightsAvailable) -> None:
+        pass  # the buffers are written again by the next fetch only
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         pass
