@@ -348,3 +348,31 @@ def test_shm_bytes_leased_to_a_receiver_are_not_written_over():
             os.close(fd)
         assert receiver.version == 5
         assert receiver.receive(ann6, lambda named: None) == 6  # the leases of the failed try were let go
+
+
+def test_fs_keeps_the_newest_versions_and_drops_a_stale_newer_run(tmp_path):
+    """A folder left by an earlier run with higher versions must not make the sender prune what it just
+    wrote: the stale versions go, the new one and its predecessor stay."""
+    root = tmp_path / "weights"
+    for v in (5, 6):  # an earlier run's versions
+        (root / f"v{v:08d}").mkdir(parents=True)
+    with WeightSender("fs", root=str(root), keep=2) as sender:
+        for v in (1, 2, 3):
+            ann = sender.send(make_state(v, n=4), v)
+            assert (Path(ann.location) / "manifest.json").is_file()
+    assert sorted(p.name for p in root.iterdir()) == ["v00000002", "v00000003"]
+
+
+def test_a_receiver_that_keeps_no_delta_base_gets_dense_buckets():
+    from tidal.weight_sync import WeightReceiver
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(4096), "b": torch.randn(300).to(torch.bfloat16)}
+    with WeightSender("zmq", bucket_bytes=4096, delta=True, anchor_every=100) as sender, \
+            WeightReceiver("zmq", keep_for_delta=False) as receiver:
+        for v in range(3):
+            state["w"][v] += 1.0  # one element changes: a delta would be tiny
+            got: dict = {}
+            assert receiver.receive(sender.send(state, v), lambda named: got.update((n, t.clone()) for n, t in named)) == v
+            assert_bit_identical(got, state)
+        assert sender.transport.bytes_sent == sender.transport.bytes_dense  # nothing was sent as a delta

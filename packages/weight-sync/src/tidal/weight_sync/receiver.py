@@ -65,7 +65,10 @@ class WeightReceiver:
                 self.transport.release(ann)
         self.version = ann.version
         if not zero_copy:  # leased bytes go back to the transport: not kept (no delta base, no spare)
-            self._spare, self._buckets = self._buckets, buckets
+            if self.keep_for_delta:  # the delta base; the older set's memory is reused next time
+                self._spare, self._buckets = self._buckets, buckets
+            else:  # one set only, reused next time; the sender is asked for dense buckets
+                self._spare, self._buckets = buckets, []
         self.transport.report(ann, ok=True)
         return self.version
 

@@ -4,6 +4,7 @@ version. The folder is also a checkpoint: every shard loads with `safetensors.to
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from safetensors.torch import load as st_load
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
 
 # safetensors dtype names (https://github.com/huggingface/safetensors: format)
 _ST_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
@@ -81,9 +84,22 @@ class FsSenderTransport:
         os.replace(tmp, final)
         if self.fsync:
             _fsync(self.root, directory=True)
-        for old in sorted(p for p in self.root.glob("v*") if p.is_dir() and not p.name.endswith(".tmp"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._prune(version)
         return str(final)
+
+    def _prune(self, version: int) -> None:
+        """Keep the `keep` newest versions up to `version`. A folder of a newer version is from an earlier
+        run, or from a timeline that a resume from checkpoint abandoned: it goes too."""
+        found = [(int(p.name[1:]), p) for p in self.root.glob("v*")
+                 if p.is_dir() and p.name[1:].isdigit()]
+        for v, p in found:
+            if v > version:
+                log.warning("removing %s: version %d is newer than the version %d just written "
+                            "(an earlier run's, or abandoned by a resume)", p, v, version)
+                shutil.rmtree(p, ignore_errors=True)
+        older = sorted((v, p) for v, p in found if v < version)
+        for _, p in older[: max(0, len(older) - (self.keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
 
     def abort(self, version: int) -> None:
         if self._writing == version:
