@@ -2,9 +2,9 @@
 
 - a short async GRPO run on arithmetic raises held-out accuracy (the demo, smaller);
 - sync mode runs the same roles in lock-step (no sample older than the version it was trained at);
-- `kill -9` of a rollout worker, the buffer and the learner mid-run: the run finishes, and the
-  trajectories the learner trained on are exactly the ones the buffer acknowledged, minus what the
-  buffer still holds at the end (no loss, no duplicates);
+- `kill -9` of a rollout worker, the buffer and the learner mid-run (the learner between two
+  checkpoints): the run finishes, and the trajectories the learner trained on are exactly the ones the
+  buffer acknowledged, minus what the buffer still holds at the end (no loss, no duplicates);
 - the ray launcher places the same roles on a local Ray head.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def _learner_version(run_dir: Path) -> int:
 
 def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     run_dir = tmp_path / "run"
-    proc = tidal_run(run_dir, sft_model, "budget.versions=60", "eval.every=0", "learner.checkpoint_every=1",
+    proc = tidal_run(run_dir, sft_model, "budget.versions=60", "eval.every=0", "learner.checkpoint_every=3",
                      "learner.simulate_s_per_sample=0.003",  # ~0.2 s more per step: time for three kills
                      "learner.record_trained_ids=true", "launch.heartbeat_timeout_s=30",
                      f'rollout.acked_log="{tmp_path}/acked-{{name}}.txt"')
@@ -119,6 +120,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     buffer_cfg = json.loads((run_dir / "roles" / "buffer.json").read_text())
     acks = sub(buffer_cfg["publish"], topics=["ack/"], linger=0)
     killed: list[str] = []
+    learner_killed_at = -1
     plan = [(5, "rollout-1"), (15, "buffer"), (25, "learner")]  # (learner version reached, role to kill)
     last_kill = 0.0
     try:
@@ -130,14 +132,18 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
                     acked.update(msg.ids)
             except ChannelTimeout:
                 pass
-            # each kill once the run has moved on from the last one (its restart took and versions advanced)
-            if plan and time.monotonic() - last_kill > 8 and _learner_version(run_dir) >= plan[0][0]:
+            # each kill once the run has moved on from the last one (its restart took and versions advanced);
+            # the learner's one step after a checkpoint (every 3), so that it dies holding trained batches
+            # it has not acknowledged yet, which it must be served again
+            version = _learner_version(run_dir) if plan and time.monotonic() - last_kill > 8 else -1
+            if plan and version >= plan[0][0] and (plan[0][1] != "learner" or version % 3 == 1):
                 role = plan.pop(0)[1]
                 pid = _pids(run_dir).get(role)
                 if pid:
                     try:
                         os.killpg(pid, signal.SIGKILL)
                         killed.append(role)
+                        learner_killed_at = version if role == "learner" else learner_killed_at
                     except ProcessLookupError:
                         pass
                     last_kill = time.monotonic()
@@ -152,6 +158,8 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         acked.update(log.read_text().split())
     print(f"acknowledgements: {seen_here} seen on the ack topic, {len(acked)} with the workers' records")
     assert final["restarts"] == {"rollout-1": 1, "buffer": 1, "learner": 1}
+    resumed = [int(m) for m in re.findall(r"resumed from .* at step (\d+)", (run_dir / "logs" / "learner.log").read_text())]
+    assert resumed and resumed[-1] < learner_killed_at, (resumed, learner_killed_at)  # steps past it were lost
     progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
     trained = progress["trained_ids"]
     assert progress["version"] == 60

@@ -221,3 +221,40 @@ def test_steps_sized_in_tokens_and_unbounded_streaming(buffer_process, producers
     assert steps and all(200 <= t < 200 + 2 * 48 for t in steps.values())  # filled by whole groups
     acked = read_ids(*files)
     assert not [i for i, c in Counter(learners.trained).items() if c > 1] and set(learners.trained) <= set(acked)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_holds_several_batches_until_its_checkpoint_and_gets_them_again_after_a_restart(buffer_process, producers):
+    """A learner acknowledges at its checkpoints: it asks for batch after batch while holding the earlier
+    ones; a learner that restarts (a new client) is served the oldest unacknowledged batch again, under
+    the same id and with the same samples, also across a kill -9 of the buffer."""
+    buf = buffer_process(group_size=2, batch_samples=2, fsync="batch")
+    acked_file = producers.start(buf, "w", 12, 2)
+    producers.wait(timeout=120)
+    assert len(read_ids(acked_file)) == 12
+
+    def ids(batch) -> list[str]:
+        return sorted(t.id for t in batch.trajectories)
+
+    with BatchClient(buf.serve, retry_every=0.5) as first:
+        held = [first.next_batch(0, timeout=30) for _ in range(3)]  # no acks in between
+    assert len({b.batch_id for b in held}) == 3
+    assert len({i for b in held for i in ids(b)}) == 6  # three different batches
+
+    with BatchClient(buf.serve, retry_every=0.5) as restarted:  # the learner restarted from a checkpoint
+        again = [restarted.next_batch(0, timeout=30) for _ in range(2)]
+        assert [b.batch_id for b in again] == [b.batch_id for b in held[:2]]
+        assert [ids(b) for b in again] == [ids(b) for b in held[:2]]
+        restarted.ack([b.batch_id for b in again])  # its next checkpoint holds these two
+
+    buf.kill9()
+    buf.start()
+    with BatchClient(buf.serve, retry_every=0.5) as after_crash:
+        third = after_crash.next_batch(0, timeout=30)
+        assert third.batch_id == held[2].batch_id and ids(third) == ids(held[2])
+        rest = [after_crash.next_batch(0, timeout=30) for _ in range(3)]
+        after_crash.ack([third.batch_id, *(b.batch_id for b in rest)])
+        status = after_crash.status().scalars
+    trained = [i for b in (*again, third, *rest) for i in ids(b)]
+    assert sorted(trained) == sorted(read_ids(acked_file))  # all twelve, once each
+    assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] >= 8

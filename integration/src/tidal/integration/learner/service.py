@@ -3,8 +3,10 @@
     python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
 
 Each step, on every rank: request this rank's share of a batch from the buffer, train on it
-(`Trainer.step`), checkpoint when due (the checkpoint records the batch as trained), acknowledge it,
-bump the policy version, and every `weights.every` steps publish the full weights through the
+(`Trainer.step`), bump the policy version, checkpoint when due, and acknowledge the batches the
+checkpoint records as trained (with checkpoints, a batch is acknowledged only once a checkpoint holds
+it: a learner killed between checkpoints resumes from the last one and is served the batches trained
+since, again; without checkpoints, each batch is acknowledged after its step), and every `weights.every` steps publish the full weights through the
 configured tidal-weight-sync transport (found by name in the plugin registry; FSDP2 weights are gathered
 one tensor at a time on every rank, rank 0 sends). Rank 0 announces each version (`WeightsAvailable`,
 topic ``weights``) and its `Metrics` (topic ``metrics``) on one PUB socket.
@@ -57,7 +59,9 @@ class LearnerConfig(ConfigStruct):
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
-    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    # steps between checkpoints; trained batches are acknowledged to the buffer at each one, so a learner
+    # killed in between is served them again on resume; 0 = only at the end (batches acknowledged each step)
+    checkpoint_every: int = 0
     max_steps: int = 0  # stop after this many steps; 0 = run until stopped
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)
@@ -99,7 +103,10 @@ class Learner:
         self.version = 0
         self.samples_trained = 0  # trajectories trained on, over the whole run (kept in checkpoints)
         self.trained_ids: list[str] = []  # with record_trained_ids: every one of them
-        self.trained: deque[str] = deque(maxlen=64)
+        # batch ids trained (after a resume, every rank's, as the checkpoint keeps them), and the ones
+        # among them not acknowledged yet
+        self.trained: deque[str] = deque(maxlen=max(64, 4 * cfg.checkpoint_every * max(1, self.world)))
+        self.unacked: list[str] = []
         self.latest = Path(cfg.checkpoint_dir) / "latest" if cfg.checkpoint_dir else None
         if self.latest is not None and (self.latest / "progress.json").is_file():
             from tidal.integration.learner.checkpoint import load_checkpoint
@@ -144,6 +151,7 @@ class Learner:
                 break  # stopped while waiting for a batch
         if self.latest is not None:
             self.checkpoint()
+        self.acknowledge()
         self.close()
         return 0
 
@@ -182,16 +190,14 @@ class Learner:
         self.version += 1
         self.samples_trained += int(metrics["train/sequences"])  # all ranks
         self.trained.append(batch.batch_id)
+        self.unacked.append(batch.batch_id)
         if self.cfg.record_trained_ids:
             self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories]))
-        if self.latest is not None and self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+        if self.latest is None or not self.cfg.checkpoint_every:
+            self.acknowledge()  # no checkpoint to wait for: the step itself is the record
+        elif self.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        # Stopped with the ack unconfirmed (the buffer may be stopping too): the checkpoint taken at exit
-        # records the batch as trained, and if the buffer serves it again it is acknowledged untrained.
-        acked, _ = self._until_stopped(lambda t: self.client.ack(batch.batch_id, timeout=t), 60.0,
-                                       f"the buffer did not confirm the ack of {batch.batch_id}")
-        if not acked:
-            log.warning("stopping before the buffer confirmed the ack of %s (it is recorded as trained)", batch.batch_id)
+            self.acknowledge()
         if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
             self.publish_weights()
         t_end = time.perf_counter()
@@ -216,6 +222,18 @@ class Learner:
             log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
                      metrics.get("loss/total", 0.0), metrics["reward/mean"], metrics["train/tokens_per_s"])
         return metrics
+
+    def acknowledge(self) -> None:
+        """Tell the buffer it may forget the batches trained since the last acknowledgement. Stopped with
+        the ack unconfirmed (the buffer may be stopping too): the checkpoint records them as trained, and
+        a batch the buffer serves again is acknowledged without training."""
+        ids, self.unacked = self.unacked, []
+        if not ids:
+            return
+        acked, _ = self._until_stopped(lambda t: self.client.ack(ids, timeout=t), 60.0,
+                                       f"the buffer did not confirm the ack of {', '.join(ids[:3])}")
+        if not acked:
+            log.warning("stopping before the buffer confirmed the ack of %d batches (recorded as trained)", len(ids))
 
     def publish_weights(self) -> None:
         weights = self.backend.named_weights()  # every rank iterates: FSDP2 gathers are collective
@@ -259,8 +277,10 @@ class Learner:
         from tidal.integration.learner.checkpoint import save_checkpoint
 
         assert self.latest is not None
+        # every rank's (any rank may be served one again), once each (after a resume every rank holds all)
+        trained = list(dict.fromkeys(self._gather_ids(list(self.trained))))
         save_checkpoint(self.latest, self.backend,
-                        {"step": self.step, "version": self.version, "trained": list(self.trained),
+                        {"step": self.step, "version": self.version, "trained": trained,
                          "samples_trained": self.samples_trained,
                          **({"trained_ids": self.trained_ids} if self.cfg.record_trained_ids else {})})
 

@@ -1,10 +1,12 @@
 """The learner's side of the buffer: request a batch share, acknowledge it once trained.
 
-Contract: a rank acknowledges its batch before requesting the next one. A request while a batch is
-still unacknowledged means the rank restarted, and the buffer serves that same batch (same id) again.
-Requests and acks are retried across buffer restarts. Batches already acknowledged by this client are
-acknowledged again and skipped if they are ever served again, so nothing is trained twice; across a
-learner restart, keep the last acknowledged batch ids in the checkpoint and pass them as `trained`.
+Contract: a rank may hold several batches unacknowledged (a learner acknowledges what it trained once
+a checkpoint records it); each request names the newest one held, and the buffer serves the share after
+it. A client that holds none (a new one: the rank restarted) is served the oldest unacknowledged share
+again, under the same id. Requests and acks are retried across buffer restarts. Batches already
+acknowledged by this client are acknowledged again and skipped if they are ever served again, and a
+duplicate reply of a batch held is dropped, so nothing is trained twice; across a learner restart, keep
+the trained batch ids in the checkpoint and pass them as `trained`.
 """
 
 from __future__ import annotations
@@ -34,19 +36,21 @@ class BatchClient:
         self.retry_every = retry_every
         self.name = name or f"learner-{rank}"
         self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode())
-        self.trained: set[str] = set(trained)  # acknowledged batch ids
+        self.trained: set[str] = set(trained)  # acknowledged batch ids (or trained, per the checkpoint)
+        self.held: list[str] = []  # batches returned by next_batch and not yet acknowledged, oldest first
 
     def handshake(self, timeout: float = 10.0) -> None:
         self._ch.handshake(make_hello("learner", self.name), timeout)
 
     def next_batch(self, version: int, timeout: float = 60.0, ack: str | None = None) -> Batch:
         """The next share for this rank (waits while the buffer has too little data). `ack` names the
-        batch just trained, acknowledged in the same message (one round trip per step instead of two)."""
+        batch just trained, acknowledged in the same message (one round trip per step instead of two);
+        batches returned and not acknowledged stay held (see `ack`)."""
         deadline = time.monotonic() + timeout
         if ack is not None:
-            self.trained.add(ack)
+            self._settle([ack])
         req = BatchRequest(rank=self.rank, world_size=self.world_size, version=version,
-                           acked=[ack] if ack is not None else [])
+                           acked=[ack] if ack is not None else [], after=self.held[-1] if self.held else "")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -60,20 +64,32 @@ class BatchClient:
             if reply.batch_id in self.trained:
                 self.ack(reply.batch_id, timeout=max(left, 1.0))  # served again after a lost ack
                 continue
+            if reply.batch_id in self.held:
+                continue  # a second reply to a request sent again (a retry): this batch is held already
+            self.held.append(reply.batch_id)
             return reply
 
-    def ack(self, batch_id: str, timeout: float = 60.0) -> None:
-        """Acknowledge a trained batch; retried until the buffer confirms."""
-        self.trained.add(batch_id)
+    def ack(self, batch_ids: str | list[str], timeout: float = 60.0) -> None:
+        """Acknowledge trained batches (the buffer forgets them); retried until the buffer confirms."""
+        ids = [batch_ids] if isinstance(batch_ids, str) else list(batch_ids)
+        if not ids:
+            return
+        self._settle(ids)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ChannelTimeout(f"buffer did not confirm the ack of {batch_id} within {timeout:g} s")
-            self._ch.send(Ack(kind="batch", ids=[batch_id]), timeout=left)
+                raise ChannelTimeout(f"buffer did not confirm the ack of {', '.join(ids[:3])} within {timeout:g} s")
+            self._ch.send(Ack(kind="batch", ids=ids), timeout=left)
             reply = self._wait((Ack,), min(self.retry_every, left))
-            if reply is not None and batch_id in reply.ids:
+            if reply is not None and set(ids) <= set(reply.ids):
                 return
+
+    def _settle(self, ids: list[str]) -> None:
+        self.trained.update(ids)
+        if self.held:
+            done = set(ids)
+            self.held = [b for b in self.held if b not in done]
 
     def status(self, timeout: float = 10.0) -> Metrics:
         self._ch.send(Control(command="status"), timeout=timeout)

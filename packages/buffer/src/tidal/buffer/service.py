@@ -317,12 +317,14 @@ class BufferService:
             return
         peer, req = parked
         q = self.store.pending_shares.get(rank)
-        if not q and not self.form_step(req.world_size):
-            return  # wait for data; the request stays parked
-        q = self.store.pending_shares.get(rank)
-        if not q:
-            return
-        served = self.store.outstanding[q[0]]
+        pos = _position_after(q, req.after)
+        if pos >= len(q or ()):
+            if not self.form_step(req.world_size):
+                return  # wait for data; the request stays parked
+            q = self.store.pending_shares.get(rank)
+            if pos >= len(q or ()):
+                return
+        served = self.store.outstanding[q[pos]]
         del self.parked[rank]
         trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
@@ -333,7 +335,7 @@ class BufferService:
         else:
             self._reply(peer, batch)
         self._served_since += len(trajs)
-        if len(q) < 2:  # form the next share now, so it is durable by the time this rank asks for it
+        if len(q) - pos < 2:  # form the next share now, so it is durable by the time this rank asks for it
             self.form_step(req.world_size)
 
     def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
@@ -472,6 +474,17 @@ class BufferService:
         self.wal.close()
         for ch in (self.ingest, self.server, self.pub):
             ch.close(linger=0.5)
+
+
+def _position_after(q: deque[str] | None, after: str) -> int:
+    """Where in a rank's unconsumed shares (oldest first) the one to serve is: just after `after` when the
+    rank holds it, else the oldest (a rank that restarted, or whose `after` is already consumed)."""
+    if not q or not after:
+        return 0
+    try:
+        return q.index(after) + 1
+    except ValueError:
+        return 0
 
 
 def _and_mask(existing: Array | None, keep: list[bool]) -> Array:

@@ -89,7 +89,7 @@ class Store:
         self.assembling: dict[str, Group] = {}  # incomplete groups
         self.ready: OrderedDict[str, Group] = OrderedDict()  # complete (or released) groups, FIFO
         self.outstanding: dict[str, Served] = {}  # served, not yet consumed
-        self.pending_shares: dict[int, deque[str]] = {}  # rank -> served batch ids not yet handed over
+        self.pending_shares: dict[int, deque[str]] = {}  # rank -> its unconsumed shares, oldest first
         self.where: dict[str, str] = {}  # live trajectory id -> group id or batch id
         self.consumed_ids = RecentIds(dedupe_window)
         self.consumed_batches = RecentIds(200_000)

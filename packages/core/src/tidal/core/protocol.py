@@ -180,6 +180,9 @@ class BatchRequest(_Msg):
     max_samples: int = 0  # cap on samples in the reply; 0 = buffer's configured batch size
     max_tokens: int = 0  # cap on tokens in the reply; 0 = no token cap
     acked: list[str] = []  # batch ids trained since the last request (saves a separate Ack round trip)
+    # the newest batch id this rank holds unacknowledged (it acknowledges at its checkpoints): serve the
+    # share after it; "" = serve the oldest unacknowledged share (a rank that restarted gets it again)
+    after: str = ""
 
 
 class TensorSpec(_Part):
