@@ -59,6 +59,9 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
         max_steps=cfg.budget.versions, seed=cfg.seed,
         wait_for_subscriber_s=cfg.learner.wait_for_subscriber_s or 30.0,  # this driver's controller
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
+        # a learner restarted by this driver resumes from a checkpoint: without one during the run it
+        # would start over at version 0 while the workers are far ahead
+        checkpoint_every=cfg.learner.checkpoint_every or 10,
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
     threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
