@@ -373,6 +373,6 @@ def test_a_receiver_that_keeps_no_delta_base_gets_dense_buckets():
         for v in range(3):
             state["w"][v] += 1.0  # one element changes: a delta would be tiny
             got: dict = {}
-            assert receiver.receive(sender.send(state, v), lambda named: got.update((n, t.clone()) for n, t in named)) == v
+            assert receiver.receive(sender.send(state, v), lambda named, got=got: got.update((n, t.clone()) for n, t in named)) == v
             assert_bit_identical(got, state)
         assert sender.transport.bytes_sent == sender.transport.bytes_dense  # nothing was sent as a delta
