@@ -3,13 +3,15 @@
     python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
 
 Each step, on every rank: request this rank's share of a batch from the buffer, train on it
-(`Trainer.step`), bump the policy version, checkpoint when due, and acknowledge the batches the
-checkpoint records as trained (with checkpoints, a batch is acknowledged only once a checkpoint holds
-it: a learner killed between checkpoints resumes from the last one and is served the batches trained
-since, again; without checkpoints, each batch is acknowledged after its step), and every `weights.every` steps publish the full weights through the
+(`Trainer.step`), bump the policy version, checkpoint when due and then acknowledge the batches that
+checkpoint records as trained, and every `weights.every` steps publish the full weights through the
 configured tidal-weight-sync transport (found by name in the plugin registry; FSDP2 weights are gathered
 one tensor at a time on every rank, rank 0 sends). Rank 0 announces each version (`WeightsAvailable`,
 topic ``weights``) and its `Metrics` (topic ``metrics``) on one PUB socket.
+
+With checkpoints a batch is acknowledged only once a checkpoint holds it: a learner killed between two
+checkpoints resumes from the last one and is served the batches trained since again (exactly once).
+Without checkpoints each batch is acknowledged after its step.
 
 `--nproc N` starts N ranks under torch.distributed (gloo on CPU, NCCL on GPU) on this machine.
 """
