@@ -96,3 +96,85 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
     assert metrics and metrics[-1].scalars["train/version"] == STEPS
     assert (tmp_path / "ckpt" / "latest" / "progress.json").is_file()
     assert json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())["step"] == STEPS
+
+
+def _push_groups(ingest: str, publish: str, tok, n_groups: int) -> None:
+    prompt, answer = tok.encode("3+4="), tok.encode("7\n")
+    with AckedPusher(ingest, publish, "producer", resend_after=1.0) as out:
+        for gi in range(n_groups):
+            for k in range(G):
+                out.send(Trajectory(
+                    id=f"g{gi}:{k}", group_id=f"g{gi}", sample_index=k, task="arithmetic",
+                    prompt_ids=Array.from_numpy(np.asarray(prompt, np.int32)),
+                    completion_ids=Array.from_numpy(np.asarray(answer, np.int32)),
+                    logprobs=Array.from_numpy(np.full(len(answer), -1.0, np.float32)),
+                    versions=Array.from_numpy(np.zeros(len(answer), np.int32)),
+                    reward=float(k % 2), finish_reason="stop", source="producer", group_size=G))
+        out.flush(timeout=60)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_path):
+    """Two learner ranks (FSDP2, gloo) acknowledge at their checkpoints: killed one step past a
+    checkpoint, they resume from it and are served that step's shares again; stopped (SIGTERM) while
+    waiting for data, both leave at the same step and checkpoint. Every sample was trained on exactly
+    once, by one rank, and the buffer holds nothing unacknowledged."""
+    import os
+    import signal
+
+    from tidal.buffer.client import BatchClient
+    from tidal.rollout.tiny import build_tiny_model, load_tokenizer
+
+    steps = 5
+    model_path = build_tiny_model(tmp_path / "model", seed=3)
+    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
+    buffer = subprocess.Popen(
+        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
+         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={2 * G}"],
+        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    learner: subprocess.Popen | None = None
+
+    def start_learner(max_steps: int) -> subprocess.Popen:
+        log = open(tmp_path / "learner.log", "a")
+        return subprocess.Popen(
+            [sys.executable, "-m", "tidal.integration.learner", "--nproc", "2", f'model="{model_path}"',
+             f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend="fsdp2"',
+             "weights.every=0", f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=2",
+             "record_trained_ids=true"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    try:
+        _push_groups(ingest, publish, load_tokenizer(model_path), 2 * steps)  # one group per rank per step
+        def wait_for_log(line: str) -> None:
+            deadline = time.monotonic() + 300
+            while line not in (tmp_path / "learner.log").read_text():
+                assert learner.poll() is None and time.monotonic() < deadline, (tmp_path / "learner.log").read_text()[-3000:]
+                time.sleep(0.05)
+
+        learner = start_learner(steps)
+        wait_for_log("step 3 ")  # trained, not checkpointed (that was at step 2)
+        os.killpg(learner.pid, signal.SIGKILL)
+        learner.wait(timeout=30)
+        learner = start_learner(0)  # until stopped
+        wait_for_log("step 5 ")  # every sample trained; both ranks now wait for data that never comes
+        time.sleep(1.0)
+        os.killpg(learner.pid, signal.SIGTERM)
+        assert learner.wait(timeout=120) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        with BatchClient(serve) as probe:
+            status = probe.status(timeout=30).scalars
+    finally:
+        for p in (learner, buffer):
+            if p is not None and p.poll() is None:
+                if p is learner:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.terminate()
+                p.wait(timeout=30)
+    text = (tmp_path / "learner.log").read_text()
+    assert "resumed from" in text and "at step 2 " in text, text[-3000:]
+    progress = json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())
+    trained = progress["trained_ids"]
+    assert progress["step"] == steps
+    assert len(trained) == len(set(trained)) == steps * 2 * G, "a sample was trained twice, or lost"
+    assert {b.rsplit("-", 1)[1] for b in progress["trained"]} == {"r0", "r1"}  # both ranks' batch ids
+    assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] == steps * 2 * G

@@ -148,7 +148,9 @@ class Learner:
 
     def run(self) -> int:
         cfg = self.cfg
-        while not self._stop and (cfg.max_steps == 0 or self.step < cfg.max_steps):
+        while cfg.max_steps == 0 or self.step < cfg.max_steps:
+            if not self._everyone(not self._stop):
+                break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
             if self.train_one() is None:
                 break  # stopped while waiting for a batch
         if self.latest is not None:
@@ -180,8 +182,8 @@ class Learner:
         t0 = time.perf_counter()
         got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t),
                                          self.cfg.batch_timeout_s, "no batch from the buffer")
-        if not got:
-            return None
+        if not self._everyone(got):
+            return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
         t_batch = time.perf_counter()
         samples = [Sample.from_trajectory(t) for t in batch.trajectories]
         metrics = self.trainer.step(samples)
@@ -285,6 +287,17 @@ class Learner:
                         {"step": self.step, "version": self.version, "trained": trained,
                          "samples_trained": self.samples_trained,
                          **({"trained_ids": self.trained_ids} if self.cfg.record_trained_ids else {})})
+
+    def _everyone(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank (a collective: every rank calls it at the same point)."""
+        if self.world == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.cfg.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def _gather_ids(self, ids: list[str]) -> list[str]:
         if self.world == 1:
