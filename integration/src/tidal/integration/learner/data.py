@@ -39,8 +39,9 @@ class Sample:
     def from_trajectory(cls, t: Trajectory) -> Sample:
         completion = t.completion_ids.numpy()
         mask = np.ones(len(completion), bool) if t.loss_mask is None else t.loss_mask.numpy().astype(bool)
+        # logprobs are copied out of the received frame (read-only memory): torch wants writable arrays
         return cls(id=t.id, group_id=t.group_id, prompt=t.prompt_ids.numpy(), completion=completion,
-                   logprobs=t.logprobs.numpy(), versions=t.versions.numpy(), reward=float(t.reward),
+                   logprobs=t.logprobs.numpy().copy(), versions=t.versions.numpy(), reward=float(t.reward),
                    loss_mask=mask)
 
 
