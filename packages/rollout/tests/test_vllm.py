@@ -164,3 +164,25 @@ def test_vllm_recompute_and_drop_modes(engine, tiny):
             tf = teacher_forced_logprobs(model, rq.prompt_ids, res.completion_ids, rq.sampling)
             assert (tf[k:] - torch.tensor(res.logprobs[k:])).abs().max().item() < 1e-4
     engine.partial_mode = "continue"
+
+
+def test_vllm_loads_an_update_from_shared_memory_in_place(engine, tiny):
+    """Through `shm`, the worker's receiver hands vLLM's load_weights read-only views of the sender's
+    shared memory (verified in place, no copy of its own); vLLM copies them into its parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.weight_sync import WeightSender
+
+    new = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    version = engine.version + 1
+    with WeightSender("shm", bucket_bytes=1 << 20) as sender:
+        assert engine.receive_weights(sender.send(new.state_dict(), version)) == version
+        after = _requests("shm-", 4)
+        res = {r.request_id: r for r in engine.generate(after, timeout=300)}
+    assert all(r.versions == [version] * len(r.completion_ids) for r in res.values())
+    worst, kl = _mismatch(new, after, res)
+    print(f"after an shm update, vLLM vs forward pass of the new weights: max |dlogp| {worst:.2e}, KL {kl:.2e}")
+    assert abs(kl) <= 1e-3 and worst < 1e-2
