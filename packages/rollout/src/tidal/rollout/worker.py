@@ -146,6 +146,7 @@ class RolloutWorker:
         self._window_tokens = 0.0
         self._window_samples = 0.0
         self._hb_seq = 0
+        self._parent_pid = os.getppid()
         self._acked_log = (open(cfg.acked_log.replace("{name}", cfg.name), "a", encoding="utf-8")
                            if cfg.acked_log else None)
 
@@ -409,12 +410,18 @@ class RolloutWorker:
 
     def _shutdown(self) -> None:
         self._stop.set()
+        # Started by a driver that is now gone (killed: its death signal brought this stop): every peer is
+        # going down at once, so nothing waits for acknowledgements that cannot come.
+        orphaned = self._parent_pid != 1 and os.getppid() != self._parent_pid
+        if orphaned:
+            log.warning("%s: the process that started this worker is gone; stopping without waiting for the "
+                        "buffer (%d trajectories unacknowledged)", self.cfg.name, len(self.pusher.pending))
         try:
-            self.pusher.flush(timeout=self.cfg.stop_timeout_s)
+            self.pusher.flush(timeout=0.0 if orphaned else self.cfg.stop_timeout_s)
         except ChannelTimeout:
             log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
         if self._weights_thread.is_alive():
-            self._weights_thread.join(timeout=10)
+            self._weights_thread.join(timeout=1 if orphaned else 10)
         self.engine.close()
         self.pusher.close()
         self.ctl.close(linger=0.5)
