@@ -126,17 +126,15 @@ class Store:
         self.where[tid] = gid
         self.stats["accepted"] += 1
         g = self.assembling.get(gid)
-        if g is None:
+        assembling = g is not None
+        if g is None:  # a late member of a group released early joins it where it is (ready)
             g = self.ready.get(gid)
             if g is None:
                 g = self.assembling[gid] = Group(gid, t.group_size or self.group_size)
-            else:  # a late member of a group released early: it joins the ready group
-                g.members[tid] = t
-                g.tokens += num_tokens(t)
-                return None
+                assembling = True
         g.members[tid] = t
         g.tokens += num_tokens(t)
-        if len(g.members) >= g.size:
+        if assembling and len(g.members) >= g.size:
             del self.assembling[gid]
             self.ready[gid] = g
             return g

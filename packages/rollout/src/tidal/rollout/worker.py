@@ -400,13 +400,7 @@ class RolloutWorker:
     def _shutdown_early(self) -> None:
         """Stopped before the controller answered: nothing was generated, close what is open."""
         log.info("%s: stopped before the controller answered", self.cfg.name)
-        self.engine.close()
-        self.pusher.close()
-        self.ctl.close()
-        if self.wsub is not None:
-            self.wsub.close()
-        if self._acked_log is not None:
-            self._acked_log.close()
+        self._close()
 
     def _shutdown(self) -> None:
         self._stop.set()
@@ -422,9 +416,12 @@ class RolloutWorker:
             log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
         if self._weights_thread.is_alive():
             self._weights_thread.join(timeout=1 if orphaned else 10)
+        self._close(ctl_linger=0.5)
+
+    def _close(self, ctl_linger: float | None = None) -> None:
         self.engine.close()
         self.pusher.close()
-        self.ctl.close(linger=0.5)
+        self.ctl.close(linger=ctl_linger)
         if self.wsub is not None:
             self.wsub.close()
         if self._acked_log is not None:

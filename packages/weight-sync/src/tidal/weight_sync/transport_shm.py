@@ -80,12 +80,10 @@ class ShmSenderTransport:
 
     def _claim(self, slot: int, index: int, nbytes: int) -> _Segment:
         """The segment for bucket `index` of `slot`, big enough and locked for writing by this sender."""
-        segs = self._slots[slot]
+        segs, need = self._slots[slot], max(1, nbytes)
         seg = segs.get(index)
-        if seg is not None and seg.locked and seg.shm.size >= max(1, nbytes):
-            return seg
-        if seg is not None and (seg.shm.size < max(1, nbytes) or not seg.try_lock()):
-            if seg.shm.size >= max(1, nbytes):
+        if seg is not None and (seg.shm.size < need or not (seg.locked or seg.try_lock())):
+            if seg.shm.size >= need:  # big enough, but a receiver still leases it
                 self.replaced += 1
                 log.info("shared memory %s is still read by a receiver: packing into a new segment", seg.shm.name)
             seg.discard(self._graveyard)
