@@ -58,10 +58,17 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
-        pytest.fail(f"the run did not finish within {timeout} s:\n{run_dir.with_suffix('.log').read_text()[-4000:]}")
+        pytest.fail(f"the run did not finish within {timeout} s:\n{run_dir.with_suffix('.log').read_text()[-4000:]}"
+                    + _role_logs(run_dir))
     log = run_dir.with_suffix(".log").read_text()
-    assert rc == 0, log[-4000:]
+    assert rc == 0, log[-4000:] + _role_logs(run_dir)
     return json.loads((run_dir / "final.json").read_text())
+
+
+def _role_logs(run_dir: Path, chars: int = 1500) -> str:
+    """The end of each role's log: what a failed run's own log cannot say about its roles."""
+    return "".join(f"\n--- {p.name} (end)\n{p.read_text(errors='replace')[-chars:]}"
+                   for p in sorted((run_dir / "logs").glob("*.log")))
 
 
 def test_async_run_raises_heldout_accuracy(tmp_path, sft_model):

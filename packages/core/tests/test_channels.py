@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -180,3 +181,25 @@ def test_non_loopback_endpoints_require_curve():
     assert is_loopback("tcp://127.0.0.1:1") and is_loopback("tcp://[::1]:1") and is_loopback("tcp://localhost:1")
     assert is_loopback("ipc:///tmp/x") and is_loopback("inproc://x")
     assert not is_loopback("tcp://0.0.0.0:1") and not is_loopback("tcp://example.org:1")
+
+
+def test_sending_to_a_peer_that_left_names_it_and_keeps_the_error_that_led_there():
+    """A router send to a peer that has gone raises PeerUnreachable. Sent from cleanup code (`finally`),
+    the traceback still carries the exception that led to the cleanup."""
+    from tidal.core.errors import PeerUnreachable
+
+    with router(LOCAL, hello=make_hello("controller", "c")) as server:
+        with dealer(server.endpoint, identity=b"worker-1", linger=0) as client:
+            client.send(Control(command="status"))
+            peer, _ = server.recv(timeout=5)
+        assert peer == b"worker-1"
+        deadline = time.monotonic() + 5
+        with pytest.raises(PeerUnreachable, match="worker-1") as e:
+            try:
+                raise RuntimeError("the run failed first")
+            finally:
+                while True:  # the router learns of the disconnect asynchronously
+                    server.send(peer, Control(command="stop"), timeout=1)
+                    assert time.monotonic() < deadline, "the router never saw the peer leave"
+                    time.sleep(0.01)
+        assert isinstance(e.value.__context__, RuntimeError) and not e.value.__suppress_context__

@@ -26,7 +26,7 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.channels import make_hello, poll, router, sub
-from tidal.core.errors import ChannelTimeout, ProtocolError
+from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -217,15 +217,15 @@ class Controller:
                     self.counts["groups_granted"] += 1
                 else:
                     return
-                self._send(w, a)
                 w.credits -= 1
+                self._send(w, a)  # a failed send loses the worker: credits 0, its work handed out again
 
     def _send(self, w: WorkerState, a: Assignment) -> None:
         w.outstanding[a.group_id] = a
         try:
             self.ch.send(w.peer, a, timeout=5)
-        except ChannelTimeout:
-            log.warning("could not reach %s; its work will be handed out again", w.name)
+        except (ChannelTimeout, PeerUnreachable) as e:  # gone since its last message (killed, crashed)
+            log.warning("could not reach %s (%s); its work will be handed out again", w.name, e)
             self.worker_lost(w.name)
 
     def _new_assignment(self) -> Assignment:
@@ -264,8 +264,8 @@ class Controller:
         for w in self.live_workers():
             try:
                 self.ch.send(w.peer, Control(command="stop", reason=reason), timeout=2)
-            except ChannelTimeout:
-                pass
+            except (ChannelTimeout, PeerUnreachable):
+                pass  # gone already; the launcher stops what is left of it
 
     # ------------------------------------------------------------------ evaluation
 

@@ -295,10 +295,13 @@ class RouterChannel(Channel):
     def send(self, peer: bytes, msg: Message, timeout: float | None = None) -> None:
         try:
             self._send_frames([peer, *self.codec.encode(msg)], timeout)
+            return
         except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                raise PeerUnreachable(f"peer {peer!r} is not connected to {self.endpoint}") from None
-            raise
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+        # raised here, outside the handler: a send in a `finally` keeps the exception that led there
+        # in its traceback (`raise ... from None` inside the handler would hide that one too)
+        raise PeerUnreachable(f"peer {peer!r} is not connected to {self.endpoint}")
 
 
 class DealerChannel(Channel):
