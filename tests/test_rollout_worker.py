@@ -116,7 +116,7 @@ def system(tmp_path, tiny, request):
         return p
 
     env = type("System", (), dict(ctl=ctl, proxy=proxy, learner=learner, start_worker=start_worker, tmp=tmp_path,
-                                  workers=workers))
+                                  workers=workers, buffer=buffer))
     try:
         yield env
     finally:
@@ -270,3 +270,16 @@ def test_refused_trajectories_settle_their_group_and_the_worker_goes_on(system, 
     wait_for(lambda: len(system.ctl.acks) == 5, 120, "every group settled")
     assert not any(a.ok for a in system.ctl.acks.values())
     assert all("stale" in a.detail for a in system.ctl.acks.values()), [a.detail for a in system.ctl.acks.values()]
+
+
+def test_usr1_writes_every_threads_stack_to_the_log_and_the_role_goes_on(system):
+    """`kill -USR1 PID` on a role that seems stuck: each thread's Python stack lands in its log."""
+    w = system.start_worker()
+    log = system.tmp / "rollout-0-0.log"
+    wait_for(lambda: "engine" in log.read_text(), 120, "the worker to start")
+    for proc, path in ((w, log), (system.buffer, system.tmp / "buffer.log")):
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait_for(lambda path=path: "most recent call first" in path.read_text(), 10, f"a stack dump in {path.name}")
+        assert proc.poll() is None, f"{path.name}: the role died of the signal"
+    assert log.read_text().count("Thread 0x") >= 2  # the main loop and the weights thread at least
+    system.learner.status(timeout=10)  # the buffer still serves

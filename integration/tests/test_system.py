@@ -218,7 +218,12 @@ def test_stopping_the_driver_leaves_no_process_behind(tmp_path, sft_model, how):
         deadline = time.monotonic() + 60
         while any(map(_alive, pids.values())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [name for name, pid in pids.items() if _alive(pid)], "orphaned role processes"
+        left = [name for name, pid in pids.items() if _alive(pid)]
+        if left:  # where each survivor is stuck: every role dumps its threads' stacks to its log on USR1
+            for name in left:
+                os.kill(pids[name], signal.SIGUSR1)
+            time.sleep(2)
+        assert not left, f"orphaned role processes: {left}" + _role_logs(run_dir, 6000)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

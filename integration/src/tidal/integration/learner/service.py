@@ -19,6 +19,7 @@ Without checkpoints each batch is acknowledged after its step.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 and not (i > 0 and raw[i - 1] == "--nproc")]
         return _spawn(args.nproc, rest)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

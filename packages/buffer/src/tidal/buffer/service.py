@@ -12,6 +12,7 @@ one fsync per drained batch of records); a batch is forgotten only when its lear
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import itertools
 import logging
@@ -505,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
     cfg = load_config(args.config, BufferConfig, args.overrides)
     BufferService(cfg).run()
     return 0

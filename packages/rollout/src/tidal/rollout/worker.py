@@ -24,6 +24,7 @@ regenerated sample under the same weights is the same sample.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -453,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default=os.environ.get("TIDAL_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
     cfg = load_config(args.config, WorkerConfig, args.overrides)
     worker = RolloutWorker(cfg)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
