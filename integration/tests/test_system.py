@@ -129,7 +129,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     killed: list[str] = []
     learner_killed_at = -1
     plan = [(5, "rollout-1"), (15, "buffer"), (25, "learner")]  # (learner version reached, role to kill)
-    last_kill = 0.0
+    last_kill = -10  # the learner version at the last kill
     try:
         deadline = time.monotonic() + 700
         while proc.poll() is None and time.monotonic() < deadline:
@@ -139,11 +139,13 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
                     acked.update(msg.ids)
             except ChannelTimeout:
                 pass
-            # each kill once the run has moved on from the last one (its restart took and versions advanced);
-            # the learner's one step after a checkpoint (every 3), so that it dies holding trained batches
-            # it has not acknowledged yet, which it must be served again
-            version = _learner_version(run_dir) if plan and time.monotonic() - last_kill > 8 else -1
-            if plan and version >= plan[0][0] and (plan[0][1] != "learner" or version % 3 == 1):
+            # each kill once the run has moved on from the last one by 3 versions (after the buffer's, that
+            # means it is back and serving), not after a wall time: on an idle machine the whole run takes
+            # 20 s; the learner's one step after a checkpoint (every 3), so that it dies holding trained
+            # batches it has not acknowledged yet, which it must be served again
+            version = _learner_version(run_dir) if plan else -1
+            if (plan and version >= max(plan[0][0], last_kill + 3)
+                    and (plan[0][1] != "learner" or version % 3 == 1)):
                 role = plan.pop(0)[1]
                 pid = _pids(run_dir).get(role)
                 if pid:
@@ -153,7 +155,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
                         learner_killed_at = version if role == "learner" else learner_killed_at
                     except ProcessLookupError:
                         pass
-                    last_kill = time.monotonic()
+                    last_kill = version
         final = finish(proc, run_dir, 60)
     finally:
         acks.close()
