@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from tidal.core import Codec, ProtocolError, ProtocolVersionError
+from tidal.core.protocol import Ack
 from tidal.core.testing import make_trajectory
 
 CODEC = Codec()
@@ -45,6 +46,16 @@ def test_a_single_type_codec_names_what_it_takes_and_what_came():
     with pytest.raises(ProtocolError, match="takes Trajectory messages, not Ack") as e:
         narrow.decode([bytes(CODEC.encode(Ack(kind="x", ids=["a"]))[0])])
     assert e.value.field == "message type"
+
+
+@pytest.mark.parametrize("tag", [["Ack", "trajectory", ["a", "b"]], {"Ack": 1}, 7, None])
+def test_a_tag_that_is_not_a_name_is_a_protocol_error(tag):
+    """Found by the live fuzz test: a header whose type tag is a list or a map (unhashable) must be
+    refused like any other bad header, not raise a TypeError out of the error path."""
+    header = msgspec.msgpack.decode(bytes(CODEC.encode(Ack(kind="x", ids=["a"]))[0][4:]))
+    header[0] = tag
+    with pytest.raises(ProtocolError, match="message type"):
+        CODEC.decode(_frames_with_header(header, CODEC.encode(Ack(kind="x", ids=["a"]))))
 
 
 def test_missing_required_fields_are_reported():

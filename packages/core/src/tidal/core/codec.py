@@ -164,12 +164,13 @@ class Codec:
 # ---------------------------------------------------------------------- error paths -> field names
 
 
-def _tag_of(body: memoryview) -> Any:
+def _tag_of(body: memoryview) -> str | None:
+    """The message-type tag a header names, when it names one (a hostile one may put anything there)."""
     try:
         raw = msgspec.msgpack.decode(body)
     except msgspec.DecodeError:
         return None
-    return raw[0] if isinstance(raw, list) and raw else None
+    return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
 
 
 def _strip_path(text: str) -> str:
