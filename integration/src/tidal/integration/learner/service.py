@@ -19,7 +19,6 @@ Without checkpoints each batch is acknowledged after its step.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
+from tidal.core.process import setup_role_process
 from tidal.core.protocol import Metrics
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_reference
@@ -360,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [a for i, a in enumerate(raw) if a != "--nproc" and not a.startswith("--nproc=")
                 and not (i > 0 and raw[i - 1] == "--nproc")]
         return _spawn(args.nproc, rest)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
+    setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

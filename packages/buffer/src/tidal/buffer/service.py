@@ -12,7 +12,6 @@ one fsync per drained batch of records); a batch is forgotten only when its lear
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import gc
 import itertools
 import logging
@@ -36,6 +35,7 @@ from tidal.core.codec import PREAMBLE_BYTES, Codec
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
+from tidal.core.process import setup_role_process
 from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory
 from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
@@ -505,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
+    setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     cfg = load_config(args.config, BufferConfig, args.overrides)
     BufferService(cfg).run()
     return 0

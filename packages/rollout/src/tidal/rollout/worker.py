@@ -24,7 +24,6 @@ regenerated sample under the same weights is the same sample.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
@@ -45,6 +44,7 @@ from tidal.core.config import ConfigStruct, PluginRef, load_config
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
+from tidal.core.process import setup_role_process
 from tidal.core.protocol import (
     Ack,
     Assignment,
@@ -453,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
     ap.add_argument("--log-level", default=os.environ.get("TIDAL_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack to the log
+    setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     cfg = load_config(args.config, WorkerConfig, args.overrides)
     worker = RolloutWorker(cfg)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
