@@ -56,6 +56,7 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     outstanding: dict[str, Assignment] = field(default_factory=dict)  # group id -> assignment
     alive: bool = True
+    applied_at: float = 0.0  # wall clock at which it applied the weights of `version` (its report)
 
 
 @dataclass
@@ -111,6 +112,9 @@ class Controller:
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
         self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
         self.counts = {"groups_granted": 0, "groups_done": 0, "groups_failed": 0, "groups_requeued": 0}
+        # control-plane latency: from the last worker applying a version to the first grant it unlocked
+        self._opened_at: float | None = None  # applied_at of the version that last opened the gate
+        self.apply_to_grant_s: list[float] = []
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
@@ -147,7 +151,9 @@ class Controller:
         if isinstance(msg, WorkRequest):
             w.credits += msg.want
             w.version = msg.version  # what this process holds (a restarted one starts over)
-        elif isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat):  # also sent the moment a worker applies new weights
+            if msg.version > w.version:
+                w.applied_at = msg.status.get("weights_applied_at", 0.0)
             w.version = msg.version
         elif isinstance(msg, Ack) and msg.kind == "assignment":
             for gid in msg.ids:
@@ -202,6 +208,7 @@ class Controller:
         v = self.generation_version()
         if v > self.gate.state.version:
             self.gate.set_version(v)
+            self._opened_at = max((w.applied_at for w in self.live_workers()), default=0.0) or None
             self._maybe_start_eval(v)
 
     def _dispatch(self) -> None:
@@ -215,6 +222,9 @@ class Controller:
                 elif self.gate.try_acquire(self.cfg.group_size):
                     a = self._new_assignment()
                     self.counts["groups_granted"] += 1
+                    if self._opened_at is not None:
+                        self.apply_to_grant_s.append(max(0.0, time.time() - self._opened_at))
+                        self._opened_at = None
                 else:
                     return
                 w.credits -= 1
@@ -333,7 +343,10 @@ class Controller:
 
     def status(self) -> dict[str, float]:
         g = self.gate.state
-        return {"controller/generation_version": float(self.generation_version()),
+        lat = self.apply_to_grant_s[-200:]
+        latency = {"controller/apply_to_grant_ms_median": 1e3 * float(np.median(lat)),
+                   "controller/apply_to_grant_ms_max": 1e3 * max(lat)} if lat else {}
+        return {**latency, "controller/generation_version": float(self.generation_version()),
                 "controller/learner_version": float(self.learner_version),
                 "controller/workers_alive": float(len(self.live_workers())),
                 "controller/gate_in_flight": float(g.in_flight), "controller/gate_accepted": float(g.accepted),

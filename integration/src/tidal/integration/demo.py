@@ -96,6 +96,11 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
               f"{100 * start_acc:.1f}% (greedy)", flush=True)
         stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stats["seconds"]}))
     check(cfg)
+    run_dir = Path(cfg.run_dir)
+    if run_dir == out / "run" and run_dir.exists():  # the demo's own folder: a rerun starts over, it does
+        import shutil                                  # not resume the last run's final checkpoint
+
+        shutil.rmtree(run_dir)
     (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
     print(f"[3/4] {cfg.mode} GRPO: {cfg.workers} rollout workers, buffer, learner, controller "
           f"({cfg.budget.versions} versions or {cfg.budget.minutes:g} min); logs in {Path(cfg.run_dir) / 'logs'}",

@@ -39,23 +39,29 @@ class OptimConfig(ConfigStruct):
 class BackendConfig(ConfigStruct):
     dtype: str = "float32"  # parameter dtype of the model
     mixed_precision: str = ""  # fsdp2: compute dtype ("bfloat16"), params kept in `dtype`; "" = off
-    attn: str = "auto"  # "auto" (flash_attention_2 on GPU when installed, else sdpa), "sdpa", "eager", ...
+    # "auto": flash_attention_2 on GPU when installed, else tidal_varlen (packed rows cost what their
+    # sequences cost, see tidal.seqpar.varlen); or any transformers name: "sdpa", "eager", ...
+    attn: str = "auto"
     grad_checkpointing: bool = False
     value_head: bool = False  # PPO: a scalar critic head on the last hidden state (trained, never published)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
 def pick_attention(requested: str, device: torch.device) -> str:
+    from tidal.seqpar.hf import VARLEN_ATTENTION, register_varlen_attention
+
+    if requested == VARLEN_ATTENTION:
+        return register_varlen_attention()
     if requested != "auto":
         return requested
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
+            return "flash_attention_2"  # varlen from the position ids, in its own kernel
         except ImportError:
             pass
-    return "sdpa"
+    return register_varlen_attention()
 
 
 def lr_lambda(cfg: OptimConfig):
@@ -103,22 +109,41 @@ class _Backend:
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **self._optim_impl())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o))
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [1, L, V] of a packed row (no attention mask, no cache: packing by position ids)."""
-        return self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    def _optim_impl(self) -> dict[str, bool]:
+        """One fused kernel for all parameters (CPU and CUDA) instead of a Python loop per tensor: the
+        loop was a tenth of a small model's step. Sharded backends keep torch's default."""
+        return {"fused": True} if self.device.type in ("cpu", "cuda") else {}
 
-    def forward_with_values(self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: Any = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [1, L, V] of a packed row (no attention mask, no cache: packing by position ids), or
+        [1, N, V] at the N row positions `keep`. `layout`: the row's `VarlenLayout`, when the caller has
+        it (saves deriving it in every layer)."""
+        extra = {} if keep is None else {"logits_to_keep": keep}
+        return self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          **self._layout_kw(layout), **extra).logits
+
+    def forward_with_values(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: Any = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [1, L, V], critic values [1, L]) of a packed row; needs `value_head`."""
-        out = self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+        out = self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True,
+                         **self._layout_kw(layout))
         head = self._module().value_head
         return out.logits, head(out.hidden_states[-1]).squeeze(-1)
+
+    def _layout_kw(self, layout: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The model's forward kwargs for a packed row's layout (only `tidal_varlen` takes it)."""
+        from tidal.seqpar.hf import VARLEN_ATTENTION
+
+        config = (model if model is not None else self._module()).config
+        uses = getattr(config, "_attn_implementation", None) == VARLEN_ATTENTION
+        return {"varlen_layout": layout} if layout is not None and uses else {}
 
     def _call(self, **kw: Any) -> Any:
         return self.model(**kw)
@@ -167,6 +192,9 @@ class SingleBackend(_Backend):
 
 class FSDP2Backend(_Backend):
     name = "fsdp2"
+
+    def _optim_impl(self) -> dict[str, bool]:
+        return {}  # DTensor parameters: torch picks its implementation
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
         if not dist.is_initialized():

@@ -1,10 +1,12 @@
 """From buffer `Trajectory` messages to packed model inputs and per-sequence loss tensors.
 
 Packing: sequences (prompt + completion) are laid end to end in one row per micro-batch, with position
-ids restarting at 0 for each, so the model never pads and never attends across sequences (transformers
-builds the block-diagonal mask from the position ids when no attention mask and no cache are given).
-Micro-batches are filled first-fit-decreasing up to a token budget. Loss tensors are per sequence,
-[B, T] over completion tokens only, which is what tidal-algos' losses take.
+ids restarting at 0 for each, so the model never pads and never attends across sequences. Each row
+carries its `VarlenLayout` (tidal.seqpar.varlen): under the learner's default attention (`tidal_varlen`)
+a row costs what its sequences cost (Σ len²), not what a dense mask over the row would (row_len²).
+Micro-batches are filled first-fit-decreasing up to a token budget. Logits are computed only at the
+positions that predict completion tokens (`Micro.pred`); loss tensors are per sequence, [B, T] over
+completion tokens only, which is what tidal-algos' losses take (`Micro.padded`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from tidal.core.protocol import Trajectory
+from tidal.seqpar.varlen import VarlenLayout
 
 
 @dataclass
@@ -48,16 +51,31 @@ class Sample:
 @dataclass
 class Micro:
     """One packed forward: `input_ids`/`position_ids` [1, L]; `index` the samples it holds, in order;
-    `spans` (start, prompt_len, completion_len) of each inside the row."""
+    `spans` (start, prompt_len, completion_len) of each inside the row; `layout` the row's sequences for
+    variable-length attention; `pred` [N] the row positions whose logits predict the N completion
+    tokens (all samples', in order), `targets` [N] those tokens; `rows`/`cols` [N] where each lands in the
+    per-sequence [len(index), width] loss tensors."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     index: list[int]
     spans: list[tuple[int, int, int]]
+    layout: VarlenLayout | None = None
+    pred: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    width: int = 0
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def padded(self, flat: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """[N] per-completion-token values (in `pred` order) -> [len(index), width], padded with `value`
+        (differentiable: an index_put, not a loop)."""
+        out = flat.new_full((len(self.index), self.width), value)
+        return out.index_put((self.rows, self.cols), flat)  # type: ignore[arg-type]
 
 
 def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str = "cpu") -> list[Micro]:
@@ -77,18 +95,29 @@ def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str 
         else:
             rows.append([i])
             room.append(max_tokens - n)
-    micros = []
-    for row in rows:
-        row.sort()
-        ids, pos, spans = [], [], []
-        for i in row:
-            s = samples[i]
-            spans.append((len(ids), len(s.prompt), len(s.completion)))
-            ids.extend(s.prompt.tolist())
-            ids.extend(s.completion.tolist())
-            pos.extend(range(s.length))
-        micros.append(Micro(torch.tensor([ids], device=device), torch.tensor([pos], device=device), row, spans))
-    return micros
+    return [_micro(samples, sorted(row), device) for row in rows]
+
+
+def _micro(samples: Sequence[Sample], row: list[int], device: torch.device | str) -> Micro:
+    ids = np.concatenate([np.concatenate([samples[i].prompt, samples[i].completion]) for i in row])
+    pos = np.concatenate([np.arange(samples[i].length) for i in row])
+    spans, pred, rows, cols = [], [], [], []
+    start = 0
+    for r, i in enumerate(row):
+        p, t = len(samples[i].prompt), len(samples[i].completion)
+        spans.append((start, p, t))
+        pred.append(np.arange(start + p - 1, start + p - 1 + t))  # the logit at j predicts token j + 1
+        rows.append(np.full(t, r))
+        cols.append(np.arange(t))
+        start += p + t
+    pred_t = torch.from_numpy(np.concatenate(pred)).to(device)
+    ids_t = torch.from_numpy(ids.astype(np.int64))[None].to(device)
+    return Micro(ids_t, torch.from_numpy(pos)[None].to(device), row, spans,
+                 layout=VarlenLayout.from_lengths([samples[i].length for i in row], device=device),
+                 pred=pred_t, targets=ids_t[0, pred_t + 1],
+                 rows=torch.from_numpy(np.concatenate(rows)).to(device),
+                 cols=torch.from_numpy(np.concatenate(cols)).to(device),
+                 width=max((len(samples[i].completion) for i in row), default=0))
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -99,19 +128,25 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> to
     return out
 
 
+def token_logprobs(logits: torch.Tensor, micro: Micro, temperature: float = 1.0, with_entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [N] of the micro-batch's completion tokens (all samples', in `pred` order), fp32 and
+    temperature-scaled as the sampler was, and optionally the entropy at each of those positions.
+    `logits`: [1, L, V] over the whole row, or [1, N, V] already taken at `micro.pred`."""
+    assert micro.pred is not None and micro.targets is not None
+    pred = logits[0] if logits.shape[1] == len(micro.pred) else logits[0, micro.pred]
+    pred = pred.float()
+    if temperature != 1.0:
+        pred = pred / temperature
+    logp = torch.log_softmax(pred, dim=-1)
+    lp = logp.gather(1, micro.targets[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return lp, ent
+
+
 def completion_logprobs(logits: torch.Tensor, micro: Micro, temperature: float = 1.0,
                         with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Per-sample logprobs [T_i] of the completion tokens from packed `logits` [1, L, V] (fp32,
-    temperature-scaled as the sampler was), and optionally the entropy at each of those positions."""
-    ids = micro.input_ids[0]
-    lps, ents = [], ([] if with_entropy else None)
-    for start, p, t in micro.spans:
-        # the logit at position j predicts token j + 1
-        pred = logits[0, start + p - 1 : start + p - 1 + t].float()
-        if temperature != 1.0:
-            pred = pred / temperature
-        logp = torch.log_softmax(pred, dim=-1)
-        lps.append(logp.gather(1, ids[start + p : start + p + t, None].long())[:, 0])
-        if ents is not None:
-            ents.append(-(logp.exp() * logp).sum(-1))
-    return lps, ents
+    """`token_logprobs` split per sample: logprobs [T_i] of each sample's completion tokens."""
+    lp, ent = token_logprobs(logits, micro, temperature, with_entropy)
+    sizes = [t for _, _, t in micro.spans]
+    return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None)

@@ -99,7 +99,11 @@ class Learner:
         if needs_reference(cfg.train):
             from transformers import AutoModelForCausalLM
 
-            reference = AutoModelForCausalLM.from_pretrained(cfg.reference_model or cfg.model).to(cfg.device)
+            from tidal.integration.learner.backends import pick_attention
+
+            reference = AutoModelForCausalLM.from_pretrained(
+                cfg.reference_model or cfg.model,
+                attn_implementation=pick_attention(options.attn, torch.device(cfg.device))).to(cfg.device)
             reference.requires_grad_(False)
         self.trainer = Trainer(self.backend, cfg.train, reference)
         self.step = 0

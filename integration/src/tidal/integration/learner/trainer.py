@@ -19,12 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.plugins import registry
-from tidal.integration.learner.data import Sample, completion_logprobs, pad_rows
+from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
 
 
 class TrainConfig(ConfigStruct):
@@ -52,6 +53,11 @@ class Trainer:
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
         self.reference = reference.eval() if reference is not None else None
+        attn = getattr(getattr(backend, "model", None), "config", None)
+        attn = getattr(attn, "_attn_implementation", None)
+        if self.reference is not None and attn and self.reference.config._attn_implementation != attn:
+            # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
+            self.reference.set_attn_implementation(attn)
         self.critic = cfg.advantage.name == "gae"
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError("advantage 'gae' (PPO) needs a critic: set backend_options.value_head = true")
@@ -95,7 +101,7 @@ class Trainer:
         with torch.no_grad():
             for k in range(n_micro):
                 micro = micros[k] if k < len(micros) else self._dummy(samples)
-                _, values = self.backend.forward_with_values(micro.input_ids, micro.position_ids)
+                _, values = self.backend.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
                 if k < len(micros):
                     for i, v in zip(micro.index, self._values(micro, values), strict=True):
                         out[i] = v.detach().float()
@@ -139,26 +145,30 @@ class Trainer:
                 continue
             micro = micros[k]
             if self.critic:
-                logits, values = be.forward_with_values(micro.input_ids, micro.position_ids)
-            else:
-                logits, values = be.forward(micro.input_ids, micro.position_ids), None
-            lps, ents = completion_logprobs(logits, micro, self.cfg.temperature, with_entropy=True)
+                logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
+            else:  # logits only where they predict a completion token (the lm_head skips the prompts)
+                logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
+            lp, ent = token_logprobs(logits, micro, self.cfg.temperature, with_entropy=True)
             ss = [samples[i] for i in micro.index]
-            width = max(len(s.completion) for s in ss)
             dev = logits.device
+
+            def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
+                return torch.from_numpy(np.concatenate(arrays)).to(dev)
+
             inputs = dict(
-                logprobs=pad_rows(lps, width),
-                behaviour_logprobs=pad_rows([torch.from_numpy(s.logprobs).to(dev) for s in ss], width),
-                advantages=pad_rows([adv[i].to(dev) for i in micro.index], width),
-                mask=pad_rows([torch.from_numpy(s.loss_mask).to(dev) for s in ss], width, False).bool(),
-                entropy=pad_rows([e.detach() for e in ents], width) if ents else None,
+                logprobs=micro.padded(lp),
+                behaviour_logprobs=micro.padded(flat([s.logprobs for s in ss])),
+                advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
+                mask=micro.padded(flat([s.loss_mask for s in ss]), False).bool(),
+                entropy=micro.padded(ent.detach()) if ent is not None else None,
             )
             if self.reference is not None:
                 with torch.no_grad():
                     ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
-                                                use_cache=False).logits
-                    ref_lps, _ = completion_logprobs(ref_logits, micro, self.cfg.temperature)
-                inputs["ref_logprobs"] = pad_rows(ref_lps, width)
+                                                use_cache=False, logits_to_keep=micro.pred,
+                                                **be._layout_kw(micro.layout, self.reference)).logits
+                    ref_lp, _ = token_logprobs(ref_logits, micro, self.cfg.temperature)
+                inputs["ref_logprobs"] = micro.padded(ref_lp)
             if self.correction is not None:
                 from tidal.staleness.correction import CorrectionInputs
 
@@ -182,9 +192,9 @@ class Trainer:
                 vin = LossInputs(
                     logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
                     advantages=inputs["advantages"], mask=inputs["mask"],
-                    values=pad_rows(self._values(micro, values), width),
-                    old_values=pad_rows([old_values[i].to(dev) for i in micro.index], width),
-                    returns=pad_rows([returns[i].to(dev) for i in micro.index], width))
+                    values=micro.padded(values[0, micro.pred]),
+                    old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
+                    returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
                 vout = self._value_loss(vin)
                 loss = loss + self.cfg.value_coef * vout.loss
                 out.metrics["loss/value"] = vout.loss.detach()

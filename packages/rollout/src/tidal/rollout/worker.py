@@ -8,6 +8,8 @@ Talks to three peers, all through tidal.core channels:
   `WorkRequest(want=n)` (credit-based: it never holds more groups than `max_groups`), receives
   `Assignment`s, reports each group with `Ack(kind="assignment")` once the buffer has acknowledged every
   sample (``ok=False`` with the reason when a group was dropped), and sends `Heartbeat` and `Metrics`.
+  A `Heartbeat` also goes out the moment new weights are applied: the controller's depth gate opens on
+  it, so the version report never waits for the heartbeat period (that is for liveness only).
   `Control(command="stop")` ends it after in-flight trajectories are delivered. A `WeightsAvailable`
   may arrive here too.
 - the **buffer** (PUSH to its ingest, SUB to its ack topic): each sample travels as a `Trajectory`
@@ -140,6 +142,8 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._latest_ann: WeightsAvailable | None = None
         self._ann_cond = threading.Condition()
+        self._applied = threading.Event()  # set by the weights thread: report the new version at once
+        self._applied_at = 0.0  # wall clock of the last apply (the controller measures apply -> grant)
         self._weights_thread = threading.Thread(target=self._weights_loop, name="tidal-weights", daemon=True)
         self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum",
                                        "updates", "update_failures"), 0.0)
@@ -211,7 +215,8 @@ class RolloutWorker:
                 self.pusher.poll(timeout=0)
                 self._settle_rejections()
                 now = time.monotonic()
-                if now >= next_hb:
+                if self._applied.is_set() or now >= next_hb:
+                    self._applied.clear()
                     self._heartbeat()
                     next_hb = now + self.cfg.heartbeat_interval_s
                 if now >= next_metrics:
@@ -362,6 +367,8 @@ class RolloutWorker:
             t0 = time.perf_counter()
             try:
                 held = self.engine.receive_weights(ann)
+                self._applied_at = time.time()
+                self._applied.set()
                 self.counters["updates"] += 1
                 log.info("%s: weights version %d applied in %.1f ms", self.cfg.name, held,
                          (time.perf_counter() - t0) * 1e3)
@@ -374,7 +381,8 @@ class RolloutWorker:
 
     def _heartbeat(self) -> None:
         self._hb_seq += 1
-        status = {"groups": float(len(self.groups)), "unacked": float(len(self.pusher.pending))}
+        status = {"groups": float(len(self.groups)), "unacked": float(len(self.pusher.pending)),
+                  "weights_applied_at": self._applied_at}
         status.update({k: float(v) for k, v in self.engine.load_state().items() if k in ("running", "waiting")})
         self._send_ctl(Heartbeat(role="rollout", name=self.cfg.name, seq=self._hb_seq, time=time.time(),
                                  version=self.engine.version, status=status))

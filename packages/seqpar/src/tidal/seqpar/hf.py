@@ -1,12 +1,16 @@
 """Hugging Face transformers integration: switch a causal LM's attention to Tidal's sequence-parallel
-attention (through transformers' `AttentionInterface`), and shard a batch for it.
+attention (through transformers' `AttentionInterface`), and shard a batch for it; or, on one rank, to
+variable-length attention over packed rows (`tidal_varlen`, see `tidal.seqpar.varlen`).
 
     enable_sequence_parallel(model, mesh)
     batch = shard_batch(input_ids, mesh, position_ids=pos)     # this rank's tokens, targets and layout
     logits = model(**batch.model_inputs()).logits
     loss = sp_cross_entropy(logits, batch.targets, mesh); loss.local.backward(); sum_grads(model.parameters(), mesh)
 
-transformers is imported only inside `enable_sequence_parallel` (extra `tidal-seqpar[hf]`).
+    register_varlen_attention()                 # then from_pretrained(..., attn_implementation="tidal_varlen")
+    logits = model(input_ids=row, position_ids=pos, varlen_layout=VarlenLayout.from_position_ids(pos)).logits
+
+transformers is imported only inside the functions that register (extra `tidal-seqpar[hf]`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from tidal.seqpar.attention import Backend, sp_attention
 from tidal.seqpar.layout import ShardLayout, plan_layout, shard
 from tidal.seqpar.loss import IGNORE, shift_labels
 from tidal.seqpar.mesh import SPMesh
+from tidal.seqpar.varlen import VarlenLayout, varlen_attention
 
 ATTENTION_NAME = "tidal_sp"
+VARLEN_ATTENTION = "tidal_varlen"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +104,47 @@ def enable_sequence_parallel(model: torch.nn.Module, mesh: SPMesh, *, backend: B
     else:
         model.config._attn_implementation = ATTENTION_NAME
     return model
+
+
+def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+                      varlen_layout: VarlenLayout | None = None, position_ids: torch.Tensor | None = None,
+                      **kwargs: Any):
+    """`tidal_varlen`: packed rows (one row, no padding mask, no cache) go through `varlen_attention`;
+    anything else (a padded batch, generation with a cache) through transformers' own SDPA."""
+    packed = (query.shape[0] == 1 and attention_mask is None and query.shape[2] == key.shape[2]
+              and (varlen_layout is not None or position_ids is not None))
+    if not packed or sliding_window is not None or dropout:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if sliding_window is not None and packed:
+            raise ValueError(f"tidal_varlen does not implement sliding-window attention (window "
+                             f"{sliding_window}); use attn='sdpa' or 'flash_attention_2' for this model")
+        if s_aux is not None:
+            raise ValueError("attention sinks (s_aux) under tidal_varlen need a packed row: call the model with "
+                             "position_ids (or varlen_layout) and no attention_mask")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    layout = varlen_layout if varlen_layout is not None else VarlenLayout.from_position_ids(position_ids)
+    out = varlen_attention(query, key, value, layout, scale=scaling, sinks=s_aux)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No [L, L] mask for a packed row (the layout is the mask); a padding mask still gets SDPA's."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_varlen_attention() -> str:
+    """Register `tidal_varlen` with transformers (idempotent); returns its name, for `attn_implementation`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
+    return VARLEN_ATTENTION
