@@ -37,6 +37,7 @@ DEMO: dict = {
     "sampling": {"temperature": 1.0, "max_tokens": 6, "stop": ["\n"]},
     "eval": {"every": 10, "size": 200, "temperature": 0.0},  # level 5 holds out ~180 problems: all of them
     "budget": {"versions": 120, "minutes": 8.0},
+    "monitor": {"log_every_s": 2.0},  # progress lines when the output is not a terminal
     "rollout": {"max_groups": 8, "heartbeat_interval_s": 1.0, "metrics_interval_s": 2.0,
                 "engine": {"name": "embedded", "options": {"max_num_seqs": 128}}},
     "buffer": {"fsync": "never"},
@@ -98,7 +99,7 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
     check(cfg)
     run_dir = Path(cfg.run_dir)
     if run_dir == out / "run" and run_dir.exists():  # the demo's own folder: a rerun starts over, it does
-        import shutil                                  # not resume the last run's final checkpoint
+        import shutil  # not resume the last run's final checkpoint
 
         shutil.rmtree(run_dir)
     (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
@@ -114,6 +115,8 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
         print(f"      held-out accuracy {100 * first[1]:.1f}% at version {first[0]} -> {100 * last[1]:.1f}% at "
               f"version {last[0]} (best {100 * best[1]:.1f}%); run {result.wall_s / 60:.1f} min, "
               f"total {(time.monotonic() - t0) / 60:.1f} min; status {result.status}", flush=True)
+    print(f"      RL phase: {result.samples} samples trained in {result.rl_s:.1f} s = {result.samples_per_s:.0f} "
+          f"samples/s", flush=True)
     return 0 if result.status == "completed" else 1
 
 

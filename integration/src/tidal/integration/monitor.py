@@ -113,7 +113,10 @@ class Display:
             self._live.update(self._render(summary))
         elif self.mode == "log" and time.monotonic() >= self._next_log:
             self._next_log = time.monotonic() + self.log_every_s
-            log.info("version %d/%d  %s", version, self.target, "  ".join(f"{k} {v}" for k, v in summary.items()))
+            # printed, not logged: a driver's output that is not a terminal (CI, `| tee`, nohup) still
+            # shows progress, whether or not the caller configured logging
+            print(f"      version {version}/{self.target}  " + "  ".join(f"{k} {v}" for k, v in summary.items()),
+                  flush=True)
 
     def close(self) -> None:
         if self._live is not None:

@@ -43,6 +43,12 @@ class RunResult:
     eval: list[tuple[int, float, dict[str, float]]]
     restarts: dict[str, int]
     wall_s: float
+    samples: int = 0  # trajectories the learner trained on
+    rl_s: float = 0.0  # the RL phase: first worker connected -> learner's last version
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.rl_s if self.rl_s > 0 else 0.0
 
 
 def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
@@ -119,6 +125,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     learner_done = False
     done_at: float | None = None
     eval0 = False
+    rl_start: float | None = None
     next_status = 0.0
     try:
         while True:
@@ -130,7 +137,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
             now = time.monotonic()
             if not eval0 and controller.workers:  # the starting point, on the first worker to connect
                 controller.start_eval(0)
-                eval0 = True
+                eval0, rl_start = True, now
             elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
                 raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
                             f"(see {run_dir / 'logs'})")
@@ -192,9 +199,11 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         sink.close()
         for s, h in old.items():
             signal.signal(s, h)
+    samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
+    rl_s = (done_at if done_at is not None else time.monotonic()) - rl_start if rl_start is not None else 0.0
     return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
-                     wall_s=time.monotonic() - t0)
+                     wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s)
 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:
@@ -220,6 +229,7 @@ def _summary(c: Controller, elapsed: float) -> dict[str, str]:
     return {
         "elapsed": f"{elapsed / 60:.1f} min",
         "samples/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
+        "trained": f"{learner.get('train/samples_total', 0.0):.0f}",
         "tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
         "reward": f"{learner.get('reward/mean', float('nan')):.3f}",
         "eval acc": acc,

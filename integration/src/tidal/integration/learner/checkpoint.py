@@ -23,8 +23,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any]) -> Path:
-    """Write a checkpoint to `path` (a folder; written to `path.tmp` and renamed when complete)."""
+def snapshot(backend: Any) -> dict[str, Any]:
+    """A copy of the backend's checkpoint state, for `save_checkpoint(..., state=...)` on another thread
+    while training goes on (one process, not sharded: the copy is a memcpy of model + optimizer)."""
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    return {"state": copy(backend.state_dict()), "rng": torch.get_rng_state()}
+
+
+def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any],
+                    state: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint to `path` (a folder; written to `path.tmp` and renamed when complete).
+    `state`: a `snapshot(backend)` taken earlier (written instead of the backend's live state)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0:
@@ -34,8 +51,8 @@ def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any]) ->
     if hasattr(backend, "save_native"):  # deepspeed: its own sharded format
         backend.save_native(str(tmp / "native"))
     else:
-        dcp.save(backend.state_dict(), checkpoint_id=str(tmp))
-    rng = {"cpu": torch.get_rng_state()}
+        dcp.save(backend.state_dict() if state is None else state["state"], checkpoint_id=str(tmp))
+    rng = {"cpu": torch.get_rng_state() if state is None else state["rng"]}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / f"rng-{_rank()}.pt")

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,18 @@ class Learner:
             if cfg.weights.reannounce_s > 0:
                 self._announcer = threading.Thread(target=self._reannounce_loop, name="tidal-reannounce", daemon=True)
                 self._announcer.start()
+        # Off the step's critical path (one process; with several ranks the gathers and the checkpoint
+        # are collective and stay on the step): weights are packed and staged while the next step's
+        # forward and backward run (the optimizer waits for it, see Trainer.before_update), and a
+        # checkpoint is written from a snapshot while training goes on; the batches it records are
+        # acknowledged with the next batch request once it is on disk.
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-bg") \
+            if self.world == 1 else None
+        self._publishing: Future | None = None
+        self._checkpointing: Future | None = None
+        self._ack_next: list[str] = []  # checkpointed batches, acknowledged with the next request
+        self._checkpoint_covers: list[str] = []  # the batches the background checkpoint records
+        self.trainer.before_update = self.wait_published
         self._stop = False
         if self.rank == 0:
             log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
@@ -158,6 +171,7 @@ class Learner:
                 break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
             if self.train_one() is None:
                 break  # stopped while waiting for a batch
+        self.wait_published()
         if self.latest is not None:
             self.checkpoint()
         self.acknowledge()
@@ -185,7 +199,9 @@ class Learner:
         from tidal.integration.learner.data import Sample
 
         t0 = time.perf_counter()
-        got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t),
+        self._collect_checkpoint(wait=False)
+        ack, self._ack_next = self._ack_next, []
+        got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t, ack=ack),
                                          self.cfg.batch_timeout_s, "no batch from the buffer")
         if not self._everyone(got):
             return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
@@ -205,11 +221,18 @@ class Learner:
         if self.latest is None or not self.cfg.checkpoint_every:
             self.acknowledge()  # no checkpoint to wait for: the step itself is the record
         elif self.step % self.cfg.checkpoint_every == 0:
-            self.checkpoint()
-            self.acknowledge()
+            if self._background is not None:
+                self.checkpoint(background=True)  # acknowledged with a later request, once written
+            else:
+                self.checkpoint()
+                self.acknowledge()
+        t_ckpt = time.perf_counter()
         if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
             self.publish_weights()
         t_end = time.perf_counter()
+        metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
+        if self.sender is not None:
+            metrics.update(self.sender.last_stats)  # of the latest completed send
         lags = np.concatenate([self.version - 1 - s.versions for s in samples]) if samples else np.zeros(0)
         metrics.update({
             "train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
@@ -236,7 +259,8 @@ class Learner:
         """Tell the buffer it may forget the batches trained since the last acknowledgement. Stopped with
         the ack unconfirmed (the buffer may be stopping too): the checkpoint records them as trained, and
         a batch the buffer serves again is acknowledged without training."""
-        ids, self.unacked = self.unacked, []
+        self._collect_checkpoint(wait=True)
+        ids, self.unacked, self._ack_next = self._ack_next + self.unacked, [], []
         if not ids:
             return
         acked, _ = self._until_stopped(lambda t: self.client.ack(ids, timeout=t), 60.0,
@@ -250,9 +274,24 @@ class Learner:
             for _ in weights:
                 pass
             return
-        ann = self.sender.send(weights, self.version)
+        if self._background is None:
+            self._send_weights(weights, self.version)
+            return
+        self.wait_published()
+        self._publishing = self._background.submit(self._send_weights, weights, self.version)
+
+    def _send_weights(self, weights: Any, version: int) -> None:
+        assert self.sender is not None
+        ann = self.sender.send(weights, version)
         self._announced = ann
         self._publish("weights", ann)
+
+    def wait_published(self) -> None:
+        """Block until the weights being sent in the background are packed and announced (before the
+        optimizer changes them); raises what the send raised."""
+        fut, self._publishing = self._publishing, None
+        if fut is not None:
+            fut.result()
 
     def _publish(self, topic: str, msg: object) -> None:
         with self._pub_lock:
@@ -282,16 +321,36 @@ class Learner:
             log.warning("no generator reported version %d within %.0f s of the end", sender.version,
                         self.cfg.weights.final_wait_s)
 
-    def checkpoint(self) -> None:
-        from tidal.integration.learner.checkpoint import save_checkpoint
+    def checkpoint(self, background: bool = False) -> None:
+        """Write the checkpoint (collective). `background`: from a snapshot, on the background thread;
+        the batches it records move from `unacked` to the next request's acknowledgements once it is
+        on disk (see `_collect_checkpoint`)."""
+        from tidal.integration.learner.checkpoint import save_checkpoint, snapshot
 
         assert self.latest is not None
+        self._collect_checkpoint(wait=True)  # one writer of <dir>/latest at a time
         # every rank's (any rank may be served one again), once each (after a resume every rank holds all)
         trained = list(dict.fromkeys(self._gather_ids(list(self.trained))))
-        save_checkpoint(self.latest, self.backend,
-                        {"step": self.step, "version": self.version, "trained": trained,
-                         "samples_trained": self.samples_trained,
-                         **({"trained_ids": self.trained_ids} if self.cfg.record_trained_ids else {})})
+        progress = {"step": self.step, "version": self.version, "trained": trained,
+                    "samples_trained": self.samples_trained,
+                    **({"trained_ids": list(self.trained_ids)} if self.cfg.record_trained_ids else {})}
+        if not background or self._background is None:
+            save_checkpoint(self.latest, self.backend, progress)
+            return
+        state, covered, self.unacked = snapshot(self.backend), self.unacked, []
+        fut = self._background.submit(save_checkpoint, self.latest, self.backend, progress, state)
+        self._checkpointing, self._checkpoint_covers = fut, covered
+
+    def _collect_checkpoint(self, wait: bool) -> None:
+        """A background checkpoint that finished: its batches are acknowledged with the next request
+        (raises what the write raised)."""
+        fut = self._checkpointing
+        if fut is None or not (wait or fut.done()):
+            return
+        self._checkpointing = None
+        fut.result()
+        self._ack_next.extend(self._checkpoint_covers)
+        self._checkpoint_covers = []
 
     def _everyone(self, flag: bool) -> bool:
         """True when `flag` holds on every rank (a collective: every rank calls it at the same point)."""
@@ -314,6 +373,9 @@ class Learner:
         return [i for part in every for i in (part or [])]
 
     def close(self) -> None:
+        self.wait_published()
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         self.client.close()
         if self.sender is not None:
             if not self._stop:  # finished its steps: the generators should get the last version

@@ -15,7 +15,7 @@ loss aggregates). Then clipping, the optimizer and the LR schedule step once.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -61,6 +61,9 @@ class Trainer:
         self.critic = cfg.advantage.name == "gae"
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError("advantage 'gae' (PPO) needs a critic: set backend_options.value_head = true")
+        # called just before the optimizer changes the parameters (the learner waits there for a
+        # background weight send that still reads them)
+        self.before_update: Callable[[], None] | None = None
         self.loss_fn = registry.create("policy_loss", cfg.loss.name, **cfg.loss.options)
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self.estimator = registry.create("advantage_estimator", cfg.advantage.name, **cfg.advantage.options)
@@ -215,6 +218,8 @@ class Trainer:
                 sums[name] += float(v) * share * world
             sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
         metrics = {k: v / world for k, v in self._global_dict(sums).items()}
+        if self.before_update is not None:
+            self.before_update()
         metrics.update(be.clip_and_step())
         metrics["train/tokens"] = g_tokens
         metrics["train/sequences"] = g_seqs

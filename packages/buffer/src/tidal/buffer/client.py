@@ -42,15 +42,17 @@ class BatchClient:
     def handshake(self, timeout: float = 10.0) -> None:
         self._ch.handshake(make_hello("learner", self.name), timeout)
 
-    def next_batch(self, version: int, timeout: float = 60.0, ack: str | None = None) -> Batch:
-        """The next share for this rank (waits while the buffer has too little data). `ack` names the
-        batch just trained, acknowledged in the same message (one round trip per step instead of two);
+    def next_batch(self, version: int, timeout: float = 60.0, ack: str | list[str] | None = None) -> Batch:
+        """The next share for this rank (waits while the buffer has too little data). `ack` names
+        batches trained (and checkpointed), acknowledged in the same message (one round trip per step
+        instead of two; unconfirmed: one the buffer serves again is acknowledged again and skipped);
         batches returned and not acknowledged stay held (see `ack`)."""
         deadline = time.monotonic() + timeout
-        if ack is not None:
-            self._settle([ack])
+        acked = [ack] if isinstance(ack, str) else list(ack or [])
+        if acked:
+            self._settle(acked)
         req = BatchRequest(rank=self.rank, world_size=self.world_size, version=version,
-                           acked=[ack] if ack is not None else [], after=self.held[-1] if self.held else "")
+                           acked=acked, after=self.held[-1] if self.held else "")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
