@@ -64,6 +64,59 @@ def test_packed_logprobs_equal_one_forward_per_sequence(model):
                 assert (lp - want).abs().max() < 1e-5
 
 
+
+def test_shared_prompt_rows_give_each_sequence_alone_logprobs_and_the_same_step(model):
+    """A group's prompt once per row, then its completions (tidal_varlen): every completion's logprobs
+    equal its prompt + completion run alone; a group too big for a row is split, repeating the prompt;
+    a PPO step trains the same loss and gradients as plain packing, from fewer tokens."""
+    from tidal.seqpar.hf import register_varlen_attention
+    from tidal.seqpar.varlen import VarlenLayout
+
+    m = AutoModelForCausalLM.from_pretrained(model, attn_implementation=register_varlen_attention()).eval()
+    rng = np.random.default_rng(1)
+    samples = []
+    for g in range(3):
+        prompt = rng.integers(3, 70, rng.integers(2, 9)).astype(np.int32)
+        for k in range(5):
+            t = int(rng.integers(1, 12))
+            samples.append(Sample(id=f"{g}:{k}", group_id=str(g), prompt=prompt,
+                                  completion=rng.integers(3, 70, t).astype(np.int32),
+                                  logprobs=np.full(t, -3.0, np.float32), versions=np.zeros(t, np.int32),
+                                  reward=float(k % 2), loss_mask=np.ones(t, bool)))
+    micros = pack(samples, max_tokens=32, share_prefix=True)
+    assert sorted(i for mi in micros for i in mi.index) == list(range(15))
+    assert all(mi.tokens <= 32 for mi in micros)
+    plain_tokens = sum(s.length for s in samples)
+    assert sum(mi.tokens for mi in micros) < plain_tokens  # prompts are not repeated per sample
+    with torch.no_grad():
+        for mi in micros:
+            lps, _ = completion_logprobs(m(input_ids=mi.input_ids, position_ids=mi.position_ids, use_cache=False,
+                                           varlen_layout=mi.layout).logits, mi)
+            for i, lp in zip(mi.index, lps, strict=True):
+                s = samples[i]
+                row = torch.from_numpy(np.concatenate([s.prompt, s.completion])[None]).long()
+                alone = torch.log_softmax(m(row, varlen_layout=VarlenLayout.from_lengths([row.shape[1]])).logits[0], -1)
+                want = alone[len(s.prompt) - 1 : -1].gather(1, torch.from_numpy(s.completion)[:, None].long())[:, 0]
+                assert (lp - want).abs().max() < 1e-5
+
+    def one_step(share: bool):
+        torch.manual_seed(0)
+        be = SingleBackend(str(model), BackendConfig(optim=OptimConfig(lr=1e-3)))
+        trainer = Trainer(be, TrainConfig(micro_batch_tokens=32, share_prompts=share))
+        assert trainer.share_prefix is share
+        grads = {}
+        trainer.before_update = lambda: grads.update({n: p.grad.clone() for n, p in be.model.named_parameters()
+                                                      if p.grad is not None})
+        return trainer.step(samples), grads
+
+    shared, g_shared = one_step(True)
+    plain, g_plain = one_step(False)
+    assert shared["loss/total"] == pytest.approx(plain["loss/total"], abs=1e-6)
+    assert g_shared.keys() == g_plain.keys()
+    for name, g in g_shared.items():
+        torch.testing.assert_close(g, g_plain[name], rtol=1e-4, atol=1e-6)
+
+
 def test_ppo_with_a_critic_learns_the_toy_objective(model):
     cfg = BackendConfig(value_head=True, optim=OptimConfig(lr=3e-3))
     be = SingleBackend(str(model), cfg)

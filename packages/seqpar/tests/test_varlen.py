@@ -77,3 +77,32 @@ def test_hf_model_on_tidal_varlen_matches_sdpa_on_each_sequence_alone():
     # a padded batch (attention mask) still works: it goes through SDPA
     batch = model(input_ids=ids[:, :10].repeat(2, 1), attention_mask=torch.ones(2, 10, dtype=torch.long)).logits
     torch.testing.assert_close(batch[0], alone[0, :10], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_shared_prefix_attends_like_prefix_plus_completion_packed_alone(sinks):
+    """Row = [prompt A (5), a1 (3), a2 (1), a3 (6), prompt B (2), b1 (4), plain sequence (7)]: each
+    completion's outputs (and gradients) equal those of its prompt + itself attended alone."""
+    from tidal.seqpar.varlen import Item
+
+    q, k, v = _qkv([5, 3, 1, 6, 2, 4, 7], seed=1)
+    s = torch.randn(4, dtype=torch.float64, requires_grad=True) if sinks else None
+    items = [Item(0, 5), Item(5, 3, 0, 5), Item(8, 1, 0, 5), Item(9, 6, 0, 5), Item(15, 2), Item(17, 4, 15, 2),
+             Item(21, 7)]
+    out = varlen_attention(q, k, v, VarlenLayout.from_items(items, fill=0.5), scale=0.3, sinks=s)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad((out * dout).sum(), [q, k, v])
+    # reference: every (prefix + own) sequence attended alone, scattered back; the prefix tokens once
+    ref = torch.zeros_like(out)
+    for it in items:
+        idx = torch.cat([torch.arange(it.prefix_start, it.prefix_start + it.prefix),
+                         torch.arange(it.start, it.start + it.length)])
+        pos = torch.arange(len(idx))[None]
+        o = ref_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos, causal=True, sinks=s, scale=0.3)
+        ref[:, :, it.start : it.start + it.length] = o[:, :, it.prefix :]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    want = torch.autograd.grad((ref * dout).sum(), [q, k, v])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="exactly once"):
+        VarlenLayout.from_items([Item(0, 5), Item(3, 4)])

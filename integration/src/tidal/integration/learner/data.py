@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tidal.core.protocol import Trajectory
-from tidal.seqpar.varlen import VarlenLayout
+from tidal.seqpar.varlen import Item, VarlenLayout
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Sample:
 @dataclass
 class Micro:
     """One packed forward: `input_ids`/`position_ids` [1, L]; `index` the samples it holds, in order;
-    `spans` (start, prompt_len, completion_len) of each inside the row; `layout` the row's sequences for
+    `spans` (start, prompt_len, completion_len) of each (start −1 for a completion after a shared
+    prompt: read positions through `pred`); `layout` the row's segments for
     variable-length attention; `pred` [N] the row positions whose logits predict the N completion
     tokens (all samples', in order), `targets` [N] those tokens; `rows`/`cols` [N] where each lands in the
     per-sequence [len(index), width] loss tensors."""
@@ -78,46 +79,98 @@ class Micro:
         return out.index_put((self.rows, self.cols), flat)  # type: ignore[arg-type]
 
 
-def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str = "cpu") -> list[Micro]:
-    """First-fit-decreasing packing of whole sequences into rows of at most `max_tokens` (a longer
-    sequence gets a row of its own). Order inside a row follows the input order, so results are
-    deterministic for a given batch."""
-    order = sorted(range(len(samples)), key=lambda i: (-samples[i].length, i))
+def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str = "cpu",
+         share_prefix: bool = False) -> list[Micro]:
+    """First-fit-decreasing packing into rows of at most `max_tokens` (a longer unit gets a row of its
+    own). A unit is one sequence, or with `share_prefix` the samples of a group that share their prompt:
+    the prompt once, then each completion (needs `tidal_varlen` attention and the micro-batch's layout;
+    a group larger than `max_tokens` is split, each part repeating the prompt). Order inside a row
+    follows the input order, so results are deterministic for a given batch."""
+    units = _units(samples, max_tokens) if share_prefix else [[i] for i in range(len(samples))]
+    size = [_unit_tokens(samples, u) for u in units]
+    order = sorted(range(len(units)), key=lambda u: (-size[u], units[u][0]))
     rows: list[list[int]] = []
     room: list[int] = []
-    for i in order:
-        n = samples[i].length
+    for u in order:
         for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
+            if size[u] <= free:
+                rows[r].append(u)
+                room[r] -= size[u]
                 break
         else:
-            rows.append([i])
-            room.append(max_tokens - n)
-    return [_micro(samples, sorted(row), device) for row in rows]
+            rows.append([u])
+            room.append(max_tokens - size[u])
+    return [_micro(samples, [units[u] for u in sorted(row, key=lambda u: units[u][0])], device) for row in rows]
 
 
-def _micro(samples: Sequence[Sample], row: list[int], device: torch.device | str) -> Micro:
-    ids = np.concatenate([np.concatenate([samples[i].prompt, samples[i].completion]) for i in row])
-    pos = np.concatenate([np.arange(samples[i].length) for i in row])
-    spans, pred, rows, cols = [], [], [], []
+def _units(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
+    """Samples of one group with the same prompt, in chunks that fit `max_tokens` with their prompt."""
+    groups: dict[tuple[str, bytes], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.group_id, s.prompt.tobytes()), []).append(i)
+    units = []
+    for members in groups.values():
+        if len(samples[members[0]].prompt) == 0:
+            units.extend([i] for i in members)  # nothing to share (and no token to predict the first from)
+            continue
+        chunk: list[int] = []
+        for i in members:
+            if chunk and _unit_tokens(samples, [*chunk, i]) > max_tokens:
+                units.append(chunk)
+                chunk = []
+            chunk.append(i)
+        units.append(chunk)
+    return units
+
+
+def _unit_tokens(samples: Sequence[Sample], unit: list[int]) -> int:
+    return len(samples[unit[0]].prompt) + sum(len(samples[i].completion) for i in unit)
+
+
+def _micro(samples: Sequence[Sample], units: list[list[int]], device: torch.device | str) -> Micro:
+    ids, pos, items, pred, index, sizes, spans = [], [], [], [], [], [], []
     start = 0
-    for r, i in enumerate(row):
-        p, t = len(samples[i].prompt), len(samples[i].completion)
-        spans.append((start, p, t))
-        pred.append(np.arange(start + p - 1, start + p - 1 + t))  # the logit at j predicts token j + 1
-        rows.append(np.full(t, r))
-        cols.append(np.arange(t))
-        start += p + t
-    pred_t = torch.from_numpy(np.concatenate(pred)).to(device)
-    ids_t = torch.from_numpy(ids.astype(np.int64))[None].to(device)
-    return Micro(ids_t, torch.from_numpy(pos)[None].to(device), row, spans,
-                 layout=VarlenLayout.from_lengths([samples[i].length for i in row], device=device),
-                 pred=pred_t, targets=ids_t[0, pred_t + 1],
-                 rows=torch.from_numpy(np.concatenate(rows)).to(device),
-                 cols=torch.from_numpy(np.concatenate(cols)).to(device),
-                 width=max((len(samples[i].completion) for i in row), default=0))
+    for unit in units:
+        prompt = samples[unit[0]].prompt
+        p = len(prompt)
+        ids.append(prompt)
+        pos.append(np.arange(p))
+        if len(unit) == 1:  # a plain sequence: prompt and completion as one segment
+            t = len(samples[unit[0]].completion)
+            items.append(Item(start, p + t))
+            ids.append(samples[unit[0]].completion)
+            pos.append(np.arange(p, p + t))
+            pred.append(np.arange(start + p - 1, start + p - 1 + t))  # the logit at j predicts token j + 1
+            index.append(unit[0])
+            sizes.append(t)
+            spans.append((start, p, t))
+            start += p + t
+            continue
+        if p:
+            items.append(Item(start, p))
+        prefix, start = start, start + p
+        for i in unit:  # each completion sees the prompt and itself; its first token is predicted by the
+            c = samples[i].completion  # prompt's last position
+            t = len(c)
+            if t:
+                items.append(Item(start, t, prefix, p))
+            ids.append(c)
+            pos.append(np.arange(p, p + t))
+            pred.append(np.concatenate([[prefix + p - 1], np.arange(start, start + t - 1)])[:t])
+            index.append(i)
+            sizes.append(t)
+            spans.append((-1, p, t))  # no contiguous prompt + completion of its own in this row
+            start += t
+    ids_np = np.concatenate(ids).astype(np.int64)
+    targets = np.concatenate([samples[i].completion for i in index]).astype(np.int64)
+    ids_t = torch.from_numpy(ids_np)[None].to(device)
+    rows = np.repeat(np.arange(len(index)), sizes)
+    cols = np.concatenate([np.arange(t) for t in sizes]) if sizes else np.zeros(0, np.int64)
+    return Micro(ids_t, torch.from_numpy(np.concatenate(pos))[None].to(device), index, spans,
+                 layout=VarlenLayout.from_items(items, device=device),
+                 pred=torch.from_numpy(np.concatenate(pred).astype(np.int64)).to(device),
+                 targets=torch.from_numpy(targets).to(device), rows=torch.from_numpy(rows).to(device),
+                 cols=torch.from_numpy(cols).to(device), width=max(sizes, default=0))
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:

@@ -34,6 +34,9 @@ class TrainConfig(ConfigStruct):
     correction: PluginRef | None = None  # staleness correction, e.g. {name = "tis", options = {cap = 2.0}}
     temperature: float = 1.0  # the sampler's temperature: logprobs are recomputed under it
     micro_batch_tokens: int = 4096  # packed tokens per forward; gradients accumulate over micro-batches
+    # a group's samples share their prompt in the packed row (computed once, not G times); needs the
+    # backend's attention to be tidal_varlen (attn "auto" on CPU), ignored otherwise
+    share_prompts: bool = True
     value_coef: float = 0.5  # PPO mode (advantage "gae"): weight of the critic's value loss
     value_clip: float = 0.2  # PPO value clipping; 0 disables it
 
@@ -64,6 +67,11 @@ class Trainer:
         # called just before the optimizer changes the parameters (the learner waits there for a
         # background weight send that still reads them)
         self.before_update: Callable[[], None] | None = None
+        # a group's prompt once per row, its completions after it: only tidal_varlen reads that layout
+        from tidal.seqpar.hf import VARLEN_ATTENTION
+
+        self.share_prefix = cfg.share_prompts and getattr(
+            getattr(getattr(backend, "model", None), "config", None), "_attn_implementation", None) == VARLEN_ATTENTION
         self.loss_fn = registry.create("policy_loss", cfg.loss.name, **cfg.loss.options)
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self.estimator = registry.create("advantage_estimator", cfg.advantage.name, **cfg.advantage.options)
@@ -96,7 +104,7 @@ class Trainer:
 
     def _values(self, micro: Any, values: torch.Tensor) -> list[torch.Tensor]:
         """Critic value of each completion token: read at the position that predicts it."""
-        return [values[0, start + p - 1 : start + p - 1 + t] for start, p, t in micro.spans]
+        return list(values[0, micro.pred].split([t for _, _, t in micro.spans]))
 
     def _old_values(self, samples: Sequence[Sample], micros: list, n_micro: int) -> list[torch.Tensor]:
         """PPO: the critic's values before this step (no grad), for GAE and value clipping."""
@@ -130,7 +138,7 @@ class Trainer:
         seqs = float(sum(1 for s in samples if s.loss_mask.any()))
         g_tokens, g_seqs = self._global([tokens, seqs])
         world = dist.get_world_size() if dist.is_initialized() else 1
-        micros = pack(samples, self.cfg.micro_batch_tokens, be.device)
+        micros = pack(samples, self.cfg.micro_batch_tokens, be.device, share_prefix=self.share_prefix)
         # every rank must run the same number of forwards under FSDP (collectives in each)
         n_micro = int(max(self._global_max(len(micros)), 1))
         old_values = self._old_values(samples, micros, n_micro) if self.critic else None

@@ -14,6 +14,11 @@ GPUs; this module does it with plain `scaled_dot_product_attention`, on CPU or G
 Attention then costs Σ_buckets b·T² ≤ Σ len² / fill², and a handful of SDPA calls per layer. GPT-OSS-style
 sinks join each bucket's softmax as one extra key (score `sink`, value 0) through an additive mask.
 
+Shared prefixes (`from_items`): the G samples of a GRPO group share their prompt. A row may hold the prompt
+once and then each completion, every completion attending to the prompt's keys and to its own, causally
+(`Item(prefix=..., start=..., length=...)`): the prompt's tokens are computed once instead of G times,
+and each completion's logits equal those of prompt + completion packed alone.
+
     layout = VarlenLayout.from_position_ids(position_ids)      # once per packed row
     out = varlen_attention(q, k, v, layout, scale=d ** -0.5)   # q [1, Hq, L, D], k/v [1, Hkv, L, D]
 """
@@ -27,24 +32,39 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class Item:
+    """One attention segment of a packed row: queries at row positions [start, start + length), keys at
+    [prefix_start, prefix_start + prefix) (a shared prefix, e.g. the group's prompt) then the queries' own
+    positions, causally (own token i sees the whole prefix and own tokens 0..i)."""
+
+    start: int
+    length: int
+    prefix_start: int = 0
+    prefix: int = 0
+
+
+@dataclass(frozen=True)
 class Bucket:
-    gather: torch.Tensor  # [b, T] row positions to read (padding repeats the sequence's last token)
-    valid: torch.Tensor  # [b, T] bool: real tokens (padding is computed and dropped)
-    length: int  # T
+    gather: torch.Tensor  # [b, Tq] row positions of the queries (padding repeats the item's last token)
+    valid: torch.Tensor  # [b, Tq] bool: real queries (padding is computed and dropped)
+    length: int  # Tq
+    keys: torch.Tensor | None = None  # [b, Tk] row positions of the keys, when items have a prefix
+    mask: torch.Tensor | None = None  # [b, 1, Tq, Tk] bool, with `keys`: which keys each query sees
 
 
 @dataclass(frozen=True)
 class VarlenLayout:
-    """Where each packed sequence sits in its row, grouped into length buckets."""
+    """Where each packed segment sits in its row, grouped into length buckets."""
 
     row_len: int
-    lengths: tuple[int, ...]  # of the sequences, in row order
+    items: tuple[Item, ...]  # in row order of their queries
     buckets: tuple[Bucket, ...]
     inverse: torch.Tensor  # [L]: row position -> its index in the buckets' concatenated valid outputs
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, fill: float = 0.75) -> VarlenLayout:
-        """`position_ids` [1, L] (or [L]): a new sequence starts wherever the position is 0."""
+        """`position_ids` [1, L] (or [L]): a new sequence starts wherever the position is 0 (plain packing;
+        shared prefixes cannot be read from position ids: build those with `from_items`)."""
         pos = position_ids.reshape(-1)
         starts = torch.nonzero(pos == 0).flatten().tolist()
         if not starts or starts[0] != 0:
@@ -55,33 +75,55 @@ class VarlenLayout:
     @classmethod
     def from_lengths(cls, lengths: list[int], *, device: torch.device | str = "cpu", fill: float = 0.75
                      ) -> VarlenLayout:
+        """Sequences laid end to end, each attending to itself."""
+        items, start = [], 0
+        for n in lengths:
+            items.append(Item(start, n))
+            start += n
+        return cls.from_items(items, device=device, fill=fill)
+
+    @classmethod
+    def from_items(cls, items: list[Item], *, device: torch.device | str = "cpu", fill: float = 0.75
+                   ) -> VarlenLayout:
+        """Segments whose queries tile the row exactly once (checked)."""
         if not 0 < fill <= 1:
             raise ValueError(f"fill must be in (0, 1], not {fill}")
-        if any(n <= 0 for n in lengths):
-            raise ValueError(f"sequence lengths must be positive: {lengths}")
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        if any(it.length <= 0 or it.prefix < 0 for it in items):
+            raise ValueError(f"segment lengths must be positive: {items}")
+        span = lambda it: it.prefix + it.length  # noqa: E731  (keys seen by its last query)
+        order = sorted(range(len(items)), key=lambda i: (-span(items[i]), items[i].prefix > 0))
         groups: list[list[int]] = []
         for i in order:
-            if groups and lengths[i] >= fill * lengths[groups[-1][0]]:
-                groups[-1].append(i)
+            g = groups[-1] if groups else None
+            if g and span(items[i]) >= fill * span(items[g[0]]) and (items[i].prefix > 0) == (items[g[0]].prefix > 0):
+                g.append(i)
             else:
                 groups.append([i])
         buckets, flat = [], []
         for g in groups:
-            t = lengths[g[0]]
-            steps = torch.arange(t)
-            lens = torch.tensor([lengths[i] for i in g])
-            gather = torch.tensor([offsets[i] for i in g])[:, None] + torch.minimum(steps[None], lens[:, None] - 1)
+            its = [items[i] for i in g]
+            lens = torch.tensor([it.length for it in its])
+            tq = int(lens.max())
+            steps = torch.arange(tq)
+            gather = torch.tensor([it.start for it in its])[:, None] + torch.minimum(steps[None], lens[:, None] - 1)
             valid = steps[None] < lens[:, None]
-            buckets.append(Bucket(gather.to(device), valid.to(device), t))
+            keys = mask = None
+            if any(it.prefix for it in its):
+                keys, mask = _prefix_keys(its, tq)
+                keys, mask = keys.to(device), mask.to(device)
+            buckets.append(Bucket(gather.to(device), valid.to(device), tq, keys, mask))
             flat.append(gather[valid])
-        row_len = offsets[-1]
+        row_len = sum(it.length for it in items)
+        covered = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
+        if len(covered) != row_len or (row_len and not torch.equal(covered.sort().values, torch.arange(row_len))):
+            raise ValueError("the segments' queries must cover every row position exactly once")
         inverse = torch.empty(row_len, dtype=torch.long)
-        inverse[torch.cat(flat)] = torch.arange(row_len)
-        return cls(row_len, tuple(lengths), tuple(buckets), inverse.to(device))
+        inverse[covered] = torch.arange(row_len)
+        return cls(row_len, tuple(items), tuple(buckets), inverse.to(device))
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(it.length for it in self.items)
 
     @property
     def dense_cost(self) -> int:
@@ -91,7 +133,32 @@ class VarlenLayout:
     @property
     def cost(self) -> int:
         """Query-key pairs this layout's buckets compute (causal), padding included."""
-        return sum(int(b.gather.shape[0]) * b.length * (b.length + 1) // 2 for b in self.buckets)
+        out = 0
+        for b in self.buckets:
+            n, t = int(b.gather.shape[0]), b.length
+            out += n * t * int(b.keys.shape[1]) if b.keys is not None else n * t * (t + 1) // 2
+        return out
+
+
+def _prefix_keys(items: list[Item], tq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions [b, Tk] (prefix, then own tokens; padding repeats a real key and is masked) and the
+    mask [b, 1, Tq, Tk]: query i sees every prefix key and its own keys 0..i (a padded query sees what
+    the item's last query sees, so no row is empty)."""
+    pmax = max(it.prefix for it in items)
+    tk = pmax + tq
+    keys = torch.zeros(len(items), tk, dtype=torch.long)
+    mask = torch.zeros(len(items), 1, tq, tk, dtype=torch.bool)
+    for r, it in enumerate(items):
+        pre = torch.arange(it.prefix_start, it.prefix_start + it.prefix)
+        own = torch.arange(it.start, it.start + it.length)
+        keys[r, : it.prefix] = pre
+        keys[r, it.prefix : pmax] = own[0]  # padding
+        keys[r, pmax : pmax + it.length] = own
+        keys[r, pmax + it.length :] = own[-1]  # padding
+        q = torch.minimum(torch.arange(tq), torch.tensor(it.length - 1))
+        mask[r, 0, :, : it.prefix] = True
+        mask[r, 0, :, pmax : pmax + it.length] = torch.arange(it.length)[None] <= q[:, None]
+    return keys, mask
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, *,
@@ -108,25 +175,31 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     outs = []
     for b in layout.buckets:
         # [1, H, L, D] -> [b, H, T, D]
-        qb, kb, vb = (x[0][:, b.gather].transpose(0, 1) for x in (q, k, v))
-        ob = _causal_sdpa(qb, kb, vb, scale, sinks)
+        qb = q[0][:, b.gather].transpose(0, 1)
+        keys = b.gather if b.keys is None else b.keys
+        kb, vb = (x[0][:, keys].transpose(0, 1) for x in (k, v))
+        ob = _causal_sdpa(qb, kb, vb, scale, sinks, b.mask)
         outs.append(ob.transpose(1, 2)[b.valid])  # [n_valid, Hq, D]
     out = torch.cat(outs)[layout.inverse]  # back to row order, [L, Hq, D]
     return out.transpose(0, 1)[None]
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                 sinks: torch.Tensor | None) -> torch.Tensor:
+                 sinks: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, Hq, Tq, D], k/v [b, Hkv, Tk, D]; `mask` [b, 1, Tq, Tk] (True = attend), else plain causal."""
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     b, h, t, d = q.shape
     if gqa:  # the float mask below is per query head: expand the KV heads to match
         rep = h // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    bias = torch.zeros(t, t, dtype=q.dtype, device=q.device).masked_fill(~causal, float("-inf"))
-    bias = torch.cat([bias[None].expand(h, t, t), sinks.to(q.dtype)[:, None, None].expand(h, t, 1)], -1)
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()[None, None].expand(b, 1, t, t)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    bias = torch.cat([bias.expand(b, h, t, -1), sinks.to(q.dtype)[None, :, None, None].expand(b, h, t, 1)], -1)
     zero = q.new_zeros(b, h, 1, d)
     return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2),
-                                          attn_mask=bias[None], scale=scale)
+                                          attn_mask=bias, scale=scale)
