@@ -1,14 +1,18 @@
-"""Learner step throughput with packing against padding, same model, same batch, same run.
+"""Learner step: what a packed row costs, against padding and against a dense mask over the row.
 
     uv run python tools/bench/learner.py [--samples 64] [--max-len 512] [--hidden 256 --layers 4] [--reps 3]
 
-Batch: `--samples` sequences whose lengths follow a long tail (most short, a few at `--max-len`), as RL
-completions do. Both variants run the same Trainer step (PPO loss, GRPO advantages, AdamW):
-  packed   tidal's path: whole sequences packed into rows of `--micro-tokens` with per-sequence
-           position ids (no padding, no cross-sequence attention)
-  padded   the usual baseline: micro-batches of `--pad-batch` sequences padded to the longest of the
-           batch, with an attention mask
-Tokens/s counts real (unpadded) tokens. Prints a table and one JSON line.
+Batch: `--samples` sequences in groups of 8 that share a prompt, with completion lengths that follow a
+long tail (most short, a few at `--max-len`), as RL completions do. Every variant runs the same Trainer
+step (PPO loss, GRPO advantages, AdamW) in the same process, interleaved:
+  varlen   tidal's default: rows of `--micro-tokens`, attention `tidal_varlen` (each sequence attends
+           to itself only, Σ len² work), each group's prompt once per row
+  dense    the same rows under transformers' SDPA with its block-diagonal [row, row] mask (row_len² work:
+           what the learner did before tidal_varlen)
+  padded   the usual baseline: micro-batches of `--pad-batch` sequences padded to the longest, masked
+Then a sweep over the row budget (`--sweep`): with the batch fixed, Σ len² is fixed while Σ row_len² grows
+with the budget; varlen's step time must follow the first, dense's follows the second.
+Tokens/s counts real (unpadded, unshared) tokens. Prints tables and one JSON line.
 """
 
 from __future__ import annotations
@@ -28,15 +32,16 @@ from tidal.integration.learner.data import Sample, pad_rows
 from tidal.integration.learner.trainer import TrainConfig, Trainer
 
 
-def make_batch(n: int, max_len: int, vocab: int, seed: int = 0) -> list[Sample]:
+def make_batch(n: int, max_len: int, vocab: int, seed: int = 0, group: int = 8) -> list[Sample]:
     rng = np.random.default_rng(seed)
-    lengths = np.maximum(16, (max_len * rng.random(n) ** 3).astype(int))
+    p = int(min(32, max(2, max_len // 8)))
+    lengths = np.maximum(p + 4, (max_len * rng.random(n) ** 3).astype(int))
     lengths[: max(1, n // 16)] = max_len
+    prompts = [rng.integers(3, vocab, p).astype(np.int32) for _ in range(n // group + 1)]
     out = []
     for i, total in enumerate(lengths):
-        p = int(min(32, total // 4))
         t = int(total - p)
-        out.append(Sample(id=str(i), group_id=str(i // 8), prompt=rng.integers(3, vocab, p).astype(np.int32),
+        out.append(Sample(id=str(i), group_id=str(i // group), prompt=prompts[i // group],
                           completion=rng.integers(3, vocab, t).astype(np.int32),
                           logprobs=(-rng.random(t) * 3).astype(np.float32), versions=np.zeros(t, np.int32),
                           reward=float(rng.integers(0, 2)), loss_mask=np.ones(t, bool)))
@@ -81,50 +86,83 @@ class PaddedTrainer(Trainer):
         return self.backend.clip_and_step()
 
 
+def timed(trainers: dict[str, Trainer], batch: list[Sample], reps: int) -> dict[str, float]:
+    for t in trainers.values():
+        t.step(batch[:4])  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(reps):  # interleaved: machine noise hits every variant alike
+        for k, t in trainers.items():
+            t0 = time.perf_counter()
+            t.step(batch)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--micro-tokens", type=int, default=2048)
+    ap.add_argument("--micro-tokens", type=int, default=4096)
     ap.add_argument("--pad-batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sweep", default="512,1024,2048,4096", help="row budgets (tokens) for the scaling sweep")
     args = ap.parse_args()
 
+    from tidal.integration.learner.data import pack
     from tidal.rollout.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(f"{tmp}/m", hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
                                 kv_heads=max(1, args.hidden // 128), intermediate=3 * args.hidden,
                                 max_positions=args.max_len + 8)
-        cfg = BackendConfig(optim=OptimConfig(lr=1e-5))
-        tcfg = TrainConfig(loss=PluginRef(name="ppo"), micro_batch_tokens=args.micro_tokens)
-        packed = Trainer(SingleBackend(str(path), cfg), tcfg)
-        padded = PaddedTrainer(SingleBackend(str(path), cfg), tcfg, args.pad_batch)
-        batch = make_batch(args.samples, args.max_len, packed.backend.model.config.vocab_size)
+
+        def trainer(attn: str, micro: int, share: bool = True, cls=Trainer, **kw) -> Trainer:
+            cfg = BackendConfig(attn=attn, optim=OptimConfig(lr=1e-5))
+            tcfg = TrainConfig(loss=PluginRef(name="ppo"), micro_batch_tokens=micro, share_prompts=share)
+            return cls(SingleBackend(str(path), cfg), tcfg, **kw)
+
+        main_variants = {"varlen": trainer("tidal_varlen", args.micro_tokens),
+                         "varlen/no-share": trainer("tidal_varlen", args.micro_tokens, share=False),
+                         "dense": trainer("sdpa", args.micro_tokens),
+                         "padded": trainer("sdpa", args.micro_tokens, cls=PaddedTrainer, pad_batch=args.pad_batch)}
+        batch = make_batch(args.samples, args.max_len, main_variants["varlen"].backend.model.config.vocab_size)
         real = sum(s.length for s in batch)
+        sum_sq = sum(s.length ** 2 for s in batch)
         padded_tokens = sum(len(batch[i : i + args.pad_batch]) * max(s.length for s in batch[i : i + args.pad_batch])
                             for i in range(0, len(batch), args.pad_batch))
-        packed.step(batch[:4])  # warm-up
-        padded.step(batch[:4])
-        t_pack, t_pad = [], []
-        for _ in range(args.reps):  # interleaved: machine noise hits both alike
-            t0 = time.perf_counter()
-            packed.step(batch)
-            t_pack.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            padded.step(batch)
-            t_pad.append(time.perf_counter() - t0)
-    a, b = statistics.median(t_pack), statistics.median(t_pad)
-    print(f"batch: {args.samples} sequences, {real} real tokens (padding would make {padded_tokens}); "
-          f"model hidden {args.hidden} x {args.layers} layers; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'':10}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'packed':10}{a:10.3f}{real / a:12.0f}")
-    print(f"{'padded':10}{b:10.3f}{real / b:12.0f}")
-    print(f"packed / padded: {b / a:.2f}x")
-    print(json.dumps({"bench": "learner", "packed_tok_s": real / a, "padded_tok_s": real / b, "ratio": b / a,
-                      "real_tokens": real, "padded_tokens": padded_tokens}))
+        t = timed(main_variants, batch, args.reps)
+        del main_variants
+        sweep = []
+        for budget in [int(x) for x in args.sweep.split(",") if x]:
+            budget = max(budget, max(s.length for s in batch))
+            rows = pack(batch, budget)
+            row_sq = sum(r.tokens ** 2 for r in rows)
+            ts = timed({"varlen": trainer("tidal_varlen", budget, share=False), "dense": trainer("sdpa", budget)},
+                       batch, args.reps)
+            sweep.append({"row_budget": budget, "rows": len(rows), "sum_row_len_sq": row_sq,
+                          "varlen_s": ts["varlen"], "dense_s": ts["dense"]})
+    print(f"batch: {args.samples} sequences in groups of 8 sharing a prompt, {real} real tokens, Σ len² {sum_sq} "
+          f"(padding would make {padded_tokens} tokens); model hidden {args.hidden} x {args.layers} layers; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'':18}{'seconds':>10}{'tokens/s':>12}{'vs varlen':>11}")
+    for k, v in t.items():
+        print(f"{k:18}{v:10.3f}{real / v:12.0f}{v / t['varlen']:10.2f}x")
+    print(f"\nscaling (sequences alone, no prompt sharing): Σ len² = {sum_sq} whatever the row budget")
+    print(f"{'row budget':>10}{'rows':>6}{'Σ row_len²':>12}{'varlen s':>10}{'dense s':>10}{'dense/varlen':>13}")
+    for r in sweep:
+        print(f"{r['row_budget']:10}{r['rows']:6}{r['sum_row_len_sq']:12}{r['varlen_s']:10.3f}{r['dense_s']:10.3f}"
+              f"{r['dense_s'] / r['varlen_s']:12.2f}x")
+    if len(sweep) > 1:
+        v_growth = sweep[-1]["varlen_s"] / sweep[0]["varlen_s"]
+        d_growth = sweep[-1]["dense_s"] / sweep[0]["dense_s"]
+        print(f"largest / smallest budget: Σ row_len² x{sweep[-1]['sum_row_len_sq'] / sweep[0]['sum_row_len_sq']:.1f}, "
+              f"varlen time x{v_growth:.2f}, dense time x{d_growth:.2f}")
+    print(json.dumps({"bench": "learner", "real_tokens": real, "padded_tokens": padded_tokens, "sum_len_sq": sum_sq,
+                      **{f"{k.replace('/', '_')}_tok_s": real / v for k, v in t.items()},
+                      "dense_over_varlen": t["dense"] / t["varlen"], "padded_over_varlen": t["padded"] / t["varlen"],
+                      "sweep": sweep}))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,10 @@ class LaunchConfig(ConfigStruct):
     max_restarts: int = 3  # per role; a role that dies more often ends the run
     shutdown_timeout_s: float = 30.0  # how long roles get to stop before they are killed
     start_timeout_s: float = 300.0  # how long the run waits for every worker's first request
-    threads: int = 0  # torch threads per learner rank and rollout worker; 0 = this machine's cores shared out
+    # torch threads per learner rank and rollout worker; 0 = this machine's cores shared out by load: half
+    # to the learner's ranks (its step is the critical path once generation runs ahead), the rest split
+    # over the workers, at least one each
+    threads: int = 0
 
 
 class RunConfig(ConfigStruct):

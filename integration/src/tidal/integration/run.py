@@ -51,7 +51,7 @@ class RunResult:
         return self.samples / self.rl_s if self.rl_s > 0 else 0.0
 
 
-def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
+def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1) -> tuple[list[Role], dict[str, str]]:
     """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles."""
     ep = {k: free_endpoint() for k in ("controller", "ingest", "serve", "buffer_pub", "learner_pub")}
     roles_dir = run_dir / "roles"
@@ -69,9 +69,10 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
         # would start over at version 0 while the workers are far ahead
         checkpoint_every=cfg.learner.checkpoint_every or 10,
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
-    threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // (cfg.workers + 1))
+    learner_threads, worker_threads = share_threads(os.cpu_count() or 1, cfg.workers, nproc_learner, cfg.launch.threads)
+    log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
-             _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, threads)]
+             _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
     envs = {d.env: dict(d.options) for d in cfg.domains}
     for i in range(cfg.workers):
         w = msgspec.structs.replace(
@@ -80,8 +81,19 @@ def plan(cfg: RunConfig, run_dir: Path) -> tuple[list[Role], dict[str, str]]:
             envs={**envs, **cfg.rollout.envs},
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
-        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, threads))
+        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
     return roles, ep
+
+
+def share_threads(cores: int, workers: int, learner_ranks: int = 1, fixed: int = 0) -> tuple[int, int]:
+    """(threads per learner rank, threads per rollout worker). `fixed` > 0 gives every role that many.
+    Otherwise half the cores go to the learner's ranks and the rest to the workers, at least one each:
+    more threads than cores (or than a role's share) makes OpenMP spin against itself."""
+    if fixed > 0:
+        return fixed, fixed
+    learner = max(1, cores // 2 // max(1, learner_ranks))
+    worker = max(1, (cores - learner * learner_ranks) // max(1, workers))
+    return learner, worker
 
 
 def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: int = 1) -> Role:
@@ -101,7 +113,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     run_dir = Path(run_dir or default_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    roles, ep = plan(cfg, run_dir)
+    roles, ep = plan(cfg, run_dir, nproc_learner)
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
