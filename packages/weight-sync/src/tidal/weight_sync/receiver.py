@@ -48,18 +48,12 @@ class WeightReceiver:
         zero_copy = getattr(self.transport, "zero_copy", False)
         try:
             try:
-                buckets = self._fetch_and_verify(ann, zero_copy)
+                buckets, views = self._fetch_and_verify(ann, zero_copy)
             except WeightSyncError as e:
                 self.last_error = str(e)
                 self.transport.report(ann, ok=False, detail=str(e))
                 raise
-            by_bucket: dict[int, list] = {}
-            for spec in ann.manifest:
-                by_bucket.setdefault(spec.bucket, []).append(spec)
-            tensors: NamedTensors = []
-            for i, data in enumerate(buckets):
-                tensors.extend(unpack(data, by_bucket.get(i, [])))
-            apply(tensors)
+            apply([named for per_bucket in views for named in per_bucket])
         finally:
             if zero_copy:  # the transport's memory, leased from fetch until now
                 self.transport.release(ann)
@@ -67,27 +61,40 @@ class WeightReceiver:
         if not zero_copy:  # leased bytes go back to the transport: not kept (no delta base, no spare)
             if self.keep_for_delta:  # the delta base; the older set's memory is reused next time
                 self._spare, self._buckets = self._buckets, buckets
+            elif getattr(self.transport, "owned_payloads", False):  # nothing to reuse: dense buckets arrive in fresh frames
+                self._spare, self._buckets = [], []
             else:  # one set only, reused next time; the sender is asked for dense buckets
                 self._spare, self._buckets = buckets, []
         self.transport.report(ann, ok=True)
         return self.version
 
-    def _fetch_and_verify(self, ann: WeightsAvailable, zero_copy: bool = False) -> list[Any]:
+    def _fetch_and_verify(self, ann: WeightsAvailable, zero_copy: bool = False) -> tuple[list[Any], list[NamedTensors]]:
+        """The verified buckets, and per bucket the tensors viewing it (made as each bucket is verified,
+        while the transport brings in the next one; nothing is applied before every bucket is verified)."""
         n = len(ann.bucket_sizes)
         if len(ann.checksums) != n:
             raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
-        dtypes = {s.bucket: s.dtype for s in ann.manifest}
+        by_bucket: dict[int, list] = {}
+        for spec in ann.manifest:
+            by_bucket.setdefault(spec.bucket, []).append(spec)
+        dtypes = {i: specs[0].dtype for i, specs in by_bucket.items()}
+        # a transport whose payloads are fresh memory of this receiver's own (zmq frames) is verified
+        # where it arrived: copying it to memory of our own would only cost a pass over every byte
+        owned = getattr(self.transport, "owned_payloads", False)
         out: list[Any] = [None] * n
+        views: list[NamedTensors] = [[] for _ in range(n)]
         # buckets are verified as they arrive, while the transport brings in the next ones
         for i, encoding, base, payload in self.transport.fetch(ann, self.version if self._buckets else -1):
             size = ann.bucket_sizes[i]
-            if isinstance(payload, torch.Tensor):  # GPU bytes (cuda_ipc): copied and checked on the GPU
-                out[i] = self._verify_on_device(ann, i, payload)
+            if isinstance(payload, torch.Tensor):  # device bytes (cuda_ipc, torch_dist on GPUs): checked there
+                out[i] = self._verify_on_device(ann, i, payload, in_place=zero_copy)
+                views[i] = unpack(out[i], by_bucket.get(i, []))
                 continue
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
             spare = self._spare[i] if i < len(self._spare) else None
-            dest = (None if zero_copy and encoding != "delta" else
-                    spare if isinstance(spare, np.ndarray) and spare.size == size else np.empty(size, np.uint8))
+            dest = (None if (zero_copy or owned) and encoding != "delta" else
+                    spare if isinstance(spare, np.ndarray) and spare.size == size and spare.flags.writeable
+                    else np.empty(size, np.uint8))
             if encoding == "delta":
                 if base != self.version or i >= len(self._buckets):
                     raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
@@ -101,9 +108,9 @@ class WeightReceiver:
                 _check_size(ann, i, src.size)
                 # our own copy, verified (the transport's memory may be reused or freed), unless the
                 # transport leases it unchanged until `release`
-                data = src if zero_copy else dest
+                data = src if zero_copy or owned else dest
             try:
-                if encoding == "delta" or zero_copy:
+                if encoding == "delta" or zero_copy or owned:
                     crc = checksum(data, ann.checksum)
                 else:
                     crc = copy_and_checksum(src, dest, ann.checksum)
@@ -111,14 +118,24 @@ class WeightReceiver:
                 raise WeightSyncError(str(e)) from None
             _check_sum(ann, i, crc)
             out[i] = data
+            views[i] = unpack(data, by_bucket.get(i, []))
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
             raise WeightSyncError(f"buckets {missing[:5]} of version {ann.version} never arrived")
-        return out
+        return out, views
 
-    def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor) -> torch.Tensor:
+    def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Check a device bucket where it lies; a copy of our own first unless the transport leases it
+        to us unchanged until `release` (torch_dist: its receive buffers)."""
         size = ann.bucket_sizes[i]
         _check_size(ann, i, payload.numel())
+        if in_place:
+            try:
+                crc = checksum_tensor(payload, ann.checksum)
+            except ValueError as e:
+                raise WeightSyncError(str(e)) from None
+            _check_sum(ann, i, crc)
+            return payload
         device = getattr(self.transport, "device", None) or payload.device
         spare = self._spare[i] if i < len(self._spare) else None
         if isinstance(spare, torch.Tensor) and spare.numel() == size and spare.device == torch.device(device):
