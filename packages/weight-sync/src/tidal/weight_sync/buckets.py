@@ -93,7 +93,14 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) ->
         return xxhash.xxh3_64_intdigest(buf)
     if algorithm == "crc32":
         return zlib.crc32(buf) & 0xFFFFFFFF
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32")
+    if algorithm == "mix64-sum":  # a device-packed version received into host memory
+        from tidal.weight_sync.device import mix64
+
+        arr = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        with warnings.catch_warnings():  # read-only memory (shm leases, zmq frames): only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return mix64(torch.from_numpy(arr) if arr.size else torch.empty(0, dtype=torch.uint8))
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32, mix64-sum")
 
 
 Alloc = Callable[[int, int], "np.ndarray | torch.Tensor"]  # (bucket index, nbytes) -> uint8 buffer to pack into
