@@ -61,8 +61,6 @@ class WeightReceiver:
         if not zero_copy:  # leased bytes go back to the transport: not kept (no delta base, no spare)
             if self.keep_for_delta:  # the delta base; the older set's memory is reused next time
                 self._spare, self._buckets = self._buckets, buckets
-            elif getattr(self.transport, "owned_payloads", False):  # nothing to reuse: dense buckets arrive in fresh frames
-                self._spare, self._buckets = [], []
             else:  # one set only, reused next time; the sender is asked for dense buckets
                 self._spare, self._buckets = buckets, []
         self.transport.report(ann, ok=True)
@@ -78,9 +76,6 @@ class WeightReceiver:
         for spec in ann.manifest:
             by_bucket.setdefault(spec.bucket, []).append(spec)
         dtypes = {i: specs[0].dtype for i, specs in by_bucket.items()}
-        # a transport whose payloads are fresh memory of this receiver's own (zmq frames) is verified
-        # where it arrived: copying it to memory of our own would only cost a pass over every byte
-        owned = getattr(self.transport, "owned_payloads", False)
         out: list[Any] = [None] * n
         views: list[NamedTensors] = [[] for _ in range(n)]
         # buckets are verified as they arrive, while the transport brings in the next ones
@@ -92,9 +87,8 @@ class WeightReceiver:
                 continue
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
             spare = self._spare[i] if i < len(self._spare) else None
-            dest = (None if (zero_copy or owned) and encoding != "delta" else
-                    spare if isinstance(spare, np.ndarray) and spare.size == size and spare.flags.writeable
-                    else np.empty(size, np.uint8))
+            dest = (None if zero_copy and encoding != "delta" else
+                    spare if isinstance(spare, np.ndarray) and spare.size == size else np.empty(size, np.uint8))
             if encoding == "delta":
                 if base != self.version or i >= len(self._buckets):
                     raise WeightSyncError(f"bucket {i} of version {ann.version} is a delta against version {base}, "
@@ -107,10 +101,12 @@ class WeightReceiver:
                 src = np.frombuffer(payload, dtype=np.uint8)
                 _check_size(ann, i, src.size)
                 # our own copy, verified (the transport's memory may be reused or freed), unless the
-                # transport leases it unchanged until `release`
-                data = src if zero_copy or owned else dest
+                # transport leases it unchanged until `release`. Even zmq's frames, which nothing else
+                # writes, are copied: kept two versions long they make the allocator hand out fresh
+                # pages for the next frames, and those page faults cost more than this copy (measured)
+                data = src if zero_copy else dest
             try:
-                if encoding == "delta" or zero_copy or owned:
+                if encoding == "delta" or zero_copy:
                     crc = checksum(data, ann.checksum)
                 else:
                     crc = copy_and_checksum(src, dest, ann.checksum)

@@ -128,9 +128,6 @@ def _np_width_type(dtype: str) -> type:
 
 class ZmqReceiverTransport:
     name = "zmq"
-    # each bucket arrives in a zero-copy frame of its own that nothing else writes: the receiver
-    # verifies and keeps it there instead of copying it
-    owned_payloads = True
 
     def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0) -> None:
         self.curve = curve
