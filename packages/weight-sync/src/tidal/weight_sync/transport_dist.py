@@ -62,11 +62,27 @@ def _on_device(device: str, verify_on_device: bool | None) -> bool:
     return device.startswith("cuda") if verify_on_device is None else verify_on_device
 
 
+def _resolve(device: str) -> str:
+    """"cuda" as "cuda:N", N the caller's current GPU: the collectives run in threads of their own,
+    which start on GPU 0, and `torch.cuda.set_device` refuses a device without an index."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def _enter(device: str) -> None:
+    """Make `device` current in this (collective) thread."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
 class DistSenderTransport:
     name = "torch_dist"
 
     def __init__(self, address: str, world_size: int, *, backend: str = "gloo", device: str = "cpu",
                  timeout_s: float = 300.0, verify_on_device: bool | None = None) -> None:
+        device = _resolve(device)
         self.address, self.world_size, self.backend, self.device = address, world_size, backend, device
         if _on_device(device, verify_on_device):
             # WeightSender packs into `allocator()`'s buffers on this device, checksummed there
@@ -112,8 +128,7 @@ class DistSenderTransport:
         return alloc
 
     def _broadcast_version(self, version: int, buckets: list[Bucket]) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
+        _enter(self.device)
         header = torch.tensor([version, len(buckets)], dtype=torch.int64, device=self.device)
         _broadcast(self._pg, header)
         for b in buckets:
@@ -147,7 +162,7 @@ class DistReceiverTransport:
                  timeout_s: float = 300.0, verify_on_device: bool | None = None) -> None:
         if rank < 1:
             raise ValueError("receivers take ranks 1..world_size-1; rank 0 is the sender")
-        self.device = device
+        device = self.device = _resolve(device)
         # hand over the receive buffers themselves (checked with mix64-sum where they are) rather than
         # host copies of them
         self.on_device = _on_device(device, verify_on_device)
@@ -171,8 +186,7 @@ class DistReceiverTransport:
 
         def take() -> None:  # every bucket must be taken, even after the caller gave up: it is a collective
             try:
-                if self.device.startswith("cuda"):
-                    torch.cuda.set_device(torch.device(self.device))
+                _enter(self.device)
                 for i, size in enumerate(ann.bucket_sizes):
                     # bucket i of the previous version was applied before this version began: its
                     # memory is reused (fresh memory costs page faults, more than a copy)
