@@ -6,8 +6,12 @@
 # 0. the pair driver below over host-memory transports (gloo, shm) at a small size: runs anywhere, so
 #    the driver itself is known to work where the GPU parts cannot run;
 # a. torch_dist between two processes on the one GPU: backend NCCL (NCCL >= 2.5 refuses two ranks on
-#    one GPU, "Duplicate GPU detected": the attempt is recorded as it fails), then gloo carrying CUDA
-#    tensors (device="cuda" on both ends); bit-identical fp32 and bf16, timing for a ${WS_GIB:-1} GiB state;
+#    one GPU, "Duplicate GPU detected": the attempt is recorded as it fails; with WS_NCCL_DEVICES=0,1 on
+#    a two-GPU machine the receiver takes the second GPU and the NCCL path runs), then gloo carrying CUDA
+#    tensors (device="cuda" on both ends); bit-identical fp32 and bf16, timing for a ${WS_GIB:-1} GiB state.
+#    Every torch_dist pair on CUDA must take the device-verify path: buckets packed and checked with
+#    mix64-sum in GPU memory, never copied to the host to be verified (the sender's report names the
+#    checksum and whether the receiver got its buckets as GPU tensors: "device_verify");
 # b. cuda_ipc between two processes: bit-identical fp32 and bf16, timing against a device-to-device copy
 #    of the same bytes, and the GPU tests of the package (pytest, when it imports);
 # c. tools/bench/weight_sync.py (host-memory transports beside memcpy and per-parameter baselines).
@@ -56,7 +60,10 @@ ap.add_argument("--bucket-mib", type=int, default=256)
 ap.add_argument("--dir", required=True)
 ap.add_argument("--tag", required=True)
 ap.add_argument("--deadline", type=float, default=120.0)  # seconds to wait for the other end, each time
+ap.add_argument("--recv-device", default="")  # the receiver's device when not --device (NCCL: another GPU)
 a = ap.parse_args()
+if a.role == "receiver" and a.recv_device:
+    a.device = a.recv_device
 DT = getattr(torch, a.dtype)
 
 def state(version):
@@ -117,10 +124,13 @@ def run_sender():
             stats.append(sender.last_stats)
         wait_for(d(f"ok{v}"))  # the receiver's bit-for-bit check, outside the timing
         ok.append(json.load(open(d(f"ok{v}"))))
+    where = sorted({w for o in ok for w in o["where"]})
     sender.close()
     copy_s, e2e = min(copies), statistics.median(times)
     return {"tag": a.tag, "transport": a.transport, "device": a.device, "dtype": a.dtype, "bytes": nbytes,
-            "buckets": len(ann.bucket_sizes), "checksum": ann.checksum, "bit_identical": all(ok),
+            "buckets": len(ann.bucket_sizes), "checksum": ann.checksum, "bit_identical": all(o["same"] for o in ok),
+            "received_on": where,
+            "device_verify": ann.checksum == "mix64-sum" and where == ["cuda"],
             "e2e_s": round(e2e, 4), "GBps": round(nbytes / e2e / 1e9, 2), "copy_s": round(copy_s, 5),
             "vs_copy": round(copy_s / e2e, 4),
             **{k.split("/")[1]: round(statistics.median(s[k] for s in stats), 4)
@@ -132,9 +142,11 @@ def run_receiver():
         opts["rank"] = 1
     receiver = WeightReceiver(a.transport, **opts)
     held = {}
+    where = set()
 
     def apply(tensors):  # into tensors of our own, as a generator loading weights does
         for name, t in tensors:
+            where.add(t.device.type)  # torch_dist on CUDA: the buckets stayed on the GPU (device verify)
             if name not in held:
                 held[name] = torch.empty(t.shape, dtype=t.dtype, device=a.device)
             held[name].copy_(t)
@@ -150,7 +162,7 @@ def run_receiver():
             held[k].dtype == t.dtype and held[k].shape == t.shape
             and torch.equal(held[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
             for k, t in want.items())
-        put(d(f"ok{v}"), json.dumps(same).encode())
+        put(d(f"ok{v}"), json.dumps({"same": same, "where": sorted(where)}).encode())
     receiver.close()
 
 
@@ -210,14 +222,32 @@ pair cpu-shm-bf16 shm --gib 0.05 --dtype bfloat16 --bucket-mib 8
 
 echo "== a. torch_dist on the GPU, ${GIB} GiB"
 if [[ $HAVE_CUDA == 1 ]]; then
-    NCCL_DEBUG=WARN PAIR_LIMIT=90 pair nccl-fp32 torch_dist --device cuda --backend nccl --gib "$GIB" --dtype float32
+    # WS_NCCL_DEVICES=0,1: sender on the first GPU, receiver on the second (NCCL refuses two ranks on one)
+    NCCL_DEV=(--device cuda)
+    if [[ -n "${WS_NCCL_DEVICES:-}" ]]; then
+        NCCL_DEV=(--device "cuda:${WS_NCCL_DEVICES%%,*}" --recv-device "cuda:${WS_NCCL_DEVICES##*,}")
+    fi
+    NCCL_DEBUG=WARN PAIR_LIMIT=90 pair nccl-fp32 torch_dist "${NCCL_DEV[@]}" --backend nccl --gib "$GIB" --dtype float32
     if grep -q '"tag": "nccl-fp32", "failed"' "$JSON"; then
-        echo "nccl-fp32 failed (above). NCCL >= 2.5 refuses two ranks on one GPU ('Duplicate GPU detected'): the NCCL path was NOT checked; it needs 2 GPUs"
+        echo "nccl-fp32 failed (above). NCCL >= 2.5 refuses two ranks on one GPU ('Duplicate GPU detected'): the NCCL path was NOT checked; it needs 2 GPUs (WS_NCCL_DEVICES=0,1)"
     else
-        NCCL_DEBUG=WARN pair nccl-bf16 torch_dist --device cuda --backend nccl --gib "$GIB" --dtype bfloat16
+        NCCL_DEBUG=WARN pair nccl-bf16 torch_dist "${NCCL_DEV[@]}" --backend nccl --gib "$GIB" --dtype bfloat16
     fi
     pair gloo-cuda-fp32 torch_dist --device cuda --backend gloo --gib "$GIB" --dtype float32 --versions 3
     pair gloo-cuda-bf16 torch_dist --device cuda --backend gloo --gib "$GIB" --dtype bfloat16 --versions 3
+    # the device-verify path: every torch_dist pair on CUDA that ran must report it (mix64-sum, GPU tensors)
+    "$PY" - "$JSON" <<'CHECK'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+dist = [r for r in rows if r.get("transport") == "torch_dist" and str(r.get("device", "")).startswith("cuda")]
+for r in dist:
+    print(f"{r['tag']}: device verify {'YES' if r['device_verify'] else 'NO'} "
+          f"(checksum {r['checksum']}, received on {r['received_on']}, bit-identical {r['bit_identical']})")
+ran = {r["tag"] for r in dist}
+print("NCCL device-verify path:", "checked" if ran & {"nccl-fp32", "nccl-bf16"} else "NOT checked (no NCCL pair ran)")
+sys.exit(0 if all(r["device_verify"] and r["bit_identical"] for r in dist) else 1)
+CHECK
+    echo "device-verify check exit status $? (1: a CUDA torch_dist pair verified on the host or differed)"
 else
     echo "needs CUDA: torch_dist over NCCL / with CUDA tensors NOT checked"
 fi
@@ -242,7 +272,7 @@ echo "== c. tools/bench/weight_sync.py"
 if (( $(left) < 60 )); then
     echo "bench: skipped (time budget spent)"
 else
-    timeout "$(limit 200)" "$PY" tools/bench/weight_sync.py --big-gib "$GIB" --small 3000 2>&1 | tail -16
+    timeout "$(limit 200)" "$PY" tools/bench/weight_sync.py --big-gib "$GIB" --small 3000 2>&1 | tail -18
     echo "bench exit status ${PIPESTATUS[0]} (124: over its time limit)"
 fi
 echo "== done in ${SECONDS} s"

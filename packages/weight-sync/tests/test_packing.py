@@ -73,6 +73,8 @@ def test_an_error_while_planning_stops_the_packer_and_raises():
 def test_mix64_matches_its_definition(n):
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     assert mix64(torch.from_numpy(data)) == mix64_by_definition(data.tobytes())
+    # a device-packed bucket received into host memory (numpy, or a read-only buffer) checks the same
+    assert checksum(data, MIX64) == checksum(data.tobytes(), MIX64) == mix64_by_definition(data.tobytes())
 
 
 def test_mix64_notices_any_flipped_byte_and_moved_words():

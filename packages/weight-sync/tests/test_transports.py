@@ -263,6 +263,30 @@ def test_torch_distributed_rejected_version_leaves_the_broadcast_in_step(receive
         assert_bit_identical(r.held(3), fresh)
 
 
+@pytest.mark.timeout(180)
+def test_torch_distributed_device_path_checks_buckets_where_they_arrived(receiver, tmp_path):
+    """The path NCCL takes (packing into the transport's own buffers, two sets in turn, mix64-sum, each
+    receive buffer checked in place), selected for host tensors over gloo: bit-identical over versions
+    that reuse both buffer sets, a corrupted bucket rejected with the old version kept."""
+    address = f"127.0.0.1:{free_port()}"
+    r = receiver("torch_dist", address=address, rank=1, world_size=2, timeout_s=120, verify_on_device=True)
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=2, timeout_s=120,
+                      verify_on_device=True) as sender:
+        for version in (1, 2, 3):
+            state = make_state(version)
+            ann = sender.send(state, version)
+            assert ann.checksum == "mix64-sum" and len(ann.bucket_sizes) > 10
+            assert r.announce(ann)["held"] == version
+            assert_bit_identical(r.held(version), state)
+        ann = sender.send(make_state(4), 4)
+        ann = msgspec.structs.replace(ann, checksums=[*ann.checksums[:2], ann.checksums[2] ^ 1, *ann.checksums[3:]])
+        assert r.announce(ann)["held"] == 3
+        assert "bucket 2" in r.error(4) and "checksum" in r.error(4)
+        fresh = make_state(5)
+        assert r.announce(sender.send(fresh, 5))["held"] == 5
+        assert_bit_identical(r.held(5), fresh)
+
+
 @needs_cuda
 @pytest.mark.timeout(300)
 def test_cuda_ipc_weights_arrive_bit_identical_on_the_gpu(receiver):

@@ -93,7 +93,14 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) ->
         return xxhash.xxh3_64_intdigest(buf)
     if algorithm == "crc32":
         return zlib.crc32(buf) & 0xFFFFFFFF
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32")
+    if algorithm == "mix64-sum":  # a device-packed version received into host memory
+        from tidal.weight_sync.device import mix64
+
+        arr = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        with warnings.catch_warnings():  # read-only memory (shm leases, zmq frames): only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return mix64(torch.from_numpy(arr) if arr.size else torch.empty(0, dtype=torch.uint8))
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32, mix64-sum")
 
 
 Alloc = Callable[[int, int], "np.ndarray | torch.Tensor"]  # (bucket index, nbytes) -> uint8 buffer to pack into
@@ -212,9 +219,42 @@ def unpack(data: np.ndarray | memoryview | torch.Tensor, specs: list[TensorSpec]
         with warnings.catch_warnings():  # read-only memory (shm leases): the tensors are only read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             base = torch.from_numpy(buf) if buf.size else torch.empty(0, dtype=torch.uint8)
+    fast = _unpack_run(base, specs)
+    if fast is not None:
+        return fast
     out = []
     for s in specs:
         chunk = base[s.offset : s.offset + s.nbytes]
         t = chunk.view(TORCH_DTYPES[s.dtype]) if s.nbytes else torch.empty(0, dtype=TORCH_DTYPES[s.dtype], device=base.device)
         out.append((s.name, t.reshape(s.shape)))
     return out
+
+
+def _unpack_run(base: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]] | None:
+    """`unpack` of a bucket as the sender packs it (one dtype, tensors back to back): one dtype view and
+    one `torch.split` make every tensor, instead of a slice and a dtype view per tensor in Python (3,000
+    small tensors: ~10x faster). None when the specs are laid out otherwise (the general path checks them)."""
+    if not specs:
+        return []
+    dt = TORCH_DTYPES.get(specs[0].dtype)
+    if dt is None:
+        return None
+    size, pos = dt.itemsize, specs[0].offset
+    counts = []
+    for s in specs:
+        if s.dtype != specs[0].dtype or s.offset != pos or s.nbytes % size or s.nbytes // size != _numel(s.shape):
+            return None
+        counts.append(s.nbytes // size)
+        pos += s.nbytes
+    start = specs[0].offset
+    if pos > base.numel() or start % size or (base.storage_offset() + start) % size:
+        return None
+    typed = base[start:pos].view(dt)
+    return [(s.name, part.view(s.shape)) for s, part in zip(specs, torch.split(typed, counts), strict=True)]
+
+
+def _numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -48,18 +48,12 @@ class WeightReceiver:
         zero_copy = getattr(self.transport, "zero_copy", False)
         try:
             try:
-                buckets = self._fetch_and_verify(ann, zero_copy)
+                buckets, views = self._fetch_and_verify(ann, zero_copy)
             except WeightSyncError as e:
                 self.last_error = str(e)
                 self.transport.report(ann, ok=False, detail=str(e))
                 raise
-            by_bucket: dict[int, list] = {}
-            for spec in ann.manifest:
-                by_bucket.setdefault(spec.bucket, []).append(spec)
-            tensors: NamedTensors = []
-            for i, data in enumerate(buckets):
-                tensors.extend(unpack(data, by_bucket.get(i, [])))
-            apply(tensors)
+            apply([named for per_bucket in views for named in per_bucket])
         finally:
             if zero_copy:  # the transport's memory, leased from fetch until now
                 self.transport.release(ann)
@@ -72,17 +66,24 @@ class WeightReceiver:
         self.transport.report(ann, ok=True)
         return self.version
 
-    def _fetch_and_verify(self, ann: WeightsAvailable, zero_copy: bool = False) -> list[Any]:
+    def _fetch_and_verify(self, ann: WeightsAvailable, zero_copy: bool = False) -> tuple[list[Any], list[NamedTensors]]:
+        """The verified buckets, and per bucket the tensors viewing it (made as each bucket is verified,
+        while the transport brings in the next one; nothing is applied before every bucket is verified)."""
         n = len(ann.bucket_sizes)
         if len(ann.checksums) != n:
             raise WeightSyncError(f"announcement of version {ann.version} has {len(ann.checksums)} checksums for {n} buckets")
-        dtypes = {s.bucket: s.dtype for s in ann.manifest}
+        by_bucket: dict[int, list] = {}
+        for spec in ann.manifest:
+            by_bucket.setdefault(spec.bucket, []).append(spec)
+        dtypes = {i: specs[0].dtype for i, specs in by_bucket.items()}
         out: list[Any] = [None] * n
+        views: list[NamedTensors] = [[] for _ in range(n)]
         # buckets are verified as they arrive, while the transport brings in the next ones
         for i, encoding, base, payload in self.transport.fetch(ann, self.version if self._buckets else -1):
             size = ann.bucket_sizes[i]
-            if isinstance(payload, torch.Tensor):  # GPU bytes (cuda_ipc): copied and checked on the GPU
-                out[i] = self._verify_on_device(ann, i, payload)
+            if isinstance(payload, torch.Tensor):  # device bytes (cuda_ipc, torch_dist on GPUs): checked there
+                out[i] = self._verify_on_device(ann, i, payload, in_place=zero_copy)
+                views[i] = unpack(out[i], by_bucket.get(i, []))
                 continue
             # write into last-but-one version's memory (already faulted in); fresh memory otherwise
             spare = self._spare[i] if i < len(self._spare) else None
@@ -100,7 +101,9 @@ class WeightReceiver:
                 src = np.frombuffer(payload, dtype=np.uint8)
                 _check_size(ann, i, src.size)
                 # our own copy, verified (the transport's memory may be reused or freed), unless the
-                # transport leases it unchanged until `release`
+                # transport leases it unchanged until `release`. Even zmq's frames, which nothing else
+                # writes, are copied: kept two versions long they make the allocator hand out fresh
+                # pages for the next frames, and those page faults cost more than this copy (measured)
                 data = src if zero_copy else dest
             try:
                 if encoding == "delta" or zero_copy:
@@ -111,14 +114,24 @@ class WeightReceiver:
                 raise WeightSyncError(str(e)) from None
             _check_sum(ann, i, crc)
             out[i] = data
+            views[i] = unpack(data, by_bucket.get(i, []))
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
             raise WeightSyncError(f"buckets {missing[:5]} of version {ann.version} never arrived")
-        return out
+        return out, views
 
-    def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor) -> torch.Tensor:
+    def _verify_on_device(self, ann: WeightsAvailable, i: int, payload: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Check a device bucket where it lies; a copy of our own first unless the transport leases it
+        to us unchanged until `release` (torch_dist: its receive buffers)."""
         size = ann.bucket_sizes[i]
         _check_size(ann, i, payload.numel())
+        if in_place:
+            try:
+                crc = checksum_tensor(payload, ann.checksum)
+            except ValueError as e:
+                raise WeightSyncError(str(e)) from None
+            _check_sum(ann, i, crc)
+            return payload
         device = getattr(self.transport, "device", None) or payload.device
         spare = self._spare[i] if i < len(self._spare) else None
         if isinstance(spare, torch.Tensor) and spare.numel() == size and spare.device == torch.device(device):

@@ -8,6 +8,13 @@ the announcement at once and the broadcast proceeds while receivers join it. A r
 buckets in a thread of its own, one ahead of the caller, so bucket k+1 arrives while bucket k is
 checked, and verifies and applies them where they arrived (no copy of its own).
 
+Buckets of weights on GPUs (`device="cuda..."`, NCCL or gloo) never visit the host: the sender packs
+them in GPU memory of its own (two sets, used in turn: one may still be broadcasting while the next
+version is packed) and checksums them there with `mix64-sum`; receivers check each bucket with
+`mix64-sum` in the GPU buffer it arrived in (device.py, as `cuda_ipc` does). `verify_on_device=True`
+selects the same path for host tensors (the tests run it over gloo on CPU); False keeps host packing
+with xxh3 (buckets then cross to the device and back).
+
 Receivers join a version's broadcast only once its announcement reaches them, so the broadcast cannot
 start while the sender still packs: that would need receivers listening between updates, and a thread
 left blocked in a gloo collective aborts its process at exit ("terminate called without an active
@@ -28,6 +35,7 @@ import torch.distributed as dist
 
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
+from tidal.weight_sync.device import MIX64
 from tidal.weight_sync.errors import WeightSyncError
 
 
@@ -50,12 +58,39 @@ def _broadcast(pg: Any, t: torch.Tensor) -> None:
     pg.broadcast([t], opts).wait()
 
 
+def _on_device(device: str, verify_on_device: bool | None) -> bool:
+    return device.startswith("cuda") if verify_on_device is None else verify_on_device
+
+
+def _resolve(device: str) -> str:
+    """"cuda" as "cuda:N", N the caller's current GPU: the collectives run in threads of their own,
+    which start on GPU 0, and `torch.cuda.set_device` refuses a device without an index."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def _enter(device: str) -> None:
+    """Make `device` current in this (collective) thread."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
 class DistSenderTransport:
     name = "torch_dist"
 
     def __init__(self, address: str, world_size: int, *, backend: str = "gloo", device: str = "cpu",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, verify_on_device: bool | None = None) -> None:
+        device = _resolve(device)
         self.address, self.world_size, self.backend, self.device = address, world_size, backend, device
+        if _on_device(device, verify_on_device):
+            # WeightSender packs into `allocator()`'s buffers on this device, checksummed there
+            self.pack_device = torch.device(device)
+            self.checksum = MIX64
+            self.allocator = self._device_allocator
+        self._slots: list[dict[int, torch.Tensor]] = [{}, {}]
+        self._staged = 0
         self._pg: Any = None
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -78,11 +113,27 @@ class DistSenderTransport:
         except BaseException as e:  # surfaced on the next stage() / close()
             self._error = e
 
+    def _device_allocator(self):
+        """Where the sender packs the next version (the device path's `allocator`). Two sets in turn:
+        `stage` lets a version go only once the one before it was broadcast, so the set used by the
+        version before that one is free (a failed send staged nothing: its set is used again)."""
+        buffers = self._slots[self._staged % 2]
+
+        def alloc(index: int, nbytes: int) -> torch.Tensor:
+            buf = buffers.get(index)
+            if buf is None or buf.numel() != nbytes:
+                buf = buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.pack_device)
+            return buf
+
+        return alloc
+
     def _broadcast_version(self, version: int, buckets: list[Bucket]) -> None:
+        _enter(self.device)
         header = torch.tensor([version, len(buckets)], dtype=torch.int64, device=self.device)
         _broadcast(self._pg, header)
         for b in buckets:
-            _broadcast(self._pg, torch.from_numpy(b.data).to(self.device))
+            data = b.data if isinstance(b.data, torch.Tensor) else torch.from_numpy(b.data)
+            _broadcast(self._pg, data.to(self.device))
 
     def stage(self, version: int, buckets: list[Bucket], anchor: bool) -> str:
         if self._error is not None:
@@ -93,6 +144,7 @@ class DistSenderTransport:
                 raise WeightSyncError(f"weight broadcast failed: {self._error}")
             time.sleep(0.001)
         self._jobs.put((version, buckets))
+        self._staged += 1
         return self.address
 
     def close(self) -> None:
@@ -107,10 +159,13 @@ class DistReceiverTransport:
     zero_copy = True
 
     def __init__(self, address: str, rank: int, world_size: int, *, backend: str = "gloo", device: str = "cpu",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, verify_on_device: bool | None = None) -> None:
         if rank < 1:
             raise ValueError("receivers take ranks 1..world_size-1; rank 0 is the sender")
-        self.device = device
+        device = self.device = _resolve(device)
+        # hand over the receive buffers themselves (checked with mix64-sum where they are) rather than
+        # host copies of them
+        self.on_device = _on_device(device, verify_on_device)
         self.timeout_s = timeout_s
         self._taker: threading.Thread | None = None  # takes the buckets of the version being fetched
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> receive buffer, reused across versions
@@ -131,8 +186,7 @@ class DistReceiverTransport:
 
         def take() -> None:  # every bucket must be taken, even after the caller gave up: it is a collective
             try:
-                if self.device.startswith("cuda"):
-                    torch.cuda.set_device(torch.device(self.device))
+                _enter(self.device)
                 for i, size in enumerate(ann.bucket_sizes):
                     # bucket i of the previous version was applied before this version began: its
                     # memory is reused (fresh memory costs page faults, more than a copy)
@@ -156,7 +210,7 @@ class DistReceiverTransport:
                     raise WeightSyncError(f"bucket of version {ann.version} did not arrive within {self.timeout_s:g} s") from None
                 if i < 0:
                     raise WeightSyncError(f"weight broadcast of version {ann.version} failed: {t}")
-                yield i, "dense", -1, (t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
+                yield i, "dense", -1, (t if self.on_device else t.cpu().numpy() if t.device.type != "cpu" else t.numpy())
         finally:  # given up part way (a bad bucket): the rest of the version is taken, and dropped
             give_up.set()
             while True:
