@@ -343,10 +343,9 @@ class BufferService:
             kept.append(body_of(encode_trajectory(t)) if changed else memoryview(bodies[i]))
         if admitted:
             self.wal.append_group(kept, PREAMBLE)
-            for t, body in zip(admitted, kept, strict=True):
-                group = store.put(t, body)
-                if group is not None:
-                    self.on_group_complete(group)
+            group = store.put_group(admitted, kept)
+            if group is not None:
+                self.on_group_complete(group)
         return None, refused
 
     def on_group_complete(self, group: Group) -> None:

@@ -80,6 +80,7 @@ Record = Put | PutGroup | Serve | Consume | Drop | Release | Snapshot | Restore
 _encoder = msgspec.msgpack.Encoder()
 _PENDING_LIMIT = 1 << 20  # appended bytes held before they are written to the file
 _IOV_MAX = 1024  # pieces per writev (Linux's limit)
+_JOIN_LIMIT = 16 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
@@ -233,6 +234,13 @@ class WriteAheadLog:
         if self._file is None:
             self._open_new(1)
         n = len(frame)
+        if n >= _JOIN_LIMIT:  # a large frame is not copied: three pieces, checksum streamed over two
+            prefix = _put_prefix(n)
+            h = xxh3_64(prefix)
+            h.update(frame)
+            self._pending += (HEADER.pack(len(prefix) + n, h.intdigest() & 0xFFFFFFFF), prefix, frame)
+            self._added(HEADER.size + len(prefix) + n)
+            return
         prefix = self._prefixes.get(n)
         if prefix is None:
             if len(self._prefixes) >= 4096:
