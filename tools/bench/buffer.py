@@ -110,7 +110,7 @@ def run_raw(size_kib: int, unit: str, n: int) -> float:
 def producer(ingest: str, publish: str, size_kib: int, unit: str, n: int, conn) -> None:
     msgs = messages(size_kib, unit, n)
     window = _window(size_kib, unit)
-    with AckedPusher(ingest, publish, "bench", window=window, resend_after=30.0, hwm=window) as out:
+    with AckedPusher(ingest, publish, "bench", window=window, resend_after=30.0, hwm=2 * window) as out:
         conn.send("ready")
         conn.recv()
         t0, cpu0 = time.perf_counter(), _cpu_s()
