@@ -57,7 +57,7 @@ class Error(_Msg):
 class Ack(_Msg):
     """Acknowledges messages by id: durable trajectories, consumed batches, applied weights."""
 
-    kind: str  # what is acknowledged: "trajectory", "batch", "weights", ...
+    kind: str  # what is acknowledged: "trajectory", "group" (ids are group ids), "batch", "weights", ...
     ids: list[str]  # ids of the acknowledged items (trajectory ids, batch ids, "v<version>")
     ok: bool = True  # False: the items were received but rejected (see `detail`)
     detail: str = ""  # why they were rejected, when ok is False
