@@ -10,7 +10,7 @@ import pytest
 
 from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
-from tidal.core.protocol import Trajectory
+from tidal.core.protocol import Trajectory, TrajectoryGroup
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint
 
@@ -23,7 +23,9 @@ def traj(tid: str, group: str, version: int, reward: float) -> Trajectory:
 
 
 @pytest.mark.timeout(120)
-def test_admission_and_filters_by_plugin_name(tmp_path):
+@pytest.mark.parametrize("unit", ["trajectory", "group"])
+def test_admission_and_filters_by_plugin_name(tmp_path, unit):
+    """Sent as groups, the same samples meet the same rules: the stale one is refused alone."""
     ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
@@ -37,9 +39,13 @@ def test_admission_and_filters_by_plugin_name(tmp_path):
             with pytest.raises(TimeoutError):
                 learner.next_batch(version=5, timeout=2)  # tells the buffer the learner is at version 5
             with AckedPusher(ingest, publish, "w", resend_after=0.5) as out:
-                for t in [traj("a0", "A", 5, 0.0), traj("a1", "A", 5, 1.0),   # fresh, rewards differ: kept
-                          traj("b0", "B", 4, 1.0), traj("b1", "B", 4, 1.0),   # lag 1, equal rewards: filtered
-                          traj("c0", "C", 2, 1.0)]:                            # lag 3 > max_lag: refused
+                samples = [traj("a0", "A", 5, 0.0), traj("a1", "A", 5, 1.0),   # fresh, rewards differ: kept
+                           traj("b0", "B", 4, 1.0), traj("b1", "B", 4, 1.0),   # lag 1, equal rewards: filtered
+                           traj("c0", "C", 2, 1.0), traj("c1", "C", 5, 1.0)]   # c0 lag 3 > max_lag: refused
+                if unit == "group":
+                    samples = [TrajectoryGroup(id=g, trajectories=[t for t in samples if t.group_id == g], source="w")
+                               for g in "ABC"]
+                for t in samples:
                     out.send(t)
                 out.flush(timeout=30)
                 assert set(out.rejected) == {"c0"} and "stale" in out.rejected["c0"], out.rejected
@@ -48,6 +54,7 @@ def test_admission_and_filters_by_plugin_name(tmp_path):
             learner.ack(batch.batch_id)
             s = learner.status().scalars
             assert s["drops/filter:zero_variance"] == 2 and s["drops/admission:stale"] == 1
+            assert s["total/accepted"] == 5 and s["depth/assembling_groups"] == 1  # c1 waits for its group
     finally:
         proc.terminate()
         out_text = proc.communicate(timeout=10)[0]

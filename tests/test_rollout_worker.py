@@ -1,6 +1,7 @@
 """The rollout worker as a real process against a real buffer process, with the test as controller.
 
-- Lost acknowledgements: a fault-injecting proxy between the buffer's PUB and the worker drops acks;
+- Lost acknowledgements: a fault-injecting proxy between the buffer's PUB and the worker drops acks
+  (of whole groups: the worker sends each group as one message);
   the worker resends, the buffer deduplicates, the learner trains on every sample exactly once.
 - kill -9 mid-group and restart: the buffer already holds some of the group's samples (their acks
   were lost on the way), the worker dies, a new one (same name) gets the group again and regenerates it
@@ -20,6 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -67,18 +69,20 @@ class AckProxy:
             except ChannelTimeout:
                 continue
             if isinstance(msg, Ack) and msg.ok:
-                self.seen.update(msg.ids)
                 keep = []
                 for i in msg.ids:
-                    if i in self.drop or i in self.drop_once:
-                        self.drop_once.discard(i)
-                        self.dropped[i] += 1
+                    # the worker sends groups: a group ack names the group, whose samples are <group>:<k>
+                    members = [f"{i}:{k}" for k in range(G) if f"{i}:{k}" not in msg.refused] if msg.kind == "group" else [i]
+                    self.seen.update(members)
+                    if any(m in self.drop or m in self.drop_once for m in members):
+                        self.drop_once.difference_update(members)
+                        self.dropped.update(members)
                     else:
                         keep.append(i)
+                        self.passed.update(members)
                 if not keep:
                     continue
-                self.passed.update(keep)
-                msg = Ack(kind=msg.kind, ids=keep, ok=True)
+                msg = msgspec.structs.replace(msg, ids=keep)
             self.down.publish(topic, msg)
 
     def close(self) -> None:

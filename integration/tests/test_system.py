@@ -126,6 +126,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         time.sleep(0.1)
     buffer_cfg = json.loads((run_dir / "roles" / "buffer.json").read_text())
     acks = sub(buffer_cfg["publish"], topics=["ack/"], linger=0)
+    group_size = int(buffer_cfg.get("group_size", 8))
     killed: list[str] = []
     learner_killed_at = -1
     plan = [(5, "rollout-1"), (15, "buffer"), (25, "learner")]  # (learner version reached, role to kill)
@@ -135,7 +136,11 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 _, msg = acks.recv(timeout=0.2)
-                if isinstance(msg, Ack) and msg.ok:
+                if isinstance(msg, Ack) and msg.ok and msg.kind == "group":
+                    # workers send each group as one message; its samples are <group id>:<index> (G of them)
+                    acked.update(m for gid in msg.ids for k in range(group_size)
+                                 if (m := f"{gid}:{k}") not in msg.refused)
+                elif isinstance(msg, Ack) and msg.ok:
                     acked.update(msg.ids)
             except ChannelTimeout:
                 pass

@@ -1,12 +1,17 @@
 """Buffer benchmark: trajectories/s through ingest -> write-ahead log (fsync per drained batch) -> serve,
-beside the raw tidal.core channel throughput of the same ~1 KiB trajectories, measured in this run.
+beside the raw tidal.core channel carrying the same messages, measured in this run; swept over sample
+size (1, 16, 64 KiB: 64 KiB is ~4k completion tokens of ids, logprobs and versions) and ingest unit
+(a `Trajectory` per message, or a `TrajectoryGroup` of 8 per message).
 
-    uv run python tools/bench/buffer.py [--n 40000] [--fsync batch] [--trials 3]
+    uv run python tools/bench/buffer.py [--n 40000] [--mib 256] [--sizes 1,16,64] [--units trajectory,group]
+                                        [--fsync batch] [--trials 3]
 
 Path measured: a producer process pushes N trajectories through AckedPusher (resend until acked), the
-buffer process acknowledges each once durable, and a learner (this process) pulls 256-sample batch
-shares, acknowledging each with the next request; the rate is N / (first send -> last batch received). The baseline is
-`tools/bench/transport.py`'s tidal push -> pull of the same messages. Goal: ratio >= 0.5.
+buffer process acknowledges each message once durable, and a learner (this process) pulls 256-sample
+batch shares, acknowledging each with the next request; the rate is N / (first send -> last batch
+received). Baseline: a sender pushes the same messages through tidal.core push -> pull to a receiver
+process that decodes them; N / (first send -> last message decoded). Goals: ratio >= 0.5 for groups at
+1 KiB; >= 0.8 at 16 and 64 KiB for both units. N is `--n` at 1 KiB and `--mib` worth at larger sizes.
 """
 
 from __future__ import annotations
@@ -25,28 +30,87 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import transport
-
 from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
-from tidal.core.protocol import Trajectory
+from tidal.core.channels import pull, push
+from tidal.core.protocol import Trajectory, TrajectoryGroup
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint
 
 GROUP = 8
 BATCH = 256
+UNITS = {"trajectory": 1, "group": GROUP}  # trajectories per message
+GOALS = {(1, "group"): 0.5, (16, "trajectory"): 0.8, (16, "group"): 0.8, (64, "trajectory"): 0.8, (64, "group"): 0.8}
+PROMPT = 32
+IN_FLIGHT_BYTES = 128 * 1024**2  # producer window and socket queues hold about this much
 
 
-def producer(ingest: str, publish: str, n: int, conn) -> None:
-    c = transport.small_content(np.random.default_rng(0))
-    arrays = {k: Array.from_numpy(v) for k, v in c.items() if isinstance(v, np.ndarray)}
-    base = {**c, **arrays}
-    msgs = [
-        Trajectory(**{**base, "id": f"t{i}", "group_id": f"g{i // GROUP}", "sample_index": i % GROUP}, source="bench")
-        for i in range(n)
-    ]
-    with AckedPusher(ingest, publish, "bench", window=8192, resend_after=10.0, hwm=10_000) as out:
+def messages(size_kib: int, unit: str, n: int, source: str = "bench") -> list[Trajectory | TrajectoryGroup]:
+    """N trajectories of about `size_kib` KiB encoded (32 prompt tokens; completion ids, logprobs and
+    versions at 12 bytes a token), as lone messages or groups of 8."""
+    rng = np.random.default_rng(0)
+    c = max(1, (size_kib * 1024 - 4 * PROMPT - 160) // 12)  # ~160 bytes of msgpack around the arrays
+    arrays = dict(prompt_ids=Array.from_numpy(rng.integers(0, 32000, PROMPT, dtype=np.int32)),
+                  completion_ids=Array.from_numpy(rng.integers(0, 32000, c, dtype=np.int32)),
+                  logprobs=Array.from_numpy(-rng.random(c, dtype=np.float32)),
+                  versions=Array.from_numpy(np.full(c, 7, np.int32)))
+    trajs = [Trajectory(id=f"t{i}", group_id=f"g{i // GROUP}", sample_index=i % GROUP, task="arith", reward=1.0,
+                        finish_reason="stop", source=source, group_size=GROUP, **arrays) for i in range(n)]
+    if unit == "trajectory":
+        return trajs  # type: ignore[return-value]
+    return [TrajectoryGroup(id=f"g{j}", trajectories=trajs[j * GROUP:(j + 1) * GROUP], source=source)
+            for j in range(n // GROUP)]
+
+
+def _window(size_kib: int, unit: str) -> int:
+    return int(min(8192, max(64, IN_FLIGHT_BYTES // (size_kib * 1024 * UNITS[unit]))))
+
+
+def _cpu_s(pid: str = "self") -> float:
+    """User + system CPU seconds of a process so far, every thread included (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- raw channel baseline
+
+
+def raw_receiver(count: int, conn) -> None:
+    with pull("tcp://127.0.0.1:*", hwm=10_000) as inbox:
+        conn.send(inbox.endpoint)
+        for _ in range(count):
+            inbox.recv(timeout=120)
+        conn.send(time.perf_counter())
+
+
+def run_raw(size_kib: int, unit: str, n: int) -> float:
+    msgs = messages(size_kib, unit, n)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=raw_receiver, args=(len(msgs), child), daemon=True)
+    proc.start()
+    try:
+        endpoint = parent.recv()
+        with push(endpoint, hwm=_window(size_kib, unit), linger=60) as out:
+            time.sleep(0.2)  # connected
+            t0 = time.perf_counter()
+            for m in msgs:
+                out.send(m)
+            t_end = parent.recv() if parent.poll(300) else float("nan")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return n / (t_end - t0)
+
+
+# ----------------------------------------------------------------------------- through the buffer
+
+
+def producer(ingest: str, publish: str, size_kib: int, unit: str, n: int, conn) -> None:
+    msgs = messages(size_kib, unit, n)
+    window = _window(size_kib, unit)
+    with AckedPusher(ingest, publish, "bench", window=window, resend_after=30.0, hwm=2 * window) as out:
         conn.send("ready")
         conn.recv()
         t0, cpu0 = time.perf_counter(), _cpu_s()
@@ -56,23 +120,19 @@ def producer(ingest: str, publish: str, n: int, conn) -> None:
         conn.send((t0, time.perf_counter(), out.resent, _cpu_s() - cpu0))
 
 
-def _cpu_s(pid: str = "self") -> float:
-    """User + system CPU seconds of a process so far, every thread included (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def run_buffer(n: int, fsync: str) -> dict[str, float]:
+def run_buffer(size_kib: int, unit: str, n: int, fsync: str) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tidal-bench-buffer-"))
     ingest, serve, publish = free_endpoint(), free_endpoint(), free_endpoint()
+    profile = os.environ.get("TIDAL_BENCH_PROFILE")  # a folder: the buffer's cProfile per cell lands there
+    prof = ["-m", "cProfile", "-o", f"{profile}/buffer-{size_kib}k-{unit}.prof"] if profile else []
     proc = subprocess.Popen(
-        [sys.executable, *(["-m", "cProfile", "-o", "/tmp/buf.prof"] if "TIDAL_BENCH_PROFILE" in os.environ else []), "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
+        [sys.executable, *prof, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
          f'wal_dir="{tmp / "wal"}"', f"group_size={GROUP}", f"batch_samples={BATCH}", "max_groups=0",
          f'fsync="{fsync}"', "max_batch_records=512", "--log-level=WARNING"],
     )
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    prod = ctx.Process(target=producer, args=(ingest, publish, n, child), daemon=True)
+    prod = ctx.Process(target=producer, args=(ingest, publish, size_kib, unit, n, child), daemon=True)
     try:
         with BatchClient(serve, retry_every=1.0) as learner:
             learner.status(timeout=60)  # the service is up
@@ -101,33 +161,48 @@ def run_buffer(n: int, fsync: str) -> dict[str, float]:
             "cpu_us": {"producer": 1e6 * producer_cpu / n, "buffer": 1e6 * buffer_cpu / n, "learner": 1e6 * learner_cpu / n}}
 
 
+# ----------------------------------------------------------------------------- sweep
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=40_000, help="trajectories per trial (multiple of 256)")
+    ap.add_argument("--n", type=int, default=40_000, help="trajectories per 1 KiB trial (rounded to 256)")
+    ap.add_argument("--mib", type=float, default=256, help="MiB of trajectories per trial at larger sizes")
+    ap.add_argument("--sizes", default="1,16,64", help="sample sizes in KiB")
+    ap.add_argument("--units", default="trajectory,group", help="ingest units: trajectory, group")
     ap.add_argument("--fsync", default="batch", choices=["batch", "always", "never"])
     ap.add_argument("--trials", type=int, default=3)
     args = ap.parse_args(argv)
-    n = args.n - args.n % BATCH
-    raw, buf, ingest, cpu = [], [], [], []
-    for _ in range(args.trials):  # interleaved, so machine noise hits both alike
-        raw.append(transport.measure(["tidal"], "small", n, 1)["tidal"])
-        r = run_buffer(n, args.fsync)
-        buf.append(r["tps"])
-        ingest.append(r["ingest_tps"])
-        cpu.append(r["cpu_us"])
-    raw_m, buf_m, ing_m = statistics.median(raw), statistics.median(buf), statistics.median(ingest)
-    print(f"{'path':<46}{'trajectories/s':>16}")
-    print(f"{'raw tidal.core push -> pull (baseline)':<46}{raw_m:>16,.0f}")
-    print(f"{'buffer ingest -> WAL (fsync ' + args.fsync + ') -> ack':<46}{ing_m:>16,.0f}")
-    print(f"{'buffer ingest -> WAL -> serve -> learner ack':<46}{buf_m:>16,.0f}")
-    print(f"ratio end-to-end / raw = {buf_m / raw_m:.2f} (goal >= 0.5)")
-    cpu_m = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
-    print("CPU per trajectory (us, every thread): " + ", ".join(f"{k} {v:.1f}" for k, v in cpu_m.items())
-          + f"; {os.cpu_count()} cores")
-    print(json.dumps({"bench": "buffer", "n": n, "fsync": args.fsync, "raw_tps": round(raw_m),
-                      "buffer_ingest_tps": round(ing_m), "buffer_tps": round(buf_m),
-                      "ratio": round(buf_m / raw_m, 3), "goal": 0.5,
-                      "cpu_us_per_trajectory": {k: round(v, 1) for k, v in cpu_m.items()}}))
+    cells = [(int(s), u) for s in args.sizes.split(",") for u in args.units.split(",")]
+    if any(u not in UNITS for _, u in cells):
+        ap.error(f"--units takes {', '.join(UNITS)}")
+    rows = []
+    for size, unit in cells:
+        n = args.n if size == 1 else int(args.mib * 1024 // size)
+        n = max(BATCH, n - n % BATCH)
+        raw, buf, ingest, cpu = [], [], [], []
+        for _ in range(args.trials):  # interleaved, so machine noise hits both alike
+            raw.append(run_raw(size, unit, n))
+            r = run_buffer(size, unit, n, args.fsync)
+            buf.append(r["tps"])
+            ingest.append(r["ingest_tps"])
+            cpu.append(r["cpu_us"])
+        raw_m, buf_m = statistics.median(raw), statistics.median(buf)
+        rows.append({"size_kib": size, "unit": unit, "n": n, "raw_tps": round(raw_m), "buffer_tps": round(buf_m),
+                     "buffer_ingest_tps": round(statistics.median(ingest)), "ratio": round(buf_m / raw_m, 3),
+                     "goal": GOALS.get((size, unit)),
+                     "cpu_us_per_trajectory": {k: round(statistics.median(c[k] for c in cpu), 1) for k in cpu[0]}})
+    print(f"{'size':>6} {'unit':<11}{'raw traj/s':>12}{'ingest':>12}{'end-to-end':>12}{'ratio':>7}{'goal':>6}"
+          f"   CPU us/traj: producer buffer learner")
+    for r in rows:
+        c = r["cpu_us_per_trajectory"]
+        goal = f"{r['goal']:.1f}" if r["goal"] else "-"
+        print(f"{r['size_kib']:>4}Ki {r['unit']:<11}{r['raw_tps']:>12,}{r['buffer_ingest_tps']:>12,}{r['buffer_tps']:>12,}"
+              f"{r['ratio']:>7.2f}{goal:>6}   {c['producer']:>8.1f} {c['buffer']:>6.1f} {c['learner']:>7.1f}")
+    print(f"ratio = end-to-end (ingest -> WAL fsync {args.fsync} -> ack; serve -> learner ack) / raw push -> pull "
+          f"of the same messages; {os.cpu_count()} cores")
+    met = all(r["ratio"] >= r["goal"] for r in rows if r["goal"])
+    print(json.dumps({"bench": "buffer", "fsync": args.fsync, "trials": args.trials, "cells": rows, "goals_met": met}))
     return 0
 
 

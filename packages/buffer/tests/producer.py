@@ -1,5 +1,6 @@
 """A test producer process: pushes COUNT trajectories in groups of G through AckedPusher, resending until
-each is acknowledged, and appends every acknowledged id to ACKED_FILE as soon as its Ack arrives."""
+each is acknowledged, and appends every acknowledged id to ACKED_FILE as soon as its Ack arrives.
+`--unit group` sends each group of G as one TrajectoryGroup message (COUNT a multiple of G)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.protocol import Trajectory
+from tidal.core.protocol import Trajectory, TrajectoryGroup
 from tidal.core.reliable import AckedPusher
 
 
@@ -45,6 +46,7 @@ def main() -> int:
     ap.add_argument("--resend-after", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--malformed-every", type=int, default=0)
+    ap.add_argument("--unit", choices=["trajectory", "group"], default="trajectory")
     args = ap.parse_args()
     rng = np.random.default_rng(abs(hash(args.name)) % 2**32)
     deadline = time.monotonic() + args.timeout
@@ -57,10 +59,17 @@ def main() -> int:
     with acked, AckedPusher(
         args.ingest, args.publish, args.name, window=args.window, resend_after=args.resend_after, on_ack=record
     ) as out:
+        members: list[Trajectory] = []
         for i in range(args.count):
             if args.malformed_every and i % args.malformed_every == 0:
                 out._push.socket.send_multipart([b"\xd7T\x01\x00garbage"])  # a broken peer's message
-            out.send(make(args.name, i, args.group_size, args.tokens, rng), timeout=max(1.0, deadline - time.monotonic()))
+            t = make(args.name, i, args.group_size, args.tokens, rng)
+            if args.unit == "group":
+                members.append(t)
+                if len(members) < args.group_size:
+                    continue
+                t, members = TrajectoryGroup(id=t.group_id, trajectories=members, source=args.name), []
+            out.send(t, timeout=max(1.0, deadline - time.monotonic()))
             out.poll(0)
         while out.pending:
             if time.monotonic() > deadline:

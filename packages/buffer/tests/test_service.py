@@ -4,6 +4,7 @@ and threads, kill -9 and restarts, back-pressure, malformed input, corrupted log
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -13,21 +14,8 @@ import pytest
 from tidal.buffer.client import BatchClient
 from tidal.core.channels import push
 
-
-def read_ids(*files: Path) -> list[str]:
-    out: list[str] = []
-    for f in files:
-        if f.exists():
-            out += [line for line in f.read_text().splitlines() if line]
-    return out
-
-
-def assert_exactly_once(acked: list[str], trained: list[str]) -> None:
-    dupes = [i for i, c in Counter(trained).items() if c > 1]
-    assert not dupes, f"{len(dupes)} trajectories trained more than once, e.g. {dupes[:5]}"
-    missing = set(acked) - set(trained)
-    assert not missing, f"{len(missing)} acknowledged trajectories never trained, e.g. {sorted(missing)[:5]}"
-    assert set(trained) <= set(acked)
+sys.path.insert(0, str(Path(__file__).parent))
+from audit import assert_exactly_once, read_ids
 
 
 @pytest.mark.timeout(300)

@@ -119,3 +119,20 @@ def test_put_records_are_written_as_msgspec_encodes_them(tmp_path):
     assert b"".join(p.read_bytes() for p in log.segments()) == expected
     recs, report = wal.WriteAheadLog(tmp_path).replay()
     assert recs == [*(wal.Put(f) for f in frames), wal.Consume("b0-r0")] and not report.corrupt_regions
+
+
+def test_group_records_are_written_as_msgspec_encodes_them_and_replay_every_member(tmp_path):
+    from tidal.buffer.store import PREAMBLE, body_of, frame_of
+
+    for n in (1, 3, 15, 16, 40):  # fixarray and array16 headers
+        frames = [encode_trajectory(traj(i, group=f"g{n}", n=i % 5)) for i in range(n)]
+        log = wal.WriteAheadLog(tmp_path / str(n))
+        log.append_group([body_of(f) for f in frames], PREAMBLE)  # views, as the service passes them
+        log.close()
+        assert b"".join(p.read_bytes() for p in log.segments()) == wal.encode_record(wal.PutGroup(frames))
+        recs, report = wal.WriteAheadLog(tmp_path / str(n)).replay()
+        assert recs == [wal.PutGroup(frames)] and not report.corrupt_regions
+        store = Store(group_size=n)
+        store.apply(recs[0])
+        assert list(store.ready) == [f"g{n}"] and store.stats["accepted"] == n
+        assert [frame_of(store.frames[f"traj-{i}"]) for i in range(n)] == frames

@@ -148,7 +148,7 @@ def test_peer_of_another_major_version_is_refused_at_hello(server_process):
     with dealer(endpoint, codec=future) as client:
         hello = make_hello("rollout", "from-the-future")
         hello.protocol = (2, 0)
-        with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 1\.0, this process speaks 2\.0") as e:
+        with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 1\.1, this process speaks 2\.0") as e:
             client.handshake(hello, timeout=5)
         assert e.value.ours == (2, 0) and e.value.theirs[0] == 1
     # the server is unharmed and still serves a current peer

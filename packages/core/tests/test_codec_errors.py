@@ -130,7 +130,7 @@ def test_oversized_messages_are_refused_before_decoding():
 def test_other_major_version_is_refused_naming_both():
     future = Codec(protocol=(2, 3))
     frames = future.encode(make_trajectory(0, out_of_line=True))
-    with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 2\.3, this process speaks 1\.0"):
+    with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 2\.3, this process speaks 1\.1"):
         CODEC.decode(frames)
 
 
@@ -145,3 +145,17 @@ def test_codec_is_usable_after_errors():
         with pytest.raises(ProtocolError):
             CODEC.decode(bad)
         assert CODEC.decode(good) == make_trajectory(1)
+
+
+def test_a_bad_member_of_a_group_is_named_through_the_group():
+    from tidal.core.protocol import Trajectory, TrajectoryGroup
+    from tidal.core.testing import make_group
+
+    ingest = Codec(message_type=Trajectory | TrajectoryGroup)  # what the buffer's ingest decodes
+    frames = ingest.encode(make_group("g", 3, out_of_line=True))
+    header = msgspec.msgpack.decode(bytes(frames[0][4:]))
+    header[2][1][7] = "no"  # trajectories[1].logprobs
+    with pytest.raises(ProtocolError, match="Expected `array`, got `str`") as e:
+        ingest.decode(_frames_with_header(header, frames))
+    assert e.value.field == "TrajectoryGroup.trajectories[1].logprobs"
+    assert ingest.decode(frames) == make_group("g", 3)  # the codec goes on

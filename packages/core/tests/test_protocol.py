@@ -21,7 +21,7 @@ def test_every_message_round_trips(out_of_line):
     codec = Codec()
     for msg in sample_messages(out_of_line=out_of_line):
         frames = codec.encode(msg)
-        assert (len(frames) > 1) == (out_of_line and type(msg).__name__ in ("Metrics", "Assignment", "Trajectory", "Batch", "WeightsBucket"))
+        assert (len(frames) > 1) == (out_of_line and type(msg).__name__ in ("Metrics", "Assignment", "Trajectory", "TrajectoryGroup", "Batch", "WeightsBucket"))
         assert codec.decode([bytes(f) for f in frames]) == msg
 
 

@@ -3,10 +3,18 @@
     tidal-buffer [--config buffer.toml] [dotted.overrides ...]
     python -m tidal.buffer ...
 
-Sockets (from config): PULL `ingest` for trajectories; ROUTER `serve` for BatchRequest / batch Acks /
-Control("status" | "stop"); PUB `publish` for trajectory acks (topic ``ack/<source>/``) and Metrics
-(topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group commit:
-one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
+Sockets (from config): PULL `ingest` for trajectories and trajectory groups; ROUTER `serve` for
+BatchRequest / batch Acks / Control("status" | "stop"); PUB `publish` for acks (topic ``ack/<source>/``)
+and Metrics (topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group
+commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
+
+A `TrajectoryGroup` is admitted as one WAL record (`PutGroup`) and acknowledged as one
+(``Ack(kind="group", ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
+member: known ids are acknowledged again without a second copy, the admission policy refuses stale
+members one by one (named in ``Ack.refused``; the others are kept), so a group and the same trajectories
+sent singly end in the same state. A group that is malformed as a whole — no members, a member of
+another group, an id twice, or a member that fails `validate` — is refused whole (``ok=False``, the reason
+naming the member): it comes from a broken producer, and half of it would skew the group's advantages.
 """
 
 from __future__ import annotations
@@ -28,15 +36,15 @@ import zmq
 from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
 from tidal.buffer.config import BufferConfig
-from tidal.buffer.store import Group, Store, encode_trajectory, num_tokens
+from tidal.buffer.store import PREAMBLE, Group, Store, body_of, encode_trajectory, num_tokens
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
-from tidal.core.codec import PREAMBLE_BYTES, Codec
+from tidal.core.codec import Codec
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
 from tidal.core.process import setup_role_process
-from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory
+from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory, TrajectoryGroup
 from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
 
@@ -44,6 +52,16 @@ log = logging.getLogger("tidal.buffer")
 LAG_SAMPLE_GROUPS = 256
 GC_GEN0_THRESHOLD = 50_000
 INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
+
+
+class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
+    """A TrajectoryGroup header read for its members' encodings (views into the header, not copies)."""
+
+    id: str
+    trajectories: list[msgspec.Raw]
+
+
+_raw_group = msgspec.msgpack.Decoder(_RawGroup)
 
 
 def validate(t: Trajectory) -> str | None:
@@ -59,6 +77,23 @@ def validate(t: Trajectory) -> str | None:
         return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
     if not t.id or not t.group_id:
         return "id and group_id must be non-empty"
+    return None
+
+
+def validate_group(g: TrajectoryGroup) -> str | None:
+    """Why a decoded group cannot be admitted (as a whole), or None."""
+    if not g.trajectories:
+        return "it has no trajectories"
+    seen = set()
+    for i, t in enumerate(g.trajectories):
+        if t.group_id != g.id:
+            return f"trajectories[{i}] ({t.id}) has group_id {t.group_id!r}, not the group's id {g.id!r}"
+        if t.id in seen:
+            return f"trajectories[{i}] repeats the id {t.id!r}"
+        seen.add(t.id)
+        why = validate(t)
+        if why is not None:
+            return f"trajectories[{i}] ({t.id}): {why}"
     return None
 
 
@@ -83,8 +118,8 @@ class BufferService:
         self.filters = [(f.name, registry.create("group_filter", f.name, **f.options)) for f in cfg.filters]
         curve = CurveServer.from_files(cfg.curve_secret_key, cfg.curve_authorized_keys or None) if cfg.curve_secret_key else None
         common: dict[str, Any] = {"curve": curve, "hwm": cfg.hwm, "linger": 1.0}
-        # ingest decodes Trajectory only (faster than the whole Message union; others get a clear error)
-        self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory), **common)
+        # ingest decodes its two types only (faster than the whole Message union; others get a clear error)
+        self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory | TrajectoryGroup), **common)
         self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), **common)
         self.pub = pub(cfg.publish, curve=curve, hwm=100_000, linger=1.0)
         self.learner_version = 0
@@ -98,8 +133,9 @@ class BufferService:
         # group commit: records appended but not yet durable, and the acks that wait for them
         self._uncommitted = 0
         self._commit_due: float | None = None
-        self._acks: dict[str, list[str]] = defaultdict(list)
-        self._refusals: list[tuple[str, str, str]] = []
+        self._acks: dict[str, list[str]] = defaultdict(list)  # source -> durable trajectory ids
+        self._group_acks: dict[str, tuple[list[str], dict[str, str]]] = {}  # source -> (group ids, refused members)
+        self._refusals: list[tuple[str, str, str, str]] = []  # (source, ack kind, id, why)
         self._replies: list[tuple[bytes, Batch]] = []  # served batches wait for their Serve records too
         self._formed: list[str] = []  # shares formed since the last commit
         self._undurable: set[str] = set()  # shares whose Serve record is not durable yet: not sent
@@ -159,13 +195,26 @@ class BufferService:
                 self.protocol_errors += 1
                 log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
                 continue
-            n += 1
             # a single-frame message is already the WAL encoding (every array inline): no re-encode
-            verdict = self.accept(msg, frames[0] if len(frames) == 1 else None)
+            frame = frames[0] if len(frames) == 1 else None
+            if type(msg) is TrajectoryGroup:
+                n += len(msg.trajectories)
+                verdict, refused = self.accept_group(msg, frame)
+                if verdict is None:
+                    acks = self._group_acks.get(msg.source)
+                    if acks is None:
+                        acks = self._group_acks[msg.source] = ([], {})
+                    acks[0].append(msg.id)
+                    acks[1].update(refused)
+                else:
+                    self._refusals.append((msg.source, "group", msg.id, verdict))
+                continue
+            n += 1
+            verdict = self.accept(msg, frame)
             if verdict is None:
                 self._acks[msg.source].append(msg.id)
             else:
-                self._refusals.append((msg.source, msg.id, verdict))
+                self._refusals.append((msg.source, "trajectory", msg.id, verdict))
         if n:
             self._uncommitted += n
             self._commit_within(self.cfg.commit_interval_s)
@@ -181,8 +230,8 @@ class BufferService:
             return
         if not force and self._uncommitted < self.cfg.max_batch_records and time.monotonic() < self._commit_due:
             return
-        effects = (self._acks, self._refusals, self._replies, self._formed)
-        self._acks, self._refusals, self._replies, self._formed = defaultdict(list), [], [], []
+        effects = (self._acks, self._group_acks, self._refusals, self._replies, self._formed)
+        self._acks, self._group_acks, self._refusals, self._replies, self._formed = defaultdict(list), {}, [], [], []
         self._uncommitted = 0
         self._commit_due = None
         if self.syncer is None or force:
@@ -218,14 +267,18 @@ class BufferService:
             raise OSError(f"fsync of the write-ahead log in {self.cfg.wal_dir} failed: {self.syncer.error}; "
                           "nothing more is acknowledged (the unacknowledged data is resent by its producers)")
 
-    def _publish_effects(self, acks: dict[str, list[str]], refusals: list[tuple[str, str, str]],
-                         replies: list[tuple[bytes, Batch]], formed: list[str]) -> None:
+    def _publish_effects(self, acks: dict[str, list[str]], group_acks: dict[str, tuple[list[str], dict[str, str]]],
+                         refusals: list[tuple[str, str, str, str]], replies: list[tuple[bytes, Batch]],
+                         formed: list[str]) -> None:
         self._undurable.difference_update(formed)
         for source, ids in acks.items():
             self.publish_ack(source, Ack(kind="trajectory", ids=ids))
-        for source, tid, why in refusals:
+        for source, (gids, refused) in group_acks.items():
+            self.rejected += len(refused)
+            self.publish_ack(source, Ack(kind="group", ids=gids, refused=refused))
+        for source, kind, item, why in refusals:
             self.rejected += 1
-            self.publish_ack(source, Ack(kind="trajectory", ids=[tid], ok=False, detail=why))
+            self.publish_ack(source, Ack(kind=kind, ids=[item], ok=False, detail=why))
         for peer, batch in replies:
             self._reply(peer, batch)
 
@@ -238,20 +291,62 @@ class BufferService:
         if why is not None:
             return f"invalid trajectory {t.id}: {why}"
         if self.admission is not None:
-            adm = self.admission.admit(t.versions.numpy(), self.learner_version)
-            if not adm.admit:
-                self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
-                return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})"
-            if adm.token_mask is not None:
-                t.loss_mask = _and_mask(t.loss_mask, adm.token_mask)
-                frame = None  # changed: encode again
+            why, changed = self._admit(t)
+            if why is not None:
+                return why
+            if changed:
+                frame = None  # encode again
         if frame is None:
             frame = encode_trajectory(t)
         self.wal.append_put(frame)
-        group = self.store.put(t, frame)
+        group = self.store.put(t, body_of(frame))
         if group is not None:
             self.on_group_complete(group)
         return None
+
+    def _admit(self, t: Trajectory) -> tuple[str | None, bool]:
+        """The admission policy's verdict on `t`: why it is refused (or None), and whether its loss mask
+        was narrowed (then its stored encoding must be made again)."""
+        adm = self.admission.admit(t.versions.numpy(), self.learner_version)
+        if not adm.admit:
+            self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
+            return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})", False
+        if adm.token_mask is not None:
+            t.loss_mask = _and_mask(t.loss_mask, adm.token_mask)
+            return None, True
+        return None, False
+
+    def accept_group(self, g: TrajectoryGroup, frame: bytes | None = None) -> tuple[str | None, dict[str, str]]:
+        """Admit the members of `g` in one WAL record. Returns why the whole group is refused (or None),
+        and the members refused one by one (id -> why); known members are acknowledged again."""
+        why = validate_group(g)
+        if why is not None:
+            return f"invalid group {g.id}: {why}", {}
+        store = self.store
+        # each member's encoding is a slice of the header when every array rode inline in it
+        bodies = _raw_group.decode(body_of(frame)).trajectories if frame is not None else None
+        admitted: list[Trajectory] = []
+        kept: list[Any] = []
+        refused: dict[str, str] = {}
+        for i, t in enumerate(g.trajectories):
+            if store.known(t.id):
+                store.stats["duplicates"] += 1
+                continue
+            changed = bodies is None
+            if self.admission is not None:
+                why, masked = self._admit(t)
+                if why is not None:
+                    refused[t.id] = why
+                    continue
+                changed = changed or masked
+            admitted.append(t)
+            kept.append(body_of(encode_trajectory(t)) if changed else memoryview(bodies[i]))
+        if admitted:
+            self.wal.append_group(kept, PREAMBLE)
+            group = store.put_group(admitted, kept)
+            if group is not None:
+                self.on_group_complete(group)
+        return None, refused
 
     def on_group_complete(self, group: Group) -> None:
         rewards_group = list(group.members.values())
@@ -342,7 +437,7 @@ class BufferService:
     def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
         """Apply the admission policy again at serving time (the hard staleness guarantee). An unchanged
         trajectory goes out as its stored encoding, spliced into the Batch without re-encoding."""
-        raw = msgspec.Raw(memoryview(self.store.frames[t.id])[PREAMBLE_BYTES:])
+        raw = msgspec.Raw(self.store.frames[t.id])
         if self.admission is None:
             return raw
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)

@@ -13,15 +13,25 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tidal.buffer import wal
-from tidal.core.codec import Codec
-from tidal.core.protocol import Trajectory
+from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
+from tidal.core.protocol import PROTOCOL_VERSION, Trajectory
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 _codec = Codec(inline_threshold=1 << 62)
+PREAMBLE = MAGIC + bytes(PROTOCOL_VERSION)  # what starts a frame this process encodes
 
 
 def encode_trajectory(t: Trajectory) -> bytes:
     return bytes(_codec.encode(t)[0])
+
+
+def body_of(frame: bytes) -> memoryview:
+    """The msgpack of the Trajectory in a frame (what is stored and served), without copying."""
+    return memoryview(frame)[PREAMBLE_BYTES:]
+
+
+def frame_of(body: bytes | memoryview) -> bytes:
+    return PREAMBLE + body
 
 
 def decode_trajectory(frame: bytes) -> Trajectory:
@@ -94,7 +104,9 @@ class Store:
         self.consumed_ids = RecentIds(dedupe_window)
         self.consumed_batches = RecentIds(200_000)
         self.next_batch_seq = 0
-        self.frames: dict[str, bytes] = {}  # live trajectory id -> its encoded frame (WAL record, served raw)
+        # live trajectory id -> its msgpack encoding (no preamble), served raw: a view into the message it
+        # arrived in, so a group's members share its buffer
+        self.frames: dict[str, bytes | memoryview] = {}
         self.live_bytes = 0
         self.stats = {"accepted": 0, "consumed": 0, "served": 0, "dropped": 0, "duplicates": 0}
         self.drops: dict[str, int] = {}
@@ -114,15 +126,16 @@ class Store:
 
     # ------------------------------------------------------------------ transitions
 
-    def put(self, t: Trajectory, frame: bytes | None = None) -> Group | None:
-        """Add an accepted trajectory with its encoded frame. Returns its group when this completed it."""
+    def put(self, t: Trajectory, body: bytes | memoryview | None = None) -> Group | None:
+        """Add an accepted trajectory with its encoding (`body_of` its frame). Returns its group when this
+        completed it."""
         tid, gid = t.id, t.group_id
         if tid in self.where or tid in self.consumed_ids:
             self.stats["duplicates"] += 1
             return None
-        frame = encode_trajectory(t) if frame is None else frame
-        self.frames[tid] = frame
-        self.live_bytes += len(frame)
+        body = body_of(encode_trajectory(t)) if body is None else body
+        self.frames[tid] = body
+        self.live_bytes += len(body)
         self.where[tid] = gid
         self.stats["accepted"] += 1
         g = self.assembling.get(gid)
@@ -135,6 +148,35 @@ class Store:
         g.members[tid] = t
         g.tokens += num_tokens(t)
         if assembling and len(g.members) >= g.size:
+            del self.assembling[gid]
+            self.ready[gid] = g
+            return g
+        return None
+
+    def put_group(self, trajs: list[Trajectory], bodies: list[bytes | memoryview]) -> Group | None:
+        """`put` of members of one group that are not known (the caller checked), in one pass: the state
+        is the same as after putting them one by one."""
+        gid = trajs[0].group_id
+        g = self.assembling.get(gid)
+        assembling = g is not None
+        if g is None:
+            g = self.ready.get(gid)
+            if g is None:
+                g = self.assembling[gid] = Group(gid, trajs[0].group_size or self.group_size)
+                assembling = True
+        frames, where, members = self.frames, self.where, g.members
+        size = tokens = 0
+        for t, body in zip(trajs, bodies, strict=True):
+            tid = t.id
+            frames[tid] = body
+            where[tid] = gid
+            members[tid] = t
+            size += len(body)
+            tokens += num_tokens(t)
+        self.live_bytes += size
+        g.tokens += tokens
+        self.stats["accepted"] += len(trajs)
+        if assembling and len(members) >= g.size:
             del self.assembling[gid]
             self.ready[gid] = g
             return g
@@ -203,7 +245,10 @@ class Store:
     def apply(self, rec: wal.Record) -> None:
         """Replay one WAL record."""
         if type(rec) is wal.Put:
-            self.put(decode_trajectory(rec.frame), rec.frame)
+            self.put(decode_trajectory(rec.frame), body_of(rec.frame))
+        elif type(rec) is wal.PutGroup:
+            for frame in rec.frames:
+                self.put(decode_trajectory(frame), body_of(frame))
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
@@ -222,8 +267,8 @@ class Store:
     def restore(self, batch_id: str, rank: int, world_size: int, trajs: list[Trajectory], frames: list[bytes]) -> None:
         for t, frame in zip(trajs, frames, strict=True):
             self.where[t.id] = batch_id
-            self.frames[t.id] = frame
-            self.live_bytes += len(frame)
+            self.frames[t.id] = body_of(frame)
+            self.live_bytes += len(frame) - PREAMBLE_BYTES
         self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs)
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
 
@@ -231,12 +276,10 @@ class Store:
         """The live state as records (for compaction): replaying them rebuilds this store."""
         yield wal.Snapshot(self.next_batch_seq, list(self.consumed_ids), list(self.consumed_batches))
         for gid, g in self.ready.items():
-            for t in g.members.values():
-                yield wal.Put(self.frames[t.id])
+            yield wal.PutGroup([frame_of(self.frames[tid]) for tid in g.members])
             if len(g.members) < g.size:  # released early or thinned by drops: still ready
                 yield wal.Release(gid)
         for g in self.assembling.values():
-            for t in g.members.values():
-                yield wal.Put(self.frames[t.id])
+            yield wal.PutGroup([frame_of(self.frames[tid]) for tid in g.members])
         for s in self.outstanding.values():
-            yield wal.Restore(s.batch_id, s.rank, s.world_size, [self.frames[t.id] for t in s.trajectories])
+            yield wal.Restore(s.batch_id, s.rank, s.world_size, [frame_of(self.frames[t.id]) for t in s.trajectories])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ def checksum(payload: bytes | memoryview) -> int:
 
 class Put(msgspec.Struct, tag=True, array_like=True, gc=False):
     frame: bytes  # the Trajectory, encoded by tidal.core's codec with every array inline
+
+
+class PutGroup(msgspec.Struct, tag=True, array_like=True, gc=False):
+    frames: list[bytes]  # the admitted members of one TrajectoryGroup, each encoded like Put.frame
 
 
 class Serve(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -71,22 +75,32 @@ class Restore(msgspec.Struct, tag=True, array_like=True, gc=False):
     frames: list[bytes]  # its trajectories, encoded like Put.frame
 
 
-Record = Put | Serve | Consume | Drop | Release | Snapshot | Restore
+Record = Put | PutGroup | Serve | Consume | Drop | Release | Snapshot | Restore
 
 _encoder = msgspec.msgpack.Encoder()
 _PENDING_LIMIT = 1 << 20  # appended bytes held before they are written to the file
 _IOV_MAX = 1024  # pieces per writev (Linux's limit)
+_JOIN_LIMIT = 16 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
 _decoder = msgspec.msgpack.Decoder(Record)
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def _put_prefix(n: int) -> bytes:
     """msgpack of ``Put(frame)`` up to the frame's bytes (a 2-array: tag, bin header), as msgspec
     writes it: `append` writes Put records without copying the frame (tested against msgspec)."""
-    if n < 1 << 8:
-        return b"\x92\xa3Put\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\x92\xa3Put\xc5" + n.to_bytes(2, "big")
-    return b"\x92\xa3Put\xc6" + n.to_bytes(4, "big")
+    return b"\x92\xa3Put" + _bin_header(n)
+
+
+def _group_prefix(n: int) -> bytes:
+    """msgpack of ``PutGroup(frames)`` up to its first frame: a 2-array of the tag and an n-array."""
+    return b"\x92\xa8PutGroup" + (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big"))
 
 
 def encode_record(rec: Record) -> bytes:
@@ -220,6 +234,13 @@ class WriteAheadLog:
         if self._file is None:
             self._open_new(1)
         n = len(frame)
+        if n >= _JOIN_LIMIT:  # a large frame is not copied: three pieces, checksum streamed over two
+            prefix = _put_prefix(n)
+            h = xxh3_64(prefix)
+            h.update(frame)
+            self._pending += (HEADER.pack(len(prefix) + n, h.intdigest() & 0xFFFFFFFF), prefix, frame)
+            self._added(HEADER.size + len(prefix) + n)
+            return
         prefix = self._prefixes.get(n)
         if prefix is None:
             if len(self._prefixes) >= 4096:
@@ -228,6 +249,24 @@ class WriteAheadLog:
         payload = prefix + frame
         self._pending += (HEADER.pack(len(payload), checksum(payload)), payload)
         self._added(HEADER.size + len(payload))
+
+    def append_group(self, bodies: list, preamble: bytes) -> None:
+        """`append(PutGroup([preamble + b for b in bodies]))` without joining anything: the record goes to
+        writev as pieces (the bodies are views into the received message) and its checksum is streamed."""
+        if self._file is None:
+            self._open_new(1)
+        if len(bodies) >= 1 << 16:
+            raise ValueError(f"a group record holds at most 65535 trajectories, not {len(bodies)}")
+        pieces = [_group_prefix(len(bodies))]
+        for body in bodies:
+            pieces += (_bin_header(len(preamble) + len(body)) + preamble, body)
+        h = xxh3_64()
+        size = 0
+        for piece in pieces:
+            h.update(piece)
+            size += len(piece)
+        self._pending += (HEADER.pack(size, h.intdigest() & 0xFFFFFFFF), *pieces)
+        self._added(HEADER.size + size)
 
     def _added(self, size: int) -> None:
         self._pending_bytes += size

@@ -18,7 +18,7 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1: TrajectoryGroup, Ack.refused
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -57,10 +57,13 @@ class Error(_Msg):
 class Ack(_Msg):
     """Acknowledges messages by id: durable trajectories, consumed batches, applied weights."""
 
-    kind: str  # what is acknowledged: "trajectory", "batch", "weights", ...
+    kind: str  # what is acknowledged: "trajectory", "group" (ids are group ids), "batch", "weights", ...
     ids: list[str]  # ids of the acknowledged items (trajectory ids, batch ids, "v<version>")
     ok: bool = True  # False: the items were received but rejected (see `detail`)
     detail: str = ""  # why they were rejected, when ok is False
+    # kind "group" with ok True: members of the acknowledged groups that were refused one by one (stale),
+    # trajectory id -> why; every other member is durable
+    refused: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------- control plane
@@ -160,6 +163,16 @@ class Trajectory(_Msg):
     group_size: int = 0  # G of its group; 0 = the buffer's configured group size
 
 
+class TrajectoryGroup(_Msg):
+    """A finished group of samples in one message: the buffer admits, logs, acknowledges (under `id`) and
+    serves it as one unit. Each member's arrays travel as they would in a lone `Trajectory` (inline, or as
+    zero-copy frames of this message when large)."""
+
+    id: str  # the group id: unique and stable across resends; the buffer's Ack names it
+    trajectories: list[Trajectory]  # the samples, each with its own id and group_id == id
+    source: str = ""  # name of the producer; the buffer acks to this name
+
+
 class Batch(_Msg):
     """Buffer -> learner rank: trajectories to train on, identified for acknowledgement."""
 
@@ -239,6 +252,7 @@ Message = (
     | Assignment
     | WorkRequest
     | Trajectory
+    | TrajectoryGroup
     | Batch
     | BatchRequest
     | WeightsAvailable
@@ -256,6 +270,7 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     Assignment,
     WorkRequest,
     Trajectory,
+    TrajectoryGroup,
     Batch,
     BatchRequest,
     WeightsAvailable,
@@ -282,6 +297,7 @@ __all__ = [
     "SamplingParams",
     "TensorSpec",
     "Trajectory",
+    "TrajectoryGroup",
     "WeightsAvailable",
     "WeightsBucket",
     "WeightsRequest",

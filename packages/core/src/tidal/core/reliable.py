@@ -5,6 +5,11 @@ A producer pushes messages that carry an ``id`` over PUSH, and listens on a SUB 
 `resend_after` seconds; receivers deduplicate by id, so a resend is harmless. At most `window` messages
 are unacknowledged at once: when the receiver stops acknowledging (back-pressure), `send` waits.
 
+A `TrajectoryGroup` is one message under one id (the group id) and is acknowledged as one; what the
+pusher reports (`on_ack`, `poll`, `rejected`, `acked`) is still per trajectory id, so a producer settles
+its samples the same way whether it sent them one by one or as groups (the ack's `refused` names the
+members refused one by one, e.g. stale; ``ok=False`` refuses every member).
+
     pusher = AckedPusher(buffer_ingest, buffer_pub, name="rollout-0")
     pusher.send(trajectory)          # returns once queued; blocks while the window is full
     pusher.flush(timeout=30)         # every message acknowledged (or rejected)
@@ -19,7 +24,7 @@ from typing import Any
 
 from tidal.core.channels import push, sub
 from tidal.core.errors import ChannelTimeout
-from tidal.core.protocol import Ack, Message
+from tidal.core.protocol import Ack, Message, TrajectoryGroup
 from tidal.core.security import Curve
 
 
@@ -48,8 +53,8 @@ class AckedPusher:
         self._push = push(push_endpoint, curve=curve_push, hwm=hwm, linger=0)
         self._acks = sub(ack_endpoint, topics=[ack_topic(name)], curve=curve_ack, hwm=100_000, linger=0)
         self.pending: OrderedDict[str, tuple[Message, float]] = OrderedDict()  # id -> (message, last sent)
-        self.acked = 0
-        self.rejected: dict[str, str] = {}  # id -> why the receiver refused it (not resent)
+        self.acked = 0  # trajectories (members of groups counted one by one) acknowledged
+        self.rejected: dict[str, str] = {}  # trajectory id -> why the receiver refused it (not resent)
         self.resent = 0
 
     def send(self, msg: Message, timeout: float | None = None) -> None:
@@ -87,12 +92,23 @@ class AckedPusher:
             wait = 0.0
             if type(msg) is Ack:
                 for i in msg.ids:
-                    if self.pending.pop(i, None) is not None:
+                    entry = self.pending.pop(i, None)
+                    if entry is None:
+                        continue  # a duplicate ack (of a resend)
+                    if type(entry[0]) is not TrajectoryGroup:
                         if msg.ok:
                             self.acked += 1
                             done.append(i)
                         else:
                             self.rejected[i] = msg.detail
+                        continue
+                    for t in entry[0].trajectories:
+                        why = msg.refused.get(t.id) if msg.ok else msg.detail
+                        if why is None:
+                            self.acked += 1
+                            done.append(t.id)
+                        else:
+                            self.rejected[t.id] = why
         self._resend_overdue()
         if done and self.on_ack is not None:
             self.on_ack(done)

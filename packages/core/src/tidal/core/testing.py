@@ -22,6 +22,7 @@ from tidal.core.protocol import (
     SamplingParams,
     TensorSpec,
     Trajectory,
+    TrajectoryGroup,
     WeightsAvailable,
     WeightsBucket,
     WeightsRequest,
@@ -82,6 +83,16 @@ def make_trajectory(
     )
 
 
+def make_group(group_id: str = "group-0", size: int = 4, *, source: str = "", **kw) -> TrajectoryGroup:
+    """A TrajectoryGroup of `size` `make_trajectory` samples, ids ``<group_id>:<i>`` (`kw` goes to each)."""
+    trajs = []
+    for i in range(size):
+        t = make_trajectory(i, **kw)
+        t.id, t.group_id, t.sample_index, t.source, t.group_size = f"{group_id}:{i}", group_id, i, source, size
+        trajs.append(t)
+    return TrajectoryGroup(id=group_id, trajectories=trajs, source=source)
+
+
 def sample_messages(out_of_line: bool | None = None) -> list[Message]:
     """One instance of every message type (Trajectory twice: plain and with every optional field);
     `out_of_line=True` makes every array travel as its own frame."""
@@ -110,6 +121,7 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
         WorkRequest(want=2, version=3, running=1),
         make_trajectory(0, out_of_line=out_of_line),
         make_trajectory(1, rich=True, out_of_line=out_of_line),
+        make_group("g1", 3, source="r0", out_of_line=out_of_line),
         Batch(batch_id="b0", rank=0, world_size=2, step=1,
               trajectories=[make_trajectory(i, out_of_line=out_of_line) for i in range(3)]),
         BatchRequest(rank=1, world_size=2, version=3, max_samples=8),
@@ -126,4 +138,4 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
     ]
 
 
-__all__ = ["free_endpoint", "free_port", "make_trajectory", "sample_messages"]
+__all__ = ["free_endpoint", "free_port", "make_group", "make_trajectory", "sample_messages"]

@@ -12,8 +12,9 @@ Talks to three peers, all through tidal.core channels:
   it, so the version report never waits for the heartbeat period (that is for liveness only).
   `Control(command="stop")` ends it after in-flight trajectories are delivered. A `WeightsAvailable`
   may arrive here too.
-- the **buffer** (PUSH to its ingest, SUB to its ack topic): each sample travels as a `Trajectory`
-  whose id is ``<group_id>:<sample_index>``, resent until acknowledged; the buffer deduplicates by id,
+- the **buffer** (PUSH to its ingest, SUB to its ack topic): each finished group travels as one
+  `TrajectoryGroup` (acknowledged under the group id) of `Trajectory`s whose ids are
+  ``<group_id>:<sample_index>``, resent until acknowledged; the buffer deduplicates by trajectory id,
   so a resend, or a regeneration by a restarted worker, never trains twice.
 - the **weights publisher** (SUB, optional): `WeightsAvailable` announcements, applied through the
   engine's `receive_weights` (transport found by name in the plugin registry) on a thread of their
@@ -55,6 +56,7 @@ from tidal.core.protocol import (
     Hello,
     Metrics,
     Trajectory,
+    TrajectoryGroup,
     WeightsAvailable,
     WorkRequest,
 )
@@ -290,6 +292,7 @@ class RolloutWorker:
     def _deliver(self, group: _Group) -> None:
         a = group.assignment
         env = self.env(a.task)
+        members: list[Trajectory] = []
         for i in range(a.num_samples):
             res = group.results[i]
             text = self.decode(res.completion_ids)
@@ -313,7 +316,9 @@ class RolloutWorker:
             self.counters["tokens"] += len(res.completion_ids)
             self.counters["reward_sum"] += reward
             self._window_tokens += len(res.completion_ids)
-            self.pusher.send(traj)
+            members.append(traj)
+        if members:  # one message, logged and acknowledged by the buffer as one; settled per sample id
+            self.pusher.send(TrajectoryGroup(id=a.group_id, trajectories=members, source=self.cfg.name))
         group.sent = True
         if group.eval:
             del self.groups[a.group_id]
