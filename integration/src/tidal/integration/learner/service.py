@@ -198,7 +198,7 @@ class Learner:
         """One step; None when stopped while waiting for the batch."""
         from tidal.integration.learner.data import Sample
 
-        t0 = time.perf_counter()
+        t0, asked_at = time.perf_counter(), time.time()
         self._collect_checkpoint(wait=False)
         ack, self._ack_next = self._ack_next, []
         got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t, ack=ack),
@@ -206,6 +206,9 @@ class Learner:
         if not self._everyone(got):
             return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
         t_batch = time.perf_counter()
+        # control-plane latency: from the share being complete in the buffer (or our request, if later)
+        # to this step starting; a batch formed before we asked measures only the request's round trip
+        ready_to_step = time.time() - max(batch.ready_at, asked_at) if batch.ready_at else None
         samples = [Sample.from_trajectory(t) for t in batch.trajectories]
         metrics = self.trainer.step(samples)
         if self.cfg.simulate_s_per_sample:
@@ -242,6 +245,8 @@ class Learner:
             "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
         })
+        if ready_to_step is not None:
+            metrics["train/ready_to_step_ms"] = 1e3 * max(0.0, ready_to_step)
         by_task: dict[str, list[float]] = {}
         for t in batch.trajectories:
             by_task.setdefault(t.task, []).append(float(t.reward))

@@ -424,7 +424,8 @@ class BufferService:
         del self.parked[rank]
         trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
-                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories))
+                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories),
+                      ready_at=served.formed_at)
         if served.batch_id in self._undurable:
             self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
             self._commit_within(0.0)  # a learner waits for it

@@ -90,6 +90,7 @@ class Served:
     rank: int
     world_size: int
     trajectories: list[Trajectory]
+    formed_at: float = field(default_factory=time.time)  # wall clock (a replayed share: its replay)
 
 
 class Store:

@@ -182,6 +182,7 @@ class Batch(_Msg):
     trajectories: list[Trajectory]  # the samples, complete groups unless partial release is on
     step: int = -1  # learner step this batch is meant for, when the buffer knows it
     num_tokens: int = 0  # total prompt + completion tokens in this share
+    ready_at: float = 0.0  # buffer's wall clock when this share was formed (its groups complete); 0 = unknown
 
 
 class BatchRequest(_Msg):
