@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,23 +103,24 @@ class VarlenLayout:
         buckets, flat = [], []
         for g in groups:
             its = [items[i] for i in g]
-            lens = torch.tensor([it.length for it in its])
+            lens = np.array([it.length for it in its])[:, None]
             tq = int(lens.max())
-            steps = torch.arange(tq)
-            gather = torch.tensor([it.start for it in its])[:, None] + torch.minimum(steps[None], lens[:, None] - 1)
-            valid = steps[None] < lens[:, None]
+            steps = np.arange(tq)[None]
+            gather = np.array([it.start for it in its])[:, None] + np.minimum(steps, lens - 1)
+            valid = steps < lens
             keys = mask = None
             if any(it.prefix for it in its):
-                keys, mask = _prefix_keys(its, tq)
-                keys, mask = keys.to(device), mask.to(device)
-            buckets.append(Bucket(gather.to(device), valid.to(device), tq, keys, mask))
+                keys, mask = (x.to(device) for x in _prefix_keys(its, tq))
+            buckets.append(Bucket(torch.from_numpy(gather).to(device), torch.from_numpy(valid).to(device), tq,
+                                  keys, mask))
             flat.append(gather[valid])
         row_len = sum(it.length for it in items)
-        covered = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long)
-        if len(covered) != row_len or (row_len and not torch.equal(covered.sort().values, torch.arange(row_len))):
+        covered = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+        if len(covered) != row_len or not np.array_equal(np.sort(covered), np.arange(row_len)):
             raise ValueError("the segments' queries must cover every row position exactly once")
-        inverse = torch.empty(row_len, dtype=torch.long)
-        inverse[covered] = torch.arange(row_len)
+        inverse = np.empty(row_len, dtype=np.int64)
+        inverse[covered] = np.arange(row_len)
+        inverse = torch.from_numpy(inverse)
         return cls(row_len, tuple(items), tuple(buckets), inverse.to(device))
 
     @property
@@ -143,22 +145,19 @@ class VarlenLayout:
 def _prefix_keys(items: list[Item], tq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key positions [b, Tk] (prefix, then own tokens; padding repeats a real key and is masked) and the
     mask [b, 1, Tq, Tk]: query i sees every prefix key and its own keys 0..i (a padded query sees what
-    the item's last query sees, so no row is empty)."""
+    the item's last query sees, so no row is empty). Built in numpy: this runs once per row per step."""
     pmax = max(it.prefix for it in items)
-    tk = pmax + tq
-    keys = torch.zeros(len(items), tk, dtype=torch.long)
-    mask = torch.zeros(len(items), 1, tq, tk, dtype=torch.bool)
-    for r, it in enumerate(items):
-        pre = torch.arange(it.prefix_start, it.prefix_start + it.prefix)
-        own = torch.arange(it.start, it.start + it.length)
-        keys[r, : it.prefix] = pre
-        keys[r, it.prefix : pmax] = own[0]  # padding
-        keys[r, pmax : pmax + it.length] = own
-        keys[r, pmax + it.length :] = own[-1]  # padding
-        q = torch.minimum(torch.arange(tq), torch.tensor(it.length - 1))
-        mask[r, 0, :, : it.prefix] = True
-        mask[r, 0, :, pmax : pmax + it.length] = torch.arange(it.length)[None] <= q[:, None]
-    return keys, mask
+    b, tk = len(items), pmax + tq
+    pre_len = np.array([it.prefix for it in items])[:, None]
+    own_len = np.array([it.length for it in items])[:, None]
+    col = np.arange(tk)[None]
+    own_idx = np.clip(col - pmax, 0, own_len - 1)  # [b, Tk] own token index of each key column
+    keys = np.where(col < pre_len, np.array([it.prefix_start for it in items])[:, None] + col,
+                    np.array([it.start for it in items])[:, None] + own_idx)
+    q = np.minimum(np.arange(tq)[None], own_len - 1)  # [b, Tq] (padded queries repeat the last)
+    is_own = (col >= pmax) & (col - pmax < own_len)  # [b, Tk]
+    mask = (col < pre_len)[:, None, :] | (is_own[:, None, :] & (own_idx[:, None, :] <= q[:, :, None]))
+    return torch.from_numpy(keys), torch.from_numpy(mask[:, None])
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, *,
