@@ -147,7 +147,7 @@ def _prefix_keys(items: list[Item], tq: int) -> tuple[torch.Tensor, torch.Tensor
     mask [b, 1, Tq, Tk]: query i sees every prefix key and its own keys 0..i (a padded query sees what
     the item's last query sees, so no row is empty). Built in numpy: this runs once per row per step."""
     pmax = max(it.prefix for it in items)
-    b, tk = len(items), pmax + tq
+    tk = pmax + tq
     pre_len = np.array([it.prefix for it in items])[:, None]
     own_len = np.array([it.length for it in items])[:, None]
     col = np.arange(tk)[None]
