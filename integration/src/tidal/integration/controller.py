@@ -107,6 +107,7 @@ class Controller:
         self.next_group = 0
         self.learner_version = 0
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
+        self.learner_step_at = 0.0  # its wall clock
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
@@ -187,6 +188,8 @@ class Controller:
             if msg.source.startswith("learner"):
                 version = int(msg.scalars.get("train/version", 0))
                 self.learner_version = max(self.learner_version, version)
+                if version > self.learner_metrics_version:
+                    self.learner_step_at = msg.time  # wall clock of the newest learner step
                 self.learner_metrics_version = max(self.learner_metrics_version, version)
             self._record(msg)
 

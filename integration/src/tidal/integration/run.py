@@ -44,7 +44,7 @@ class RunResult:
     restarts: dict[str, int]
     wall_s: float
     samples: int = 0  # trajectories the learner trained on
-    rl_s: float = 0.0  # the RL phase: first worker connected -> learner's last version
+    rl_s: float = 0.0  # the RL phase: first worker connected -> the learner's last step (wall clock)
 
     @property
     def samples_per_s(self) -> float:
@@ -149,7 +149,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
             now = time.monotonic()
             if not eval0 and controller.workers:  # the starting point, on the first worker to connect
                 controller.start_eval(0)
-                eval0, rl_start = True, now
+                eval0, rl_start = True, time.time()
             elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
                 raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
                             f"(see {run_dir / 'logs'})")
@@ -212,7 +212,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         for s, h in old.items():
             signal.signal(s, h)
     samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
-    rl_s = (done_at if done_at is not None else time.monotonic()) - rl_start if rl_start is not None else 0.0
+    rl_s = controller.learner_step_at - rl_start if rl_start is not None and controller.learner_step_at else 0.0
     return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
                      wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s)
