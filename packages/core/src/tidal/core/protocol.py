@@ -18,7 +18,7 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1: TrajectoryGroup, Ack.refused
+PROTOCOL_MINOR = 1  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
