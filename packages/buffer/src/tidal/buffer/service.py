@@ -52,6 +52,11 @@ log = logging.getLogger("tidal.buffer")
 LAG_SAMPLE_GROUPS = 256
 GC_GEN0_THRESHOLD = 50_000
 INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
+# Shares formed ahead of a rank's request (when ready data allows): each is durable (its Serve record
+# fsynced) well before the rank asks for it, so a request does not wait for a commit. With one ahead, a
+# learner that asks again as soon as it has a batch waited for about one fsync per batch. Bounded mode
+# (max_groups > 0) keeps one ahead: its memory bound is ready + assembling + two shares per rank.
+SHARES_AHEAD = 3
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -432,8 +437,10 @@ class BufferService:
         else:
             self._reply(peer, batch)
         self._served_since += len(trajs)
-        if len(q) - pos < 2:  # form the next share now, so it is durable by the time this rank asks for it
-            self.form_step(req.world_size)
+        # form the next shares now, so they are durable by the time this rank asks for them
+        ahead = 1 if self.cfg.max_groups > 0 else SHARES_AHEAD
+        while len(q) - pos - 1 < ahead and self.form_step(req.world_size):
+            pass
 
     def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
         """Apply the admission policy again at serving time (the hard staleness guarantee). An unchanged
