@@ -57,6 +57,10 @@ INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests w
 # learner that asks again as soon as it has a batch waited for about one fsync per batch. Bounded mode
 # (max_groups > 0) keeps one ahead: its memory bound is ready + assembling + two shares per rank.
 SHARES_AHEAD = 3
+# An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
+# it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
+# are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
+INGEST_VIEW_BYTES = 16 * 1024
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -193,7 +197,7 @@ class BufferService:
         n = 0
         while n < INGEST_CHUNK and not self.backpressured():
             try:
-                msg, frames = self.ingest.recv_with_frames(timeout=0)
+                msg, frames = self.ingest.recv_with_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
             except ChannelTimeout:
                 break
             except ProtocolError as e:
@@ -287,7 +291,7 @@ class BufferService:
         for peer, batch in replies:
             self._reply(peer, batch)
 
-    def accept(self, t: Trajectory, frame: bytes | None = None) -> str | None:
+    def accept(self, t: Trajectory, frame: bytes | memoryview | None = None) -> str | None:
         """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
         if self.store.known(t.id):
             self.store.stats["duplicates"] += 1
@@ -321,7 +325,7 @@ class BufferService:
             return None, True
         return None, False
 
-    def accept_group(self, g: TrajectoryGroup, frame: bytes | None = None) -> tuple[str | None, dict[str, str]]:
+    def accept_group(self, g: TrajectoryGroup, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:
         """Admit the members of `g` in one WAL record. Returns why the whole group is refused (or None),
         and the members refused one by one (id -> why); known members are acknowledged again."""
         why = validate_group(g)
