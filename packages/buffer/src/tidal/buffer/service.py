@@ -52,6 +52,15 @@ log = logging.getLogger("tidal.buffer")
 LAG_SAMPLE_GROUPS = 256
 GC_GEN0_THRESHOLD = 50_000
 INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
+# Shares formed ahead of a rank's request (when ready data allows): each is durable (its Serve record
+# fsynced) well before the rank asks for it, so a request does not wait for a commit. With one ahead, a
+# learner that asks again as soon as it has a batch waited for about one fsync per batch. Bounded mode
+# (max_groups > 0) keeps one ahead: its memory bound is ready + assembling + two shares per rank.
+SHARES_AHEAD = 3
+# An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
+# it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
+# are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
+INGEST_VIEW_BYTES = 16 * 1024
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -188,7 +197,7 @@ class BufferService:
         n = 0
         while n < INGEST_CHUNK and not self.backpressured():
             try:
-                msg, frames = self.ingest.recv_with_frames(timeout=0)
+                msg, frames = self.ingest.recv_with_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
             except ChannelTimeout:
                 break
             except ProtocolError as e:
@@ -282,7 +291,7 @@ class BufferService:
         for peer, batch in replies:
             self._reply(peer, batch)
 
-    def accept(self, t: Trajectory, frame: bytes | None = None) -> str | None:
+    def accept(self, t: Trajectory, frame: bytes | memoryview | None = None) -> str | None:
         """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
         if self.store.known(t.id):
             self.store.stats["duplicates"] += 1
@@ -316,7 +325,7 @@ class BufferService:
             return None, True
         return None, False
 
-    def accept_group(self, g: TrajectoryGroup, frame: bytes | None = None) -> tuple[str | None, dict[str, str]]:
+    def accept_group(self, g: TrajectoryGroup, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:
         """Admit the members of `g` in one WAL record. Returns why the whole group is refused (or None),
         and the members refused one by one (id -> why); known members are acknowledged again."""
         why = validate_group(g)
@@ -432,8 +441,10 @@ class BufferService:
         else:
             self._reply(peer, batch)
         self._served_since += len(trajs)
-        if len(q) - pos < 2:  # form the next share now, so it is durable by the time this rank asks for it
-            self.form_step(req.world_size)
+        # form the next shares now, so they are durable by the time this rank asks for them
+        ahead = 1 if self.cfg.max_groups > 0 else SHARES_AHEAD
+        while len(q) - pos - 1 < ahead and self.form_step(req.world_size):
+            pass
 
     def _prepare(self, t: Trajectory) -> Trajectory | msgspec.Raw:
         """Apply the admission policy again at serving time (the hard staleness guarantee). An unchanged

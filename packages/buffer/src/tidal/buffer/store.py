@@ -25,7 +25,7 @@ def encode_trajectory(t: Trajectory) -> bytes:
     return bytes(_codec.encode(t)[0])
 
 
-def body_of(frame: bytes) -> memoryview:
+def body_of(frame: bytes | memoryview) -> memoryview:
     """The msgpack of the Trajectory in a frame (what is stored and served), without copying."""
     return memoryview(frame)[PREAMBLE_BYTES:]
 

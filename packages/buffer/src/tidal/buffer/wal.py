@@ -228,7 +228,7 @@ class WriteAheadLog:
         self._pending.append(data)
         self._added(len(data))
 
-    def append_put(self, frame: bytes) -> None:
+    def append_put(self, frame: bytes | memoryview) -> None:
         """`append(Put(frame))`, the hot path: the msgpack prefix for the frame's length comes from a
         small cache, and the record is written as two pieces (header, prefix + frame)."""
         if self._file is None:

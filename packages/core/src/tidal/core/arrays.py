@@ -100,6 +100,11 @@ class Array(msgspec.Struct, array_like=True, gc=False):
     def __post_init__(self) -> None:
         data = self.data
         size = ITEMSIZE.get(self.dtype)
+        shape = self.shape
+        # the hot path, checked first: a 1-D array decoded inline (bytes of the right length)
+        if type(data) is bytes and type(shape) is tuple and len(shape) == 1 and size is not None:
+            if len(data) == size * shape[0]:
+                return
         if size is None:  # only reachable by direct construction: decoding validates the name in C
             raise ValueError(f"unknown dtype {self.dtype!r}; supported: {', '.join(ITEMSIZE)}")
         if type(self.shape) is not tuple:

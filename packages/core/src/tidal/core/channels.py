@@ -103,7 +103,7 @@ class Channel:
     # array data, zero-copy. ROUTER and SUB have one envelope frame before the header.
     _copied_frames = 1
 
-    def _recv_frames(self, timeout: float | None) -> list[Any]:
+    def _recv_frames(self, timeout: float | None, view_at_least: int = 0) -> list[Any]:
         if self._closed:
             self._check_open()
         sock = self.socket
@@ -113,7 +113,8 @@ class Channel:
             self._wait(timeout)
             frame = sock.recv(copy=False)
         # zmq.Frame tells `more` without a getsockopt call; the leading frames are copied out as bytes
-        frames: list[Any] = [frame.bytes]
+        # (a large first frame, when asked, is not: a read-only view that keeps the received message alive)
+        frames: list[Any] = [frame.buffer.toreadonly() if view_at_least and len(frame) >= view_at_least else frame.bytes]
         while frame.more:
             frame = sock.recv(copy=False)
             frames.append(frame.bytes if len(frames) < self._copied_frames else frame)
@@ -175,9 +176,11 @@ class PullChannel(Channel):
         """Next message. Raises ChannelTimeout, or ProtocolError for a bad one (the next recv works)."""
         return self.codec.decode(self._recv_frames(timeout))
 
-    def recv_with_frames(self, timeout: float | None = None) -> tuple[Message, list[Any]]:
-        """Next message and the frames it came in (frame 0 as bytes), e.g. to store it without re-encoding."""
-        frames = self._recv_frames(timeout)
+    def recv_with_frames(self, timeout: float | None = None, *, view_at_least: int = 0) -> tuple[Message, list[Any]]:
+        """Next message and the frames it came in, e.g. to store it without re-encoding. Frame 0 comes as
+        bytes, or, when it is at least `view_at_least` (> 0) bytes, as a read-only memoryview of the
+        received ZeroMQ message (not copied; the view keeps that message's memory alive)."""
+        frames = self._recv_frames(timeout, view_at_least)
         return self.codec.decode(frames), frames
 
 

@@ -105,9 +105,11 @@ class Codec:
     def decode(self, frames: Sequence[Any], peer: bytes | None = None) -> Message:
         """Decode one message. Raises ProtocolError for anything that is not a valid message."""
         n = len(frames)
-        if n == 1:  # the hot path (one self-contained frame), checked inline; errors take the long way
+        if n == 1:  # the hot path (one self-contained frame, bytes or a read-only byte view), checked inline
             header = frames[0]
-            if (type(header) is bytes and PREAMBLE_BYTES < len(header) <= self.max_header_bytes + PREAMBLE_BYTES
+            if ((type(header) is bytes or (type(header) is memoryview and header.readonly and header.ndim == 1
+                                           and header.format == "B"))
+                    and PREAMBLE_BYTES < len(header) <= self.max_header_bytes + PREAMBLE_BYTES
                     and header[:2] == MAGIC and header[2] == self.protocol[0]):
                 try:
                     return self._decoder.decode(memoryview(header)[PREAMBLE_BYTES:])
