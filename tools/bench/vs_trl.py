@@ -75,7 +75,7 @@ def workloads(a: argparse.Namespace) -> dict[str, dict]:
         "arithmetic": {"domain": {"env": "arithmetic", "options": {"level": 5}}, "max_tokens": ARITH_TOKENS,
                        "steps": a.steps or 120, "sft_steps": a.sft_steps},
         "longtail": {"domain": {"env": "countdown", "options": {"numbers": 3}}, "max_tokens": LONGTAIL_TOKENS,
-                     "steps": a.steps or 30, "sft_steps": a.longtail_sft_steps or a.sft_steps},
+                     "steps": a.steps or 30, "sft_steps": a.longtail_sft_steps or a.sft_steps or 300},
     }
 
 
@@ -397,7 +397,8 @@ def main() -> None:
     ap.add_argument("--eval-size", type=int, default=200, help="held-out problems (level 5 holds out ~180: all)")
     ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (both systems)")
     ap.add_argument("--sft-steps", type=int, default=0, help="warm-start SFT steps (0: the demo's 1000)")
-    ap.add_argument("--longtail-sft-steps", type=int, default=300, help="Countdown warm-start SFT steps")
+    ap.add_argument("--longtail-sft-steps", type=int, default=0,
+                    help="Countdown warm-start SFT steps (0: --sft-steps if given, else 300)")
     ap.add_argument("--threads", type=int, default=0, help="cores used by every system (0: all this process may use)")
     ap.add_argument("--workers", type=int, default=2, help="Tidal rollout workers (the demo's 2)")
     ap.add_argument("--group-size", type=int, default=8)
