@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -112,7 +113,13 @@ def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> tuple[Pa
     env = make_env(w["domain"])
     print(f"[{name}] warm start: {opts['steps']} SFT steps on {w['domain']['env']} {w['domain']['options']}",
           flush=True)
-    stats = sft(init, model, env, SFTConfig(**{"seed": a.seed, "threads": a.threads, **opts}))
+    every = max(1, opts["steps"] // 5)
+
+    def progress(step: int, loss: float) -> None:
+        if step % every == 0:
+            print(f"      SFT step {step}/{opts['steps']}  loss {loss:.3f}", flush=True)
+
+    stats = sft(init, model, env, SFTConfig(**{"seed": a.seed, "threads": a.threads, **opts}), progress=progress)
     acc = accuracy(model, env, n=a.eval_size, seed=a.seed, max_tokens=w["max_tokens"])
     print(f"[{name}] SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
           f"{100 * acc:.1f}% (greedy)", flush=True)
@@ -210,7 +217,10 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     prompt_ids = tok(text=[tasks[0].prompt])["input_ids"][0]
     if prompt_ids != tok.encode(tasks[0].prompt):
         raise SystemExit(f"TRL would tokenize {tasks[0].prompt!r} as {prompt_ids}, Tidal as {tok.encode(tasks[0].prompt)}")
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     last = max(step_end)
     wall = step_end[last]
     first = step_end[min(step_end)]
@@ -243,8 +253,6 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
         sampling=msgspec.structs.replace(cfg.sampling, max_tokens=w["max_tokens"]))
     check(cfg)
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)  # a run folder holds one run: metrics.jsonl must be this one's
     print(f"      Tidal {mode}: {cfg.workers} workers + learner ({threads} torch threads each), buffer, controller; "
           f"logs in {run_dir / 'logs'}", flush=True)
