@@ -104,8 +104,8 @@ def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> tuple[Pa
     if stamp.is_file() and model.is_dir():
         prior = msgspec.json.decode(stamp.read_bytes())
         if prior.get("warm") == warm:
-            print(f"[{name}] reusing the warm start in {model} (held-out accuracy {100 * prior['accuracy']:.1f}%, "
-                  f"greedy); delete it to redo", flush=True)
+            print(f"[{name}] reusing the warm start in {model} (same model and SFT settings); delete it to redo",
+                  flush=True)
             return model, prior["accuracy"]
     init = out / "model-init"
     if not (init / "config.json").is_file():
@@ -175,7 +175,7 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     )
     curve: list[dict] = []
     step_end: dict[int, float] = {}
-    rewards: list[float] = []
+    seen: list[dict] = []  # TRL's own logs (reward, completion lengths), every --eval-every steps
     clock = {"t0": 0.0, "eval_s": 0.0, "evals": 0}
     out.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="trl-eval-", dir=out))
@@ -203,7 +203,7 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
+                seen.append(dict(logs))
 
     clock["t0"] = time.perf_counter()
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -227,7 +227,12 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     return {"system": "TRL GRPOTrainer", "steps": last, "samples": last * a.batch_samples, "wall_s": wall,
             "steady_samples_per_s": (last - 1) * a.batch_samples / (wall - first) if last > 1 and wall > first else None,
             "curve": curve, "eval_s_excluded": clock["eval_s"], "evals": clock["evals"],
-            "train_reward_logged": rewards, "torch_threads": a.threads}
+            "train_reward_logged": [x["reward"] for x in seen],
+            # TRL logs means over each logging window: the mean length, and the mean of each step's longest
+            "mean_completion_tokens": mean([x.get("completions/mean_length") for x in seen]),
+            "longest_completion_tokens_step_mean": mean([x.get("completions/max_length") for x in seen]),
+            "at_token_cap": mean([x.get("completions/clipped_ratio") for x in seen]),
+            "torch_threads": a.threads}
 
 
 # ---------------------------------------------------------------------------------------------- Tidal
@@ -280,9 +285,12 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     if len(learner) > 1 and last["time"] > first["time"]:
         steady = (samples - first["scalars"]["train/samples_total"]) / (last["time"] - first["time"])
     compute = sum(r["scalars"].get("train/compute_s", 0.0) for r in learner)
+    tokens = sum(r["scalars"].get("train/tokens", 0.0) for r in learner)
+    seqs = sum(r["scalars"].get("train/sequences", 0.0) for r in learner)
     return {"system": f"Tidal {mode}", "steps": int(last["step"]), "samples": samples, "wall_s": wall,
             "steady_samples_per_s": steady, "curve": curve, "evals": len(result.eval),
             "learner_busy": compute / wall if wall > 0 else None, "learner_compute_s": compute,
+            "mean_completion_tokens": tokens / seqs if seqs else None,
             "first_step_at_s": first["time"] - first["scalars"].get("train/step_s", 0.0) - t0,
             "lag_mean": sum(r["scalars"].get("staleness/lag_mean", 0.0) for r in learner) / len(learner),
             "torch_threads_per_role": threads, "run_dir": str(run_dir)}
@@ -300,6 +308,11 @@ def summarize(r: dict, targets: list[float]) -> dict:
         r[f"t_to_{round(100 * x)}"] = hit["t"] if hit else None
         r[f"samples_to_{round(100 * x)}"] = hit["samples"] if hit else None
     return r
+
+
+def mean(xs: list) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def fmt(x, spec: str = ".1f", none: str = "-") -> str:
@@ -331,7 +344,12 @@ def table(name: str, w: dict, res: dict[str, dict], targets: list[float]) -> Non
             c = next((c for c in r["curve"] if c["version"] == v), None)
             cells.append(f"{100 * c['acc']:5.1f} @ {c['t']:6.1f} s ({c['samples']:>5})" if c else "")
         print(f"{v:>8}" + "".join(f"{cell:>26}" for cell in cells))
+    print("mean completion tokens: " + ", ".join(f"{r['system']} {fmt(r.get('mean_completion_tokens'))}"
+                                                 for r in res.values()), end="")
     trl = res.get("trl")
+    print(f"; TRL's longest per step {fmt(trl.get('longest_completion_tokens_step_mean'))} on average, "
+          f"{fmt(100 * trl['at_token_cap'] if trl.get('at_token_cap') is not None else None)}% at the cap"
+          if trl else "")
     if trl:
         print(f"TRL evaluation excluded from its clock: {trl['evals']} rounds, {trl['eval_s_excluded']:.1f} s "
               f"({trl['eval_s_excluded'] / max(1, trl['evals']):.2f} s a round); Tidal's in-run rounds "
