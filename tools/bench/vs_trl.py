@@ -86,7 +86,7 @@ def make_env(domain: dict):
     return registry.create("env", domain["env"], **domain["options"])
 
 
-def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> tuple[Path, float]:
+def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> Path:
     """The SFT'd model for a workload, reused when its stamp matches (the demo's layout and stamp)."""
     import msgspec
 
@@ -106,10 +106,8 @@ def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> tuple[Pa
         if prior.get("warm") == warm:
             print(f"[{name}] reusing the warm start in {model} (same model and SFT settings); delete it to redo",
                   flush=True)
-            return model, prior["accuracy"]
-    init = out / "model-init"
-    if not (init / "config.json").is_file():
-        build_tiny_model(init, seed=a.seed, **DEMO_MODEL)
+            return model
+    init = build_tiny_model(out / "model-init", seed=a.seed, **DEMO_MODEL)  # deterministic in the seed; cheap
     env = make_env(w["domain"])
     print(f"[{name}] warm start: {opts['steps']} SFT steps on {w['domain']['env']} {w['domain']['options']}",
           flush=True)
@@ -124,7 +122,7 @@ def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> tuple[Pa
     print(f"[{name}] SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
           f"{100 * acc:.1f}% (greedy)", flush=True)
     stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": acc, "seconds": stats["seconds"]}))
-    return model, acc
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -466,7 +464,7 @@ def main() -> None:
     all_goals: list[dict] = []
     for name in names:
         w = ws[name]
-        model, start = warm_start(out, name, w, a)
+        model = warm_start(out, name, w, a)
         res: dict[str, dict] = {}
         for s in systems:
             print(f"[{name}] {s}: {w['steps']} steps x {a.batch_samples} samples", flush=True)
@@ -475,7 +473,7 @@ def main() -> None:
         table(name, w, res, targets)
         g = goals(name, res)
         all_goals += g
-        report[name] = {"warm_start_acc": start, "steps": w["steps"], "max_tokens": w["max_tokens"],
+        report[name] = {"steps": w["steps"], "max_tokens": w["max_tokens"],
                         "domain": w["domain"], "systems": res, "goals": g}
     print("\nsettings that could not be matched:")
     for u in UNMATCHED:
