@@ -25,7 +25,7 @@ TINY = {
     "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
     # both workloads, TRL and Tidal async + sync; warm starts go to the test's own folder ({tmp}), not runs/
     "vs_trl.py": ["--workload", "both", "--steps", "4", "--eval-size", "16", "--eval-every", "2", "--sft-steps", "20",
-                  "--out", "{tmp}/vs_trl"],
+                  "--minutes", "3", "--out", "{tmp}/vs_trl"],
 }
 
 

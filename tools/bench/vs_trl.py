@@ -263,6 +263,9 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     result = run(cfg)
     if result.status != "completed":
         raise SystemExit(f"Tidal {mode} run {result.status}; logs in {run_dir / 'logs'}")
+    if result.versions < w["steps"]:  # the time budget stopped it: its numbers would not compare
+        raise SystemExit(f"Tidal {mode} stopped at version {result.versions} of {w['steps']} (--minutes "
+                         f"{a.minutes:g} reached); logs in {run_dir / 'logs'}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     learner = sorted((r for r in rows if r["source"] == "learner-0"), key=lambda r: r["step"])
     if not learner:
