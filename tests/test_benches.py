@@ -23,6 +23,9 @@ TINY = {
     "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
                   "--block", "64", "--timeout", "200"],
     "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
+    # both workloads, TRL and Tidal async + sync; warm starts go to the test's own folder ({tmp}), not runs/
+    "vs_trl.py": ["--workload", "both", "--steps", "4", "--eval-size", "16", "--eval-every", "2", "--sft-steps", "20",
+                  "--minutes", "3", "--out", "{tmp}/vs_trl"],
 }
 
 
@@ -33,12 +36,16 @@ def test_every_benchmark_is_listed():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("script", sorted(TINY))
-def test_benchmark_runs_and_reports(script):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / script), *TINY[script]], cwd=ROOT,
+def test_benchmark_runs_and_reports(script, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in TINY[script]]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / script), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, f"{script} printed no JSON report:\n{proc.stdout[-2000:]}"
+    if script == "vs_trl.py":  # every system of every workload measured, not just a JSON line
+        for name, w in reports[-1]["workloads"].items():
+            assert set(w["systems"]) == {"trl", "async", "sync"}, (name, sorted(w["systems"]))
 
 
 @pytest.mark.timeout(300)
