@@ -45,6 +45,7 @@ class RunResult:
     wall_s: float
     samples: int = 0  # trajectories the learner trained on
     rl_s: float = 0.0  # the RL phase: first worker connected -> the learner's last step (wall clock)
+    rl_start: float = 0.0  # its start: time.time() when the first rollout worker connected (roles up)
 
     @property
     def samples_per_s(self) -> float:
@@ -215,7 +216,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     rl_s = controller.learner_step_at - rl_start if rl_start is not None and controller.learner_step_at else 0.0
     return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
-                     wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s)
+                     wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s, rl_start=rl_start or 0.0)
 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:
