@@ -3,9 +3,7 @@ and served as one, exactly once across kill -9, with the same result as its traj
 
 from __future__ import annotations
 
-import random
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -19,33 +17,14 @@ from tidal.core.reliable import AckedPusher
 from tidal.core.testing import make_group
 
 sys.path.insert(0, str(Path(__file__).parent))
-from audit import assert_exactly_once, read_ids
+from audit import kill_9_drill
 
 
 @pytest.mark.timeout(400)
 def test_groups_and_lone_trajectories_survive_kill_9_exactly_once(buffer_process, producers, make_learners):
-    G = 4
-    buf = buffer_process(group_size=G, batch_samples=8, fsync="batch")
-    files = [producers.start(buf, f"grp{i}", 320, G, resend_after=0.5, unit="group") for i in range(2)]
-    files.append(producers.start(buf, "lone", 320, G, resend_after=0.5))  # mixing the units is fine
-    learners = make_learners(buf.serve, world_size=1, group_size=G)
-    rng = random.Random(11)
-    try:
-        for _ in range(3):  # kill at random moments, restart on the same log and ports
-            time.sleep(rng.uniform(0.5, 2.0))
-            buf.kill9()
-            time.sleep(rng.uniform(0.0, 0.5))
-            buf.start()
-        producers.wait(timeout=300)
-        acked = read_ids(*files)
-        assert len(acked) == 960
-        learners.wait_for(960, timeout=120)
-    finally:
-        learners.stop()
-    assert not learners.errors, learners.errors
-    assert_exactly_once(acked, learners.trained)
-    assert not learners.incomplete_groups
-    assert "replayed" in buf.log_text()
+    buf = buffer_process(group_size=4, batch_samples=8, fsync="batch")
+    # mixing the units is fine: two group producers and one of lone trajectories
+    kill_9_drill(buf, producers, make_learners, ["group", "group", "trajectory"], kills=3, seed=11)
 
 
 def _served(buf, n: int) -> list[list[Trajectory]]:

@@ -3,7 +3,6 @@ and threads, kill -9 and restarts, back-pressure, malformed input, corrupted log
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from tidal.buffer.client import BatchClient
 from tidal.core.channels import push
 
 sys.path.insert(0, str(Path(__file__).parent))
-from audit import assert_exactly_once, read_ids
+from audit import assert_exactly_once, kill_9_drill, read_ids
 
 
 @pytest.mark.timeout(300)
@@ -39,26 +38,8 @@ def test_many_producers_two_learner_ranks_exactly_once(buffer_process, producers
 
 @pytest.mark.timeout(400)
 def test_kill_9_of_the_buffer_loses_nothing_and_duplicates_nothing(buffer_process, producers, make_learners):
-    G = 4
-    buf = buffer_process(group_size=G, batch_samples=8, fsync="batch")
-    files = [producers.start(buf, f"k{i}", 320, G, resend_after=0.5) for i in range(3)]  # 960: whole steps of 8
-    learners = make_learners(buf.serve, world_size=1, group_size=G)
-    rng = random.Random(7)
-    try:
-        for _ in range(4):  # kill at random moments, restart on the same log and ports
-            time.sleep(rng.uniform(0.5, 2.5))
-            buf.kill9()
-            time.sleep(rng.uniform(0.0, 0.5))
-            buf.start()
-        producers.wait(timeout=300)
-        acked = read_ids(*files)
-        assert len(acked) == 960
-        learners.wait_for(960, timeout=120)
-    finally:
-        learners.stop()
-    assert not learners.errors, learners.errors
-    assert_exactly_once(acked, learners.trained)
-    assert "replayed" in buf.log_text()
+    buf = buffer_process(group_size=4, batch_samples=8, fsync="batch")
+    kill_9_drill(buf, producers, make_learners, ["trajectory"] * 3, kills=4, seed=7)  # 960: whole steps of 8
 
 
 @pytest.mark.timeout(300)

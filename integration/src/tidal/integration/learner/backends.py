@@ -127,23 +127,27 @@ class _Backend:
         it (saves deriving it in every layer)."""
         extra = {} if keep is None else {"logits_to_keep": keep}
         return self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          **self._layout_kw(layout), **extra).logits
+                          **self.layout_kw(layout), **extra).logits
 
     def forward_with_values(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: Any = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [1, L, V], critic values [1, L]) of a packed row; needs `value_head`."""
         out = self._call(input_ids=input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True,
-                         **self._layout_kw(layout))
+                         **self.layout_kw(layout))
         head = self._module().value_head
         return out.logits, head(out.hidden_states[-1]).squeeze(-1)
 
-    def _layout_kw(self, layout: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
-        """The model's forward kwargs for a packed row's layout (only `tidal_varlen` takes it)."""
+    @property
+    def attention(self) -> str:
+        """The policy's attention implementation (transformers' name: "tidal_varlen", "sdpa", ...)."""
+        return str(getattr(self._module().config, "_attn_implementation", "") or "")
+
+    def layout_kw(self, layout: Any) -> dict[str, Any]:
+        """Forward kwargs for a packed row's layout (only `tidal_varlen` reads it; also for a reference
+        model that runs the same attention)."""
         from tidal.seqpar.hf import VARLEN_ATTENTION
 
-        config = (model if model is not None else self._module()).config
-        uses = getattr(config, "_attn_implementation", None) == VARLEN_ATTENTION
-        return {"varlen_layout": layout} if layout is not None and uses else {}
+        return {"varlen_layout": layout} if layout is not None and self.attention == VARLEN_ATTENTION else {}
 
     def _call(self, **kw: Any) -> Any:
         return self.model(**kw)

@@ -56,11 +56,9 @@ class Trainer:
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
         self.reference = reference.eval() if reference is not None else None
-        attn = getattr(getattr(backend, "model", None), "config", None)
-        attn = getattr(attn, "_attn_implementation", None)
-        if self.reference is not None and attn and self.reference.config._attn_implementation != attn:
+        if self.reference is not None and self.reference.config._attn_implementation != backend.attention:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
-            self.reference.set_attn_implementation(attn)
+            self.reference.set_attn_implementation(backend.attention)
         self.critic = cfg.advantage.name == "gae"
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError("advantage 'gae' (PPO) needs a critic: set backend_options.value_head = true")
@@ -70,8 +68,7 @@ class Trainer:
         # a group's prompt once per row, its completions after it: only tidal_varlen reads that layout
         from tidal.seqpar.hf import VARLEN_ATTENTION
 
-        self.share_prefix = cfg.share_prompts and getattr(
-            getattr(getattr(backend, "model", None), "config", None), "_attn_implementation", None) == VARLEN_ATTENTION
+        self.share_prefix = cfg.share_prompts and backend.attention == VARLEN_ATTENTION
         self.loss_fn = registry.create("policy_loss", cfg.loss.name, **cfg.loss.options)
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self.estimator = registry.create("advantage_estimator", cfg.advantage.name, **cfg.advantage.options)
@@ -177,7 +174,7 @@ class Trainer:
                 with torch.no_grad():
                     ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
                                                 use_cache=False, logits_to_keep=micro.pred,
-                                                **be._layout_kw(micro.layout, self.reference)).logits
+                                                **be.layout_kw(micro.layout)).logits
                     ref_lp, _ = token_logprobs(ref_logits, micro, self.cfg.temperature)
                 inputs["ref_logprobs"] = micro.padded(ref_lp)
             if self.correction is not None:

@@ -83,3 +83,16 @@ def pack_device(parts: list[torch.Tensor], offsets: list[int], dest: torch.Tenso
         if part.numel():
             dest[off : off + part.numel()].copy_(part.reshape(-1), non_blocking=True)
     return checksum_tensor(dest, algorithm)
+
+
+def reusing_allocator(buffers: dict[int, torch.Tensor], device: Any):
+    """An `Alloc` that packs bucket `index` into `buffers[index]` on `device`, allocating only when the
+    bucket is new or changed size (fresh device memory per version would cost an allocation each time)."""
+
+    def alloc(index: int, nbytes: int) -> torch.Tensor:
+        buf = buffers.get(index)
+        if buf is None or buf.numel() != nbytes:
+            buf = buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
+
+    return alloc

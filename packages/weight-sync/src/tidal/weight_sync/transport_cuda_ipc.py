@@ -28,7 +28,7 @@ import torch
 
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
-from tidal.weight_sync.device import MIX64
+from tidal.weight_sync.device import MIX64, reusing_allocator
 from tidal.weight_sync.errors import WeightSyncError
 
 _PREFIX = "cuda-ipc:"
@@ -104,16 +104,7 @@ class CudaIpcSenderTransport:
 
     def allocator(self):
         """Where the sender should pack the next version: this slot's GPU buffers."""
-        slot = self._staged % self.keep
-        buffers = self._slots[slot]
-
-        def alloc(index: int, nbytes: int) -> torch.Tensor:
-            buf = buffers.get(index)
-            if buf is None or buf.numel() != nbytes:
-                buf = buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.pack_device)
-            return buf
-
-        return alloc
+        return reusing_allocator(self._slots[self._staged % self.keep], self.pack_device)
 
     def _record(self, slot: int, b: Bucket) -> IpcBucket:
         if b.nbytes == 0:

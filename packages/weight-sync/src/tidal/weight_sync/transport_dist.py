@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
-from tidal.weight_sync.device import MIX64
+from tidal.weight_sync.device import MIX64, reusing_allocator
 from tidal.weight_sync.errors import WeightSyncError
 
 
@@ -117,15 +117,7 @@ class DistSenderTransport:
         """Where the sender packs the next version (the device path's `allocator`). Two sets in turn:
         `stage` lets a version go only once the one before it was broadcast, so the set used by the
         version before that one is free (a failed send staged nothing: its set is used again)."""
-        buffers = self._slots[self._staged % 2]
-
-        def alloc(index: int, nbytes: int) -> torch.Tensor:
-            buf = buffers.get(index)
-            if buf is None or buf.numel() != nbytes:
-                buf = buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.pack_device)
-            return buf
-
-        return alloc
+        return reusing_allocator(self._slots[self._staged % 2], self.pack_device)
 
     def _broadcast_version(self, version: int, buckets: list[Bucket]) -> None:
         _enter(self.device)
