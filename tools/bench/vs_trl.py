@@ -7,9 +7,10 @@ Workloads (64 samples per step = 8 prompts x 8, temperature 1, stop on newline, 
 0.2 / 0.28, no KL, token-mean loss, fp32, no gradient checkpointing, the same number of steps):
 - arithmetic: the demo's task (level 5, 6 new tokens), 120 steps, from the demo's warm start (the same
   tiny model, the same SFT, cached in --out with the demo's stamp so `tidal demo --out` folders are shared).
-- longtail: Countdown (3 numbers), up to 64 new tokens, 30 steps, from its own short SFT of the same tiny
-  model (the arithmetic model has never seen the format). An under-trained warm start sometimes rambles to
-  the token cap, so the slowest sample of a batch gates a synchronous step.
+- longtail: Reverse (write a word backwards; 85 % of words have 2-6 letters, 15 % have 16-40), up to 64 new
+  tokens, 30 steps, from its own short SFT of the same tiny model (the arithmetic model has never seen the
+  format). Completion lengths follow the words: most ~5 tokens, a tail of 17-41, so in most synchronous
+  steps (8 prompts) one long group gates the step, while an async worker keeps its batch full.
 
 Systems, all on the same cores (the process and its children are pinned to the first --threads cores):
 - TRL: one process, `model.generate`, torch threads = --threads. Held-out accuracy every --eval-every
@@ -46,6 +47,7 @@ from pathlib import Path
 
 TRL_MIN = (1, 16)
 ARITH_TOKENS, LONGTAIL_TOKENS = 6, 64
+LONGTAIL_WORDS = {"min_len": 2, "short_len": 6, "long_len": 16, "max_len": 40, "tail": 0.15}
 
 
 def banner(title: str, *lines: str) -> None:
@@ -77,8 +79,8 @@ def workloads(a: argparse.Namespace) -> dict[str, dict]:
     return {
         "arithmetic": {"domain": {"env": "arithmetic", "options": {"level": 5}}, "max_tokens": ARITH_TOKENS,
                        "steps": a.steps or 120, "sft_steps": a.sft_steps},
-        "longtail": {"domain": {"env": "countdown", "options": {"numbers": 3}}, "max_tokens": LONGTAIL_TOKENS,
-                     "steps": a.steps or 30, "sft_steps": a.longtail_sft_steps or a.sft_steps or 300},
+        "longtail": {"domain": {"env": "reverse", "options": LONGTAIL_WORDS}, "max_tokens": LONGTAIL_TOKENS,
+                     "steps": a.steps or 30, "sft_steps": a.longtail_sft_steps or a.sft_steps or 400},
     }
 
 
@@ -101,7 +103,7 @@ def warm_start(out: Path, name: str, w: dict, a: argparse.Namespace) -> Path:
     model, stamp = folder / "model-sft", folder / "model-sft.json"
     opts = {**DEMO_SFT, "steps": w["sft_steps"]} if w["sft_steps"] else dict(DEMO_SFT)
     if name != "arithmetic":
-        opts["carry_slip"] = 0.0  # the demonstrator's slip is an addition's carry: nothing to slip in Countdown
+        opts["carry_slip"] = 0.0  # the demonstrator's slip is an addition's carry: nothing to slip in Reverse
     warm = {"model": dict(DEMO_MODEL), "sft": opts, "domain": {**w["domain"], "weight": 1.0}, "seed": a.seed}
     if stamp.is_file() and model.is_dir():
         prior = msgspec.json.decode(stamp.read_bytes())
@@ -431,7 +433,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (both systems)")
     ap.add_argument("--sft-steps", type=int, default=0, help="warm-start SFT steps (0: the demo's 1000)")
     ap.add_argument("--longtail-sft-steps", type=int, default=0,
-                    help="Countdown warm-start SFT steps (0: --sft-steps if given, else 300)")
+                    help="Reverse warm-start SFT steps (0: --sft-steps if given, else 400)")
     ap.add_argument("--threads", type=int, default=0, help="cores used by every system (0: all this process may use)")
     ap.add_argument("--workers", type=int, default=2, help="Tidal rollout workers (the demo's 2)")
     ap.add_argument("--group-size", type=int, default=8)

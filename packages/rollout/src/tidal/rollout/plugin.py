@@ -1,5 +1,5 @@
 """tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
-engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``) and reward functions
+engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``) and reward functions
 (``exact_match``). Factories import their modules only when called, so scanning plugins imports no torch.
 """
 
@@ -38,6 +38,13 @@ def countdown(**options: Any) -> Any:
     return Countdown(**options)
 
 
+def reverse(**options: Any) -> Any:
+    """Reverse a word; word lengths have a long tail (the long-tail benchmark workload)."""
+    from tidal.rollout.tasks import Reverse
+
+    return Reverse(**options)
+
+
 def exact_match() -> Any:
     """Reward 1 when the completion's first line equals the task's answer."""
     from tidal.rollout.tasks import exact_match as fn
@@ -52,7 +59,7 @@ def tidal_engines() -> dict[str, Any]:
 
 @hookimpl
 def tidal_envs() -> dict[str, Any]:
-    return {"arithmetic": arithmetic, "countdown": countdown}
+    return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse}
 
 
 @hookimpl

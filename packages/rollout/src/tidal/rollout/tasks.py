@@ -1,4 +1,5 @@
-"""Verifiable tasks for the demo and tests: arithmetic (with difficulty levels) and Countdown.
+"""Verifiable tasks for the demo, tests and benchmarks: arithmetic (with difficulty levels), Countdown and
+Reverse (long-tailed completion lengths).
 
 Each is an `Environment` (tidal.core.interfaces): `tasks(split, seed)` yields `Task`s, `score(task,
 completion)` gives the reward. Problems are split into train and held-out eval by a hash of the prompt,
@@ -184,6 +185,37 @@ class Countdown:
         fits = need == available if self.exact_use else not (need - available)
         ok = fits and abs(value - int(task.metadata["target"])) < 1e-9
         return 1.0 if ok else self.format_reward
+
+
+class Reverse:
+    """Write a word backwards: prompt `rev abc:`, answer `cba`; reward 1 for the exact reversal. Word
+    lengths have a long tail: most words have `min_len`..`short_len` letters, a fraction `tail` has
+    `long_len`..`max_len`, so completion lengths do too (one token per letter with the char tokenizer).
+    The long-tail workload of `tools/bench/vs_trl.py`: the slowest group gates a synchronous step."""
+
+    domain = "reverse"
+    LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+    def __init__(self, min_len: int = 2, short_len: int = 6, long_len: int = 24, max_len: int = 48,
+                 tail: float = 0.15, eval_size: int = 200) -> None:
+        if not 1 <= min_len <= short_len <= max_len or not short_len <= long_len <= max_len:
+            raise ValueError(f"reverse needs 1 <= min_len <= short_len <= long_len <= max_len, got "
+                             f"{min_len}, {short_len}, {long_len}, {max_len}")
+        if not 0.0 <= tail <= 1.0:
+            raise ValueError(f"tail is a probability in [0, 1], got {tail}")
+        self.min_len, self.short_len, self.long_len, self.max_len = min_len, short_len, long_len, max_len
+        self.tail, self.eval_size = tail, eval_size
+
+    def _make(self, rng: random.Random) -> Task:
+        lo, hi = (self.long_len, self.max_len) if rng.random() < self.tail else (self.min_len, self.short_len)
+        word = "".join(rng.choice(self.LETTERS) for _ in range(rng.randint(lo, hi)))
+        return Task(prompt=f"rev {word}:", answer=word[::-1], domain=self.domain, metadata={"length": str(len(word))})
+
+    def tasks(self, split: str, seed: int) -> Iterator[Task]:
+        return _stream(self._make, split, seed, self.eval_size)
+
+    def score(self, task: Task, completion: str) -> float:
+        return 1.0 if _answer_of(completion) == task.answer else 0.0
 
 
 def exact_match(task: Task, completion: str) -> float:
