@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from tidal.core.protocol import PROTOCOL_VERSION
+
 
 def tidal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("tidal")
@@ -26,7 +28,7 @@ def test_help_names_the_commands():
 def test_version_lists_protocol_and_packages():
     out = tidal("version")
     assert out.returncode == 0
-    assert "Tidal wire protocol 1.1" in out.stdout and "tidal-core 0.1.0" in out.stdout
+    assert "Tidal wire protocol {}.{}".format(*PROTOCOL_VERSION) in out.stdout and "tidal-core 0.1.0" in out.stdout
 
 
 def test_plugins_lists_a_third_party_plugin(tmp_path):

@@ -19,7 +19,7 @@ from tidal.core import (
 )
 from tidal.core.arrays import Array
 from tidal.core.channels import dealer, make_hello, poll, pub, pull, push, router, sub
-from tidal.core.protocol import Ack, Control, Error, Metrics
+from tidal.core.protocol import PROTOCOL_VERSION, Ack, Control, Error, Metrics
 from tidal.core.security import is_loopback
 from tidal.core.testing import make_trajectory, sample_messages
 
@@ -148,7 +148,8 @@ def test_peer_of_another_major_version_is_refused_at_hello(server_process):
     with dealer(endpoint, codec=future) as client:
         hello = make_hello("rollout", "from-the-future")
         hello.protocol = (2, 0)
-        with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 1\.1, this process speaks 2\.0") as e:
+        ours = r"\.".join(map(str, PROTOCOL_VERSION))
+        with pytest.raises(ProtocolVersionError, match=rf"peer speaks Tidal protocol {ours}, this process speaks 2\.0") as e:
             client.handshake(hello, timeout=5)
         assert e.value.ours == (2, 0) and e.value.theirs[0] == 1
     # the server is unharmed and still serves a current peer

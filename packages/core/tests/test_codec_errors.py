@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from tidal.core import Codec, ProtocolError, ProtocolVersionError
-from tidal.core.protocol import Ack
+from tidal.core.protocol import PROTOCOL_VERSION, Ack
 from tidal.core.testing import make_trajectory
 
 CODEC = Codec()
@@ -130,7 +130,8 @@ def test_oversized_messages_are_refused_before_decoding():
 def test_other_major_version_is_refused_naming_both():
     future = Codec(protocol=(2, 3))
     frames = future.encode(make_trajectory(0, out_of_line=True))
-    with pytest.raises(ProtocolVersionError, match=r"peer speaks Tidal protocol 2\.3, this process speaks 1\.1"):
+    ours = r"\.".join(map(str, PROTOCOL_VERSION))
+    with pytest.raises(ProtocolVersionError, match=rf"peer speaks Tidal protocol 2\.3, this process speaks {ours}"):
         CODEC.decode(frames)
 
 

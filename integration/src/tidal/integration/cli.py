@@ -52,7 +52,7 @@ def _logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tidal.core.errors import ConfigError, PluginNotFound
+    from tidal.core.errors import ConfigError, PluginError, PluginNotFound
     from tidal.integration.recipe import load_recipe
     from tidal.integration.report import report
     from tidal.integration.run import run
@@ -63,20 +63,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, PluginNotFound) as e:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
-    result = run(cfg, nproc_learner=args.nproc)
+    try:
+        result = run(cfg, nproc_learner=args.nproc)
+    except (ConfigError, PluginNotFound, PluginError) as e:  # found in the driver, before any role started
+        print(f"tidal run: {e}", file=sys.stderr)
+        return 2
     png = report(result.run_dir)
     print(f"run {result.status}: {result.versions} versions in {result.wall_s / 60:.1f} min; report {png}")
     return 0 if result.status == "completed" else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tidal.core.errors import ConfigError, PluginNotFound
+    from tidal.core.errors import ConfigError, PluginError, PluginNotFound
     from tidal.integration.demo import demo
 
     _logging(args.log_level)
     try:
         return demo(args.out, args.overrides)
-    except (ConfigError, PluginNotFound) as e:
+    except (ConfigError, PluginNotFound, PluginError) as e:
         print(f"tidal demo: {e}", file=sys.stderr)
         return 2
 

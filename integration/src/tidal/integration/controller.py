@@ -26,13 +26,14 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.channels import make_hello, poll, router, sub
-from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
+from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
     Ack,
     Assignment,
     Control,
+    Error,
     Heartbeat,
     Metrics,
     SamplingParams,
@@ -65,20 +66,60 @@ class EvalRound:
     started: float
     expected: dict[str, str]  # group id -> domain
     rewards: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # group id -> why it could not be scored
     versions: list[int] = field(default_factory=list)  # policy versions of the eval tokens
 
     @property
     def done(self) -> bool:
-        return len(self.rewards) == len(self.expected)
+        return len(self.rewards) + len(self.failed) >= len(self.expected)
+
+
+MAX_EVAL_ATTEMPTS = 3  # an evaluation problem aborted (by a weight update) this often is counted as failed
+MAX_UNENCODABLE = 100  # tasks in a row of one domain the tokenizer cannot encode before the run gives up
+
+
+def check_task(task: object, plugin: str, where: str) -> Task:
+    """A task as an environment made it, checked where the controller builds messages from it: what is
+    wrong names the plugin, the field and the value (an Assignment that fails to decode on a worker
+    would otherwise vanish there)."""
+    if not isinstance(task, Task):
+        raise PluginError(f"env {plugin!r} ({where}) yielded a {type(task).__name__}, not a tidal.core.interfaces.Task")
+    for name in ("prompt", "answer", "domain"):
+        value = getattr(task, name)
+        if not isinstance(value, str):
+            raise PluginError(f"env {plugin!r} ({where}) made a task whose `{name}` is {type(value).__name__} "
+                              f"{value!r}; it must be str")
+    if not isinstance(task.metadata, dict):
+        raise PluginError(f"env {plugin!r} ({where}) made a task whose `metadata` is {type(task.metadata).__name__}; "
+                          f"it must be dict[str, str]")
+    for k, v in task.metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise PluginError(f"env {plugin!r} ({where}) made a task with metadata[{k!r}] = {v!r} "
+                              f"({type(v).__name__}); task metadata must be dict[str, str]: convert it in "
+                              f"the env's tasks(), e.g. {{k: str(v) for k, v in meta.items()}}")
+    return task
+
+
+def unencodable(tok, text: str, error: Exception) -> str:
+    """What the tokenizer cannot encode in `text`: the first character that fails alone, where it is."""
+    for i, ch in enumerate(text):
+        try:
+            tok.encode(ch)
+        except Exception:
+            return (f"the model's tokenizer cannot encode {ch!r} (U+{ord(ch):04X}) at position {i} of the prompt "
+                    f"{text[:80]!r} ({type(error).__name__}: {error})")
+    return f"the model's tokenizer cannot encode the prompt {text[:80]!r} ({type(error).__name__}: {error})"
 
 
 class Domain:
-    def __init__(self, name: str, env, weight: float, seed: int, eval_size: int) -> None:
+    def __init__(self, name: str, plugin: str, env, weight: float, seed: int, eval_size: int, where: str) -> None:
         from tidal.rollout.tasks import first_tasks
 
-        self.name, self.env, self.weight = name, env, weight
+        self.name, self.plugin, self.env, self.weight, self.where = name, plugin, env, weight, where
         self.train: Iterator[Task] = env.tasks("train", seed)
-        self.eval: list[Task] = first_tasks(env, "eval", seed, eval_size) if eval_size else []
+        self.eval: list[Task] = [check_task(t, plugin, f"{where}, eval split")
+                                 for t in (first_tasks(env, "eval", seed, eval_size) if eval_size else [])]
+        self.unencodable = 0  # tasks skipped in a row because the tokenizer cannot encode their prompt
 
 
 class Controller:
@@ -93,8 +134,13 @@ class Controller:
         staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
         self.rng = random.Random(cfg.seed)
-        self.domains = [Domain(d.env, registry.create("env", d.env, **d.options), d.weight, cfg.seed + i,
-                               cfg.eval.size if cfg.eval.every else 0) for i, d in enumerate(cfg.domains)]
+        self.domains = [Domain(d.name or d.env, d.env,
+                               registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
+                               d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
+                        for i, d in enumerate(cfg.domains)]
+        for i, d in enumerate(cfg.domains):  # a reward plugin's options fail here, before any worker starts
+            if d.reward is not None:
+                registry.build("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
         self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
         stop_ids = [i for s in cfg.sampling.stop for i in tokenizer.encode(s)]
         s = cfg.sampling
@@ -103,7 +149,12 @@ class Controller:
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
                                             stop_token_ids=stop_ids, seed=cfg.seed)
         self.workers: dict[str, WorkerState] = {}
-        self.requeued: deque[Assignment] = deque()
+        self.requeued: deque[Assignment] = deque()  # training work of lost workers (sent for credit)
+        self.eval_waiting: deque[Assignment] = deque()  # evaluation work with no live worker (sent without)
+        self.eval_attempts: dict[str, int] = {}
+        self.last_error: dict[str, str] = {}  # role name -> the latest error it reported, for status
+        self.failed_by_reason: dict[str, int] = {}
+        self.tasks_skipped: dict[str, int] = {}  # domain -> tasks whose prompt the tokenizer cannot encode
         self.next_group = 0
         self.learner_version = 0
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
@@ -161,9 +212,14 @@ class Controller:
                 a = w.outstanding.pop(gid, None)
                 if a is None:
                     continue
+                if not msg.ok:
+                    reason = msg.reason or "unspecified"
+                    self.failed_by_reason[reason] = self.failed_by_reason.get(reason, 0) + 1
+                    if reason != "abort":
+                        self.last_error[name] = f"group {gid}: {msg.detail}"
                 if EVAL_KEY in a.metadata:
-                    if not msg.ok:  # dropped (e.g. partial_mode "drop" met a weight update): evaluate it again
-                        self._send_eval(a)
+                    if not msg.ok:
+                        self._eval_failed(a, msg)
                     continue
                 if msg.ok:
                     self.gate.accept(a.num_samples)
@@ -180,6 +236,20 @@ class Controller:
                 rnd.versions.extend(int(v) for v in msg.versions.numpy())
         elif isinstance(msg, Metrics):
             self._record(msg)
+        elif isinstance(msg, Error):  # e.g. an assignment the worker could not decode
+            self.last_error[name] = msg.detail
+            log.error("%s reported: %s", name, msg.detail)
+
+    def _eval_failed(self, a: Assignment, msg: Ack) -> None:
+        """An evaluation group came back unscored. An abort (a weight update caught it) is tried again, a
+        few times; a scoring error is final and counted in the round, which then still finishes."""
+        tries = self.eval_attempts[a.group_id] = self.eval_attempts.get(a.group_id, 0) + 1
+        if msg.reason == "abort" and tries < MAX_EVAL_ATTEMPTS:
+            self._send_eval(a)
+            return
+        rnd = self.evals.get(int(a.metadata[EVAL_KEY]))
+        if rnd is not None:
+            rnd.failed[a.group_id] = msg.detail or msg.reason
 
     def _on_published(self, topic: str, msg) -> None:
         if isinstance(msg, WeightsAvailable):
@@ -215,6 +285,8 @@ class Controller:
             self._maybe_start_eval(v)
 
     def _dispatch(self) -> None:
+        while self.eval_waiting and self.live_workers():  # evaluation goes without credit, first
+            self._send_eval(self.eval_waiting.popleft())
         gate_version = self.gate.state.version
         for w in self.live_workers():
             if w.version < gate_version:
@@ -243,14 +315,35 @@ class Controller:
 
     def _new_assignment(self) -> Assignment:
         d = self.domains[int(self.rng.choices(range(len(self.domains)), weights=self.weights)[0])]
-        task = next(d.train)
+        while True:
+            task = check_task(next(d.train), d.plugin, d.where)
+            ids = self._encode(task.prompt, d)
+            if ids is not None:
+                break
         gid = f"{d.name}-{self.next_group:07d}"
         self.next_group += 1
-        return Assignment(group_id=gid, prompt_ids=self._encode(task.prompt), num_samples=self.cfg.group_size,
-                          task=d.name, answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata))
+        return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
+                          answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata),
+                          prompt=task.prompt, domain=task.domain)
 
-    def _encode(self, text: str) -> Array:
-        return Array.from_numpy(np.asarray(self.tok.encode(text), np.int32))
+    def _encode(self, text: str, d: Domain) -> Array | None:
+        """The prompt's token ids, or None (skipped, counted) when the tokenizer cannot encode it: the
+        first such prompt of each domain is logged with the character that fails."""
+        try:
+            ids = self.tok.encode(text)
+        except Exception as e:
+            d.unencodable += 1
+            n = self.tasks_skipped[d.name] = self.tasks_skipped.get(d.name, 0) + 1
+            why = unencodable(self.tok, text, e)
+            if n == 1:
+                log.error("domain %r (env %r, %s): %s; such tasks are skipped and counted "
+                          "(controller/tasks_skipped/%s)", d.name, d.plugin, d.where, why, d.name)
+            if d.unencodable >= MAX_UNENCODABLE:
+                raise PluginError(f"domain {d.name!r} (env {d.plugin!r}, {d.where}): {d.unencodable} prompts in a row "
+                                  f"cannot be encoded by the model's tokenizer; the last: {why}") from e
+            return None
+        d.unencodable = 0
+        return Array.from_numpy(np.asarray(ids, np.int32))
 
     def worker_lost(self, name: str) -> None:
         """`name` died or stopped answering: what it held goes to the others."""
@@ -297,11 +390,19 @@ class Controller:
         expected: dict[str, str] = {}
         for d in self.domains:
             for i, task in enumerate(d.eval):
+                ids = self._encode(task.prompt, d)
+                if ids is None:
+                    continue
                 gid = f"eval{version}-{d.name}-{i:04d}"
                 expected[gid] = d.name
-                self._send_eval(Assignment(group_id=gid, prompt_ids=self._encode(task.prompt), num_samples=1,
-                                           task=d.name, answer=task.answer, sampling=self.eval_sampling,
-                                           metadata={**task.metadata, EVAL_KEY: str(version)}))
+                self._send_eval(Assignment(group_id=gid, prompt_ids=ids, num_samples=1, task=d.name,
+                                           answer=task.answer, sampling=self.eval_sampling,
+                                           metadata={**task.metadata, EVAL_KEY: str(version)},
+                                           prompt=task.prompt, domain=task.domain))
+        if not expected:  # every prompt was unencodable (logged, counted): nothing to wait for
+            log.warning("evaluation at version %d skipped: no held-out prompt could be encoded", version)
+            self.evals[version] = EvalRound(version, -1.0, expected)
+            return
         self.evals[version] = EvalRound(version, time.monotonic(), expected)
         log.info("evaluation at version %d: %d held-out problems", version, len(expected))
 
@@ -310,8 +411,8 @@ class Controller:
 
     def _send_eval(self, a: Assignment) -> None:
         ready = self._eval_workers(int(a.metadata[EVAL_KEY])) or self.live_workers()
-        if not ready:
-            self.requeued.append(a)
+        if not ready:  # waits for a live worker; never sent as training work (it would use up credits)
+            self.eval_waiting.append(a)
             return
         self._send(min(ready, key=lambda w: len(w.outstanding)), a)
 
@@ -327,10 +428,15 @@ class Controller:
             for gid, r in rnd.rewards.items():
                 per.setdefault(rnd.expected[gid], []).append(r)
             # accuracy counts full successes (reward 1); partial credit only shapes training
-            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()]))
+            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()])) if rnd.rewards else 0.0
             by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
             self.eval_results.append((v, acc, by_domain))
-            scalars = {"eval/accuracy": acc, "eval/reward": float(np.mean(list(rnd.rewards.values()))),
+            if rnd.failed:  # accuracy is over the problems that were scored; the rest are counted, not zeroed
+                log.warning("eval at version %d: %d of %d problems could not be scored, e.g. %s", v, len(rnd.failed),
+                            len(rnd.expected), next(iter(rnd.failed.values())))
+            scalars = {"eval/accuracy": acc,
+                       "eval/reward": float(np.mean(list(rnd.rewards.values()))) if rnd.rewards else 0.0,
+                       "eval/failed": float(len(rnd.failed)),
                        "eval/version": float(v),
                        "eval/token_version_min": float(min(rnd.versions, default=v)),
                        "eval/problems": float(len(rnd.rewards))}
@@ -354,7 +460,9 @@ class Controller:
                 "controller/workers_alive": float(len(self.live_workers())),
                 "controller/gate_in_flight": float(g.in_flight), "controller/gate_accepted": float(g.accepted),
                 "controller/gate_capacity": float(self.gate.capacity()),
-                **{f"controller/{k}": float(v) for k, v in self.counts.items()}}
+                **{f"controller/{k}": float(v) for k, v in self.counts.items()},
+                **{f"controller/groups_failed/{k}": float(v) for k, v in self.failed_by_reason.items()},
+                **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()}}
 
     def close(self) -> None:
         for ch in (self.ch, self.learner_sub, self.buffer_sub):

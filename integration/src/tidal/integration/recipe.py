@@ -18,6 +18,7 @@ launcher fills in what must agree between roles: endpoints, model folder, group 
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Literal
@@ -35,6 +36,12 @@ class DomainConfig(ConfigStruct):
     env: str = "arithmetic"  # environment plugin name (`tidal plugins env`)
     options: dict[str, object] = {}  # the environment's factory options, e.g. { level = 2 }
     weight: float = 1.0  # share of training prompts drawn from this domain (normalised over domains)
+    # unique within the recipe; "" = the env's name. Group ids, per-domain metrics and evaluation go by
+    # it, so one env can appear twice with different options under two names
+    name: str = ""
+    # a reward plugin (`tidal plugins reward`) that scores this domain's samples instead of the env's
+    # `score`: reward = { name = "exact_match" }
+    reward: PluginRef | None = None
 
 
 class SamplingConfig(ConfigStruct):
@@ -50,6 +57,9 @@ class EvalConfig(ConfigStruct):
     size: int = 200  # held-out problems per domain
     temperature: float = 0.0  # 0 = greedy
     max_tokens: int = 0  # 0 = sampling.max_tokens
+    # how long the run waits, after the learner's last step, for evaluations still running; then it ends
+    # anyway and final.json says so
+    final_timeout_s: float = 120.0
 
 
 class BudgetConfig(ConfigStruct):
@@ -68,6 +78,9 @@ class LaunchConfig(ConfigStruct):
     max_restarts: int = 3  # per role; a role that dies more often ends the run
     shutdown_timeout_s: float = 30.0  # how long roles get to stop before they are killed
     start_timeout_s: float = 300.0  # how long the run waits for every worker's first request
+    # no new policy version for this long (or 20x the median time per version, if longer) ends the run
+    # with status "stalled" and each role's last error; 0 = never
+    stall_timeout_s: float = 300.0
     # torch threads per learner rank and rollout worker; 0 = this machine's cores shared out by load: half
     # to the learner's ranks (its step is the critical path once generation runs ahead), the rest split
     # over the workers, at least one each
@@ -100,6 +113,9 @@ class RunConfig(ConfigStruct):
         return self.group_size * self.batch_groups
 
 
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     cfg = load_config(path, RunConfig, overrides)
     check(cfg)
@@ -121,6 +137,17 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("`domains` is empty: name at least one environment", field="domains")
     if any(d.weight <= 0 for d in cfg.domains):
         raise ConfigError("every domain needs a positive `weight`", field="domains")
+    seen: dict[str, int] = {}
+    for i, d in enumerate(cfg.domains):
+        name = d.name or d.env
+        if not _DOMAIN_NAME.fullmatch(name):
+            raise ConfigError(f"domains[{i}].name {name!r} must be letters, digits, '_', '-' or '.' "
+                              f"(it is part of group ids and metric names)", field=f"domains[{i}].name")
+        if name in seen:
+            raise ConfigError(f"domains[{i}] and domains[{seen[name]}] are both named {name!r}: give each a "
+                              f"unique `name` (e.g. name = \"{d.env}-2\"); group ids, metrics and evaluation "
+                              f"are keyed by it", field=f"domains[{i}].name")
+        seen[name] = i
     if cfg.learner.weights.every < 1:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
@@ -128,6 +155,8 @@ def check(cfg: RunConfig) -> None:
 
     for d in cfg.domains:
         registry.get("env", d.env)  # PluginNotFound lists the names that exist
+        if d.reward is not None:
+            registry.get("reward", d.reward.name)
     registry.get("launcher", cfg.launcher.name)
 
 

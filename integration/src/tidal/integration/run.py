@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -24,13 +25,16 @@ from pathlib import Path
 
 import msgspec
 
+from tidal.core.errors import PluginError
 from tidal.core.plugins import registry
+from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
 from tidal.core.protocol import Metrics
 from tidal.core.testing import free_endpoint
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
+from tidal.rollout.worker import DomainSpec
 
 log = logging.getLogger("tidal.run")
 
@@ -38,7 +42,7 @@ log = logging.getLogger("tidal.run")
 @dataclass
 class RunResult:
     run_dir: Path
-    status: str  # "completed", "interrupted", "failed: ..."
+    status: str  # "completed", "interrupted", "stalled: ...", "failed: ..."
     versions: int
     eval: list[tuple[int, float, dict[str, float]]]
     restarts: dict[str, int]
@@ -74,12 +78,12 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1) -> tuple[list[Ro
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
              _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
-    envs = {d.env: dict(d.options) for d in cfg.domains}
+    domains = {d.name or d.env: DomainSpec(env=d.env, options=dict(d.options), reward=d.reward) for d in cfg.domains}
     for i in range(cfg.workers):
         w = msgspec.structs.replace(
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
             buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
-            envs={**envs, **cfg.rollout.envs},
+            domains={**domains, **cfg.rollout.domains},
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
         roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
@@ -101,11 +105,80 @@ def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: i
     path = roles_dir / f"{name}.json"
     path.write_bytes(msgspec.json.encode(config))
     t = "1" if kind == "buffer" else str(threads)  # torch reads these at start: no oversubscribed cores
-    return Role(name=name, kind=kind, module=module, config=path, env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t})
+    return Role(name=name, kind=kind, module=module, config=path,
+                env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, ERROR_FILE_ENV: str(error_file(roles_dir, name))})
+
+
+def error_file(roles_dir: Path, name: str) -> Path:
+    """Where role `name` leaves the message of the error it exited on (tidal.core.process.role_main)."""
+    return roles_dir / f"{name}.error"
+
+
+def role_error(roles_dir: Path, name: str) -> str:
+    """The message role `name` left when it last failed, and forget it (a restart starts clean)."""
+    path = error_file(roles_dir, name)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return ""
+    path.unlink(missing_ok=True)
+    return text
+
+
+class Progress:
+    """When the learner's version last moved, to end a run that cannot make progress: no new version
+    within max(`timeout`, 20 x the median interval between versions so far) is a stall."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.version = -1
+        self.at = time.monotonic()
+        self.intervals: list[float] = []
+
+    def update(self, version: int, now: float) -> None:
+        if version > self.version:
+            if self.version >= 0:
+                self.intervals.append((now - self.at) / (version - self.version))
+            self.version, self.at = version, now
+
+    def limit(self) -> float:
+        if not self.intervals:
+            return self.timeout
+        return max(self.timeout, 20 * sorted(self.intervals)[len(self.intervals) // 2])
+
+    def stalled(self, now: float) -> float:
+        """Seconds without progress when past the limit, else 0."""
+        quiet = now - self.at
+        return quiet if self.timeout > 0 and quiet > self.limit() else 0.0
 
 
 class _Stop(Exception):
     pass
+
+
+class _Stalled(Exception):
+    pass
+
+
+def _in_recipe_terms(message: str, kind: str) -> str:
+    """A role names fields of its own config (`train.loss.name`); the user wrote them in the recipe's
+    section for that role (`learner.train.loss.name`)."""
+    section = {"learner": "learner", "buffer": "buffer", "rollout": "rollout"}.get(kind)
+    if not section:
+        return message
+    return re.sub(r"`([A-Za-z_][\w.\[\]]*)`", lambda m: m.group(0) if m.group(1).startswith(section + ".")
+                  else f"`{section}.{m.group(1)}`", message)
+
+
+def _last_errors(c: Controller, errors: dict[str, str], run_dir: Path) -> str:
+    """The latest error each role reported (or left when it exited), for a stall or timeout message."""
+    found = {**c.last_error, **errors}
+    failed = ", ".join(f"{k} {v}" for k, v in sorted(c.failed_by_reason.items()))
+    parts = [f"{k}: {v}" for k, v in sorted(found.items())]
+    text = "Last errors: " + (" | ".join(parts) if parts else "none reported")
+    if failed:
+        text += f". Groups dropped by reason: {failed}"
+    return text + f". Role logs: {run_dir / 'logs'}"
 
 
 def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
@@ -121,11 +194,26 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
     sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
-    controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"], buffer_pub=ep["buffer_pub"],
-                            run_dir=run_dir, tokenizer=load_tokenizer(cfg.model), emit=sink)
+    try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
+        controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"],
+                                buffer_pub=ep["buffer_pub"], run_dir=run_dir, tokenizer=load_tokenizer(cfg.model),
+                                emit=sink)
+    except Exception as e:
+        sink.close()
+        (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode(
+            {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})))
+        raise
     restarts = {r.name: 0 for r in roles}
+    handle_kind = {r.name: r.kind for r in roles}
     workers = [r.name for r in roles if r.kind == "rollout"]
+    errors: dict[str, str] = {}  # role -> the message it left when it last exited with an error
+    roles_dir = run_dir / "roles"
+    for r in roles:
+        error_file(roles_dir, r.name).unlink(missing_ok=True)
     status, t0 = "completed", time.monotonic()
+    progress = Progress(cfg.launch.stall_timeout_s)
+    time_budget_hit = False
+    final_eval = "not run"
     interrupted = False
 
     def on_signal(sig, _frame):
@@ -151,6 +239,14 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
             if not eval0 and controller.workers:  # the starting point, on the first worker to connect
                 controller.start_eval(0)
                 eval0, rl_start = True, time.time()
+                progress = Progress(cfg.launch.stall_timeout_s)  # the stall clock starts with the roles up
+            progress.update(controller.learner_version, now)
+            quiet = progress.stalled(now) if eval0 and not learner_done else 0.0
+            if quiet:
+                raise _Stalled(f"no new policy version for {quiet:.0f} s (limit {progress.limit():.0f} s: "
+                               f"launch.stall_timeout_s or 20x the median step); at version "
+                               f"{controller.learner_version} of {cfg.budget.versions}. "
+                               + _last_errors(controller, errors, run_dir))
             elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
                 raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
                             f"(see {run_dir / 'logs'})")
@@ -159,11 +255,17 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                     learner_done, done_at = True, now
                     log.info("learner finished %d versions", controller.learner_version)
                     continue
+                message = _in_recipe_terms(role_error(roles_dir, name), handle_kind.get(name, ""))
+                if message:
+                    errors[name] = message
+                if rc == EXIT_CONFIG:  # a refused configuration: a restart would refuse it again
+                    raise _Stop(f"{message or name + ' refused its configuration'} (see {run_dir / 'logs' / name}.log)")
                 restarts[name] += 1
                 if restarts[name] > cfg.launch.max_restarts:
-                    raise _Stop(f"{name} exited with code {rc} {restarts[name]} times; see {run_dir / 'logs' / name}.log")
-                log.warning("%s exited with code %d: restarting (%d of %d)", name, rc, restarts[name],
-                            cfg.launch.max_restarts)
+                    raise _Stop(f"{name} exited with code {rc} {restarts[name]} times; last error: "
+                                f"{message or '(none reported)'}; see {run_dir / 'logs' / name}.log")
+                log.warning("%s exited with code %d: restarting (%d of %d)%s", name, rc, restarts[name],
+                            cfg.launch.max_restarts, f": {message}" if message else "")
                 if name in workers:
                     controller.worker_lost(name)
                 handle.restart(name)
@@ -181,6 +283,7 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 log.info("time budget of %.1f min reached: stopping the learner", cfg.budget.minutes)
                 handle.signal("learner", signal.SIGTERM)
                 cfg = msgspec.structs.replace(cfg, budget=msgspec.structs.replace(cfg.budget, minutes=0.0))
+                time_budget_hit = True
             if learner_done:
                 final = controller.learner_version
                 if cfg.eval.every and final not in controller.evals and controller.max_worker_version() >= final:
@@ -188,13 +291,25 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 # the learner's last metrics may still be queued on our subscription: take them first
                 settled = controller.learner_metrics_version >= final or now - done_at > 5  # type: ignore[operator]
                 if settled and not controller.eval_pending() and (not cfg.eval.every or final in controller.evals):
+                    final_eval = "done" if cfg.eval.every else "off"
                     break
-                if now - done_at > 300:  # type: ignore[operator]
-                    log.warning("the final evaluation did not finish within 300 s; stopping anyway")
+                if now - done_at > cfg.eval.final_timeout_s:  # type: ignore[operator]
+                    final_eval = f"timed out after {cfg.eval.final_timeout_s:g} s"
+                    log.warning("the evaluations still running did not finish within %.0f s (eval.final_timeout_s); "
+                                "stopping anyway. %s", cfg.eval.final_timeout_s, _last_errors(controller, errors, run_dir))
                     break
-    except _Stop as e:
+        if learner_done and controller.learner_version < cfg.budget.versions and not time_budget_hit:
+            status = (f"failed: the learner stopped at version {controller.learner_version} of "
+                      f"{cfg.budget.versions}; see {run_dir / 'logs' / 'learner'}.log")
+    except _Stalled as e:
+        status = f"stalled: {e}"
+        log.error("run stalled: %s", e)
+    except (_Stop, PluginError) as e:  # PluginError: a plugin made what the controller cannot send
         status = f"failed: {e}"
         log.error("%s", e)
+    except BaseException as e:  # a crash of the driver itself: final.json must not say "completed"
+        status = f"failed: {type(e).__name__}: {e}"
+        raise
     finally:
         display.update(controller.learner_version, _summary(controller, time.monotonic() - t0))
         display.close()
@@ -204,7 +319,9 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         codes.update(handle.stop(["buffer"], cfg.launch.shutdown_timeout_s))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
         (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode({
-            "status": status, "versions": controller.learner_version,
+            "status": status, "versions": controller.learner_version, "budget_versions": cfg.budget.versions,
+            "time_budget_reached": time_budget_hit, "final_eval": final_eval,
+            "errors": {**controller.last_error, **errors},
             "restarts": {k: v for k, v in restarts.items() if v},
             "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})))
         sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))

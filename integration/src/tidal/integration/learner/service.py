@@ -37,7 +37,7 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
-from tidal.core.process import setup_role_process
+from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Metrics
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_reference
@@ -450,4 +450,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(role_main(main, "learner"))

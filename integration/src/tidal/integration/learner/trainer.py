@@ -69,12 +69,12 @@ class Trainer:
         from tidal.seqpar.hf import VARLEN_ATTENTION
 
         self.share_prefix = cfg.share_prompts and backend.attention == VARLEN_ATTENTION
-        self.loss_fn = registry.create("policy_loss", cfg.loss.name, **cfg.loss.options)
+        self.loss_fn = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
-        self.estimator = registry.create("advantage_estimator", cfg.advantage.name, **cfg.advantage.options)
+        self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self._value_loss = registry.create(
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
-        self.correction = (registry.create("staleness_policy", cfg.correction.name, **cfg.correction.options)
+        self.correction = (registry.build("staleness_policy", cfg.correction.name, cfg.correction.options, field="train.correction")
                            if cfg.correction else None)
 
     def _global(self, values: list[float]) -> list[float]:

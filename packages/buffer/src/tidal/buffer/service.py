@@ -43,7 +43,7 @@ from tidal.core.codec import Codec
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
-from tidal.core.process import setup_role_process
+from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory, TrajectoryGroup
 from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
@@ -122,9 +122,10 @@ class BufferService:
             f"; SKIPPED {report.corrupt_bytes} corrupt bytes" if report.corrupt_bytes else "",
         )
         self.admission = (
-            registry.create("staleness_policy", cfg.admission.name, **cfg.admission.options) if cfg.admission else None
+            registry.build("staleness_policy", cfg.admission.name, cfg.admission.options, field="admission") if cfg.admission else None
         )
-        self.filters = [(f.name, registry.create("group_filter", f.name, **f.options)) for f in cfg.filters]
+        self.filters = [(f.name, registry.build("group_filter", f.name, f.options, field=f"filters[{i}]"))
+                        for i, f in enumerate(cfg.filters)]
         curve = CurveServer.from_files(cfg.curve_secret_key, cfg.curve_authorized_keys or None) if cfg.curve_secret_key else None
         common: dict[str, Any] = {"curve": curve, "hwm": cfg.hwm, "linger": 1.0}
         # ingest decodes its two types only (faster than the whole Message union; others get a clear error)
@@ -619,4 +620,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(role_main(main, "buffer"))

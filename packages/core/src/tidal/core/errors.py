@@ -64,3 +64,8 @@ class PluginNotFound(TidalError, LookupError):
 
 class PluginConflict(TidalError):
     """Two plugins registered the same name for the same kind."""
+
+
+class PluginError(TidalError):
+    """A plugin returned something Tidal cannot use (a task whose metadata is not text, ...).
+    The message names the plugin, the field and the value, and what the plugin should return."""

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import inspect
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pluggy
 
-from tidal.core.errors import PluginConflict, PluginNotFound
+from tidal.core.errors import ConfigError, PluginConflict, PluginNotFound
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +222,56 @@ class Registry:
         """Look up `name` and call its factory."""
         return self.get(kind, name)(*args, **kwargs)
 
+    def build(self, kind: str, name: str, options: Mapping[str, Any], *args: Any, field: str = "",
+              name_key: str = "name") -> Any:
+        """`create` for a plugin chosen in a config section at `field` (its dotted path, e.g.
+        ``train.loss`` or ``domains[0]``): an unknown name, or options the factory does not take, raise a
+        `ConfigError` that names the plugin and the field (``train.loss.name``, ``train.loss.options``)
+        and what exists (the registered names; the options it does take), not a bare error from inside."""
+        at = f"{field}." if field else ""
+        try:
+            factory = self.get(kind, name)
+        except PluginNotFound as e:
+            raise ConfigError(f"`{at}{name_key}`: {e}", field=f"{at}{name_key}") from e
+        try:
+            return factory(*args, **options)
+        except TypeError as e:
+            text = str(e)
+            if not _BAD_CALL.search(text):
+                raise
+            takes = _accepted(factory, e)
+            hint = f"; it takes: {', '.join(takes)}" if takes else ""
+            raise ConfigError(f"{kind} {name!r} does not accept the options at `{at}options` {sorted(options)}: "
+                              f"{text}{hint}", field=f"{at}options") from e
+
     def table(self) -> dict[str, dict[str, str]]:
         """kind -> name -> providing plugin, for listings such as `tidal plugins`."""
         return {kind: {n: p for n, (_, p) in sorted(entries.items())} for kind, entries in self._loaded().items()}
+
+
+# what Python says when a call's arguments do not fit the function's signature
+_BAD_CALL = re.compile(r"unexpected keyword argument|missing \d+ required|takes \d+ positional|"
+                       r"takes no keyword|got multiple values for argument|takes no arguments")
+
+
+def _accepted(factory: Factory, error: TypeError) -> list[str]:
+    """The keyword options of the callable that refused them: the factory itself, or the class or
+    function it forwards `**options` to (the last frame of the TypeError's traceback that ran)."""
+    candidates: list[Any] = [factory]
+    tb = error.__traceback__
+    while tb is not None:  # the innermost frame that was running when the call failed
+        frame_locals = tb.tb_frame.f_locals
+        candidates.extend(v for v in frame_locals.values() if isinstance(v, type) or inspect.isfunction(v))
+        tb = tb.tb_next
+    for c in reversed(candidates):
+        try:
+            params = inspect.signature(c).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+        if names and not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return []
 
 
 registry = Registry()

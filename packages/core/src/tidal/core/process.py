@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
+from collections.abc import Callable
+
+from tidal.core.errors import ConfigError, PluginNotFound
+
+log = logging.getLogger("tidal.role")
+
+# sysexits' EX_CONFIG: the role refused its configuration. Restarting it cannot help, so the driver
+# ends the run at once with the role's message instead.
+EXIT_CONFIG = 78
+# where a role writes the message of the error it exits on (one paragraph), for the driver to show
+ERROR_FILE_ENV = "TIDAL_ERROR_FILE"
 
 
 def setup_role_process(log_level: str | int = "INFO") -> None:
@@ -13,3 +25,32 @@ def setup_role_process(log_level: str | int = "INFO") -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if hasattr(signal, "SIGUSR1"):  # not on Windows
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def write_role_error(message: str) -> None:
+    """Leave `message` where the process that started this role looks for it (no-op when unset)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(message.rstrip() + "\n")
+        except OSError as e:  # the log still has it
+            log.warning("could not write the error file %s: %s", path, e)
+
+
+def role_main(main: Callable[[], int], role: str) -> int:
+    """Run a role's main. A configuration it refuses ends it with EXIT_CONFIG and its message in the
+    error file; any other exception is written there too and propagates (the driver may restart)."""
+    try:
+        return main()
+    except (ConfigError, PluginNotFound) as e:
+        where = f" (field {e.field})" if isinstance(e, ConfigError) and e.field and e.field not in str(e) else ""
+        message = f"{role} refused its configuration: {e}{where}"
+        log.error("%s", message)
+        write_role_error(message)
+        return EXIT_CONFIG
+    except BaseException as e:
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            write_role_error(f"{role} failed: {type(e).__name__}: {e}")
+        raise
+

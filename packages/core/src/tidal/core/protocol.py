@@ -18,7 +18,8 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at
+PROTOCOL_MINOR = 2  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+#                     SamplingParams.stop
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -64,6 +65,9 @@ class Ack(_Msg):
     # kind "group" with ok True: members of the acknowledged groups that were refused one by one (stale),
     # trajectory id -> why; every other member is durable
     refused: dict[str, str] = {}
+    # machine-readable kind of failure when ok is False, for drop-by-reason counts: "score_error",
+    # "decode_error", "reward_error", "abort", "refused", ... ("" = unspecified)
+    reason: str = ""
 
 
 # --------------------------------------------------------------------------- control plane
@@ -125,10 +129,12 @@ class Assignment(_Msg):
     group_id: str  # unique id of the group; every sample of it carries this id
     prompt_ids: Array  # int32 [prompt_len] prompt token ids
     num_samples: int  # G: how many samples to generate for this prompt
-    task: str  # environment / task name that scores the samples (plugin name)
+    task: str  # the recipe domain whose environment (and reward) scores the samples: its name, by default the env plugin name
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)  # how to sample
     answer: str = ""  # reference answer or task payload the environment verifies against
     metadata: dict[str, str] = {}  # free task metadata passed through to the trajectories
+    prompt: str = ""  # the prompt text as the environment wrote it (its `score` sees the task whole)
+    domain: str = ""  # Task.domain as the environment set it ("" = `task`)
 
 
 class WorkRequest(_Msg):
@@ -146,7 +152,7 @@ class Trajectory(_Msg):
     id: str  # unique and stable across resends, so receivers can deduplicate
     group_id: str  # prompt group this sample belongs to (G samples share it)
     sample_index: int  # index of this sample within its group, 0..G-1
-    task: str  # environment / task name that produced the reward
+    task: str  # the recipe domain (by default its env plugin name) that produced the reward
     prompt_ids: Array  # int32 [prompt_len] prompt token ids
     completion_ids: Array  # int32 [completion_len] generated token ids
     logprobs: Array  # float32 [completion_len] logprob of each token under the sampler's processed distribution

@@ -47,11 +47,12 @@ from tidal.core.config import ConfigStruct, PluginRef, load_config
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
-from tidal.core.process import setup_role_process
+from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
     Ack,
     Assignment,
     Control,
+    Error,
     Heartbeat,
     Hello,
     Metrics,
@@ -79,6 +80,14 @@ def _software() -> dict[str, str]:
     return out
 
 
+class DomainSpec(ConfigStruct):
+    """What scores one recipe domain's samples (`Assignment.task` names the domain)."""
+
+    env: str  # environment plugin name (`tidal plugins env`)
+    options: dict[str, Any] = {}  # its factory options
+    reward: PluginRef | None = None  # a reward plugin that scores instead of the env's `score` (`tidal plugins reward`)
+
+
 class WorkerConfig(ConfigStruct):
     name: str = "rollout-0"  # unique within the run; the buffer acknowledges to this name
     controller: str = "tcp://127.0.0.1:5610"  # controller ROUTER (assignments, heartbeats, metrics)
@@ -88,7 +97,10 @@ class WorkerConfig(ConfigStruct):
     weights_topic: str = "weights"  # topic prefix of the announcements there ("" = every message)
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
-    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (by Assignment.task)
+    # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
+    # that name, with options from `envs`
+    domains: dict[str, DomainSpec] = {}
+    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (tasks not in `domains`)
     weight_transport: dict[str, dict[str, Any]] = {}  # transport name -> receiver options
     max_groups: int = 4  # prompt groups held at once (generating + awaiting buffer acks)
     heartbeat_interval_s: float = 1.0
@@ -113,6 +125,14 @@ class _Group:
     eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
 
 
+class SampleError(Exception):
+    """Scoring or decoding one sample failed: its group is dropped (`reason`), the worker goes on."""
+
+    def __init__(self, reason: str, cause: BaseException) -> None:
+        super().__init__(f"{reason}: {type(cause).__name__}: {cause}")
+        self.reason, self.cause = reason, cause
+
+
 def sample_seed(group_id: str, index: int, base: int | None) -> int:
     """The seed of one sample: from the assignment's seed when given, else from the group id."""
     if base is not None:
@@ -127,12 +147,15 @@ class RolloutWorker:
             if not cfg.model:
                 raise ValueError("the rollout worker needs `model` (a local Hugging Face folder)")
             options = {"weight_transport_options": cfg.weight_transport, **cfg.engine.options}
-            engine = registry.create("engine", cfg.engine.name, cfg.model, **options)
+            engine = registry.build("engine", cfg.engine.name, options, cfg.model, field="engine")
         self.engine = engine
         from tidal.rollout.tiny import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
         self._envs: dict[str, Any] = {}
+        self._rewards: dict[str, Any] = {}
+        self.dropped_by_reason: dict[str, int] = {}
+        self._logged_kinds: set[tuple[str, str]] = set()  # (reason, exception type) already logged with traceback
         self.groups: dict[str, _Group] = {}
         self.by_request: dict[str, tuple[str, int]] = {}
         self.pusher = AckedPusher(cfg.buffer_ingest, cfg.buffer_acks, cfg.name, window=max(64, cfg.max_groups * 64),
@@ -160,9 +183,26 @@ class RolloutWorker:
     # ------------------------------------------------------------------ helpers
 
     def env(self, name: str) -> Any:
+        """The environment instance of domain `name` (one per domain, so one env plugin can serve two
+        domains with different options)."""
         if name not in self._envs:
-            self._envs[name] = registry.create("env", name, **self.cfg.envs.get(name, {}))
+            spec = self.cfg.domains.get(name)
+            if spec is not None:
+                self._envs[name] = registry.build("env", spec.env, spec.options, field=f"domains.{name}", name_key="env")
+            else:
+                self._envs[name] = registry.build("env", name, self.cfg.envs.get(name, {}), field=f"envs.{name}")
         return self._envs[name]
+
+    def scorer(self, name: str) -> Any:
+        """What scores domain `name`: its reward plugin when it names one, else its env's `score`."""
+        if name not in self._rewards:
+            spec = self.cfg.domains.get(name)
+            if spec is not None and spec.reward is not None:
+                self._rewards[name] = registry.build("reward", spec.reward.name, spec.reward.options,
+                                                     field=f"domains.{name}.reward")
+            else:
+                self._rewards[name] = self.env(name).score
+        return self._rewards[name]
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -193,6 +233,8 @@ class RolloutWorker:
                 if time.monotonic() >= deadline:
                     raise ChannelTimeout(f"no answer from the controller at {self.cfg.controller} within "
                                          f"{self.cfg.connect_timeout_s:g} s") from None
+        for name in self.cfg.domains:  # a bad option fails here, once, not on the first sample
+            self.scorer(name)
         self._weights_thread.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
                  self.cfg.max_groups)
@@ -210,8 +252,11 @@ class RolloutWorker:
                             if isinstance(msg, WeightsAvailable):
                                 self._announce(msg)
                     except ProtocolError as e:  # a malformed message is dropped, not fatal
-                        log.error("%s: dropped a bad message from %s: %s", self.cfg.name,
-                                  "the controller" if ch is self.ctl else "the weights publisher", e)
+                        source = "the controller" if ch is self.ctl else "the weights publisher"
+                        log.error("%s: dropped a bad message from %s: %s", self.cfg.name, source, e)
+                        # the controller cannot see this otherwise: an assignment it sent just vanished
+                        self._send_ctl(Error(code="protocol", detail=f"{self.cfg.name} dropped a bad message from "
+                                                                     f"{source}: {e}"))
                 for res in self.engine.poll(timeout=0):
                     self._on_result(res)
                 self.pusher.poll(timeout=0)
@@ -258,7 +303,7 @@ class RolloutWorker:
     def _start_group(self, a: Assignment) -> None:
         if a.group_id in self.groups:
             return  # a repeated assignment of a group in progress
-        task = Task(prompt="", answer=a.answer, domain=a.task, metadata=dict(a.metadata))
+        task = Task(prompt=a.prompt, answer=a.answer, domain=a.domain or a.task, metadata=dict(a.metadata))
         group = _Group(a, task, eval=EVAL_KEY in a.metadata)
         self.groups[a.group_id] = group
         prompt = [int(x) for x in a.prompt_ids.numpy()]
@@ -280,23 +325,50 @@ class RolloutWorker:
         if len(group.results) < group.assignment.num_samples:
             return
         if any(r.finish_reason == "abort" for r in group.results.values()):
-            self._drop(group, "a sample was aborted (partial_mode=drop drops groups caught by a weight update)")
+            self._drop(group, "abort", "a sample was aborted (partial_mode=drop drops groups caught by a weight update)")
             return
-        self._deliver(group)
+        try:
+            rewards = [self._score(group, group.results[i]) for i in range(group.assignment.num_samples)]
+        except SampleError as e:
+            self._drop(group, e.reason, str(e), e.cause)
+            return
+        self._deliver(group, rewards)
 
-    def _drop(self, group: _Group, why: str) -> None:
-        self.groups.pop(group.assignment.group_id, None)
+    def _score(self, group: _Group, res: GenerationResult) -> float:
+        """The reward of one sample. Whatever a plugin raises here costs this group, never the worker."""
+        try:
+            text = self.decode(res.completion_ids)
+        except Exception as e:
+            raise SampleError("decode_error", e) from e
+        spec = self.cfg.domains.get(group.assignment.task)
+        reason = "reward_error" if spec is not None and spec.reward is not None else "score_error"
+        try:
+            reward = float(self.scorer(group.assignment.task)(group.task, text))
+        except Exception as e:
+            raise SampleError(reason, e) from e
+        if reward != reward:  # NaN would poison every advantage of its group
+            raise SampleError(reason, ValueError(f"the reward is NaN for completion {text[:80]!r}"))
+        return reward
+
+    def _drop(self, group: _Group, reason: str, why: str, cause: BaseException | None = None) -> None:
+        gid = group.assignment.group_id
+        self.groups.pop(gid, None)
         self.counters["groups_dropped"] += 1
-        self._send_ctl(Ack(kind="assignment", ids=[group.assignment.group_id], ok=False, detail=why))
+        self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
+        if cause is not None:
+            kind = (reason, type(cause).__name__)
+            if kind not in self._logged_kinds:  # the traceback once per kind; later ones are counted
+                self._logged_kinds.add(kind)
+                log.error("%s: group %s of domain %r dropped (%s); later drops of this kind are only counted",
+                          self.cfg.name, gid, group.assignment.task, why, exc_info=cause)
+        self._send_ctl(Ack(kind="assignment", ids=[gid], ok=False, detail=why, reason=reason))
 
-    def _deliver(self, group: _Group) -> None:
+    def _deliver(self, group: _Group, rewards: list[float]) -> None:
         a = group.assignment
-        env = self.env(a.task)
         members: list[Trajectory] = []
         for i in range(a.num_samples):
             res = group.results[i]
-            text = self.decode(res.completion_ids)
-            reward = float(env.score(group.task, text))
+            reward = rewards[i]
             traj = Trajectory(
                 id=f"{a.group_id}:{i}", group_id=a.group_id, sample_index=i, task=a.task,
                 prompt_ids=a.prompt_ids,
@@ -351,7 +423,8 @@ class RolloutWorker:
             self.counters["groups_dropped" if rejected else "groups_done"] += 1
             self._send_ctl(Ack(kind="assignment", ids=[gid], ok=not rejected,
                                detail=f"buffer refused {len(rejected)} of its samples: "
-                                      f"{self.pusher.rejected[rejected[0]]}" if rejected else ""))
+                                      f"{self.pusher.rejected[rejected[0]]}" if rejected else "",
+                               reason="refused" if rejected else ""))
 
     # ------------------------------------------------------------------ weights
 
@@ -407,6 +480,7 @@ class RolloutWorker:
             "rollout/weight_update_failures": c["update_failures"],
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
+            **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
         self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
@@ -475,4 +549,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(role_main(main, "rollout worker"))
