@@ -54,3 +54,89 @@ def test_a_worker_gone_since_its_last_message_is_lost_not_fatal(tmp_path):
     finally:
         stays.close()
         ctl.close()
+
+
+def _controller(tmp_path, *overrides: str) -> Controller:
+    cfg = load_recipe(RECIPE, [f"model=\"{tmp_path}\"", *overrides])
+    return Controller(cfg, endpoint="tcp://127.0.0.1:*", learner_pub="tcp://127.0.0.1:9",
+                      buffer_pub="tcp://127.0.0.1:9", run_dir=tmp_path, tokenizer=build_char_tokenizer(),
+                      emit=lambda m: None)
+
+
+def _recv_all(ch, n: int) -> list:
+    return [ch.recv(timeout=5) for _ in range(n)]
+
+
+def test_evaluation_work_of_a_lost_worker_waits_apart_from_training_credits(tmp_path):
+    """The scenario that once stalled a run: the only worker dies during an evaluation round. Its
+    evaluation groups wait for a live worker instead of being handed out as training work (which used
+    up training credits the worker never gave back); an unscorable problem finishes the round as
+    failed, an aborted one is tried again."""
+    from tidal.core.protocol import Ack, Trajectory
+    from tidal.core.testing import make_trajectory
+    from tidal.rollout.worker import EVAL_KEY
+
+    ctl = _controller(tmp_path, "eval.every=5", "eval.size=4")
+    first = dealer(ctl.ch.endpoint, identity=b"rollout-0", linger=0)
+    second = dealer(ctl.ch.endpoint, identity=b"rollout-1", linger=0)  # the one live worker after it
+    try:
+        first.send(Heartbeat(role="rollout", name="rollout-0", seq=0, time=time.time(), version=0))
+        _step_until(ctl, lambda: "rollout-0" in ctl.workers)
+        ctl.start_eval(0)
+        evals = _recv_all(first, 4)
+        assert all(EVAL_KEY in a.metadata and a.prompt and a.domain == "arithmetic" for a in evals)
+        ctl.worker_lost("rollout-0")
+        assert len(ctl.eval_waiting) == 4 and not ctl.requeued  # never queued as training work
+        second.send(WorkRequest(want=2, version=0))
+        _step_until(ctl, lambda: not ctl.eval_waiting and "rollout-1" in ctl.workers
+                    and ctl.workers["rollout-1"].credits == 0)
+        got = _recv_all(second, 6)
+        train = [a for a in got if EVAL_KEY not in a.metadata]
+        again = [a for a in got if EVAL_KEY in a.metadata]
+        assert len(train) == 2 and sorted(a.group_id for a in again) == sorted(a.group_id for a in evals)
+        # one problem cannot be scored, one is aborted (tried again), the others come back scored
+        a0, a1, *rest = again
+        second.send(Ack(kind="assignment", ids=[a0.group_id], ok=False, detail="verifier crashed",
+                        reason="score_error"))
+        second.send(Ack(kind="assignment", ids=[a1.group_id], ok=False, detail="weights changed", reason="abort"))
+        _step_until(ctl, lambda: ctl.eval_attempts.get(a1.group_id) == 1 and a0.group_id in ctl.evals[0].failed)
+        retried = second.recv(timeout=5)
+        assert retried.group_id == a1.group_id
+        for a in [retried, *rest]:
+            t = make_trajectory(0, completion_len=3)
+            second.send(Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__},
+                                      "group_id": a.group_id, "reward": 1.0}))
+        _step_until(ctl, lambda: bool(ctl.eval_results))
+        version, accuracy, by_domain = ctl.eval_results[0]
+        assert (version, accuracy) == (0, 1.0) and by_domain == {"arithmetic": 1.0}
+        rnd = ctl.evals[0]
+        assert set(rnd.failed) == {a0.group_id} and len(rnd.rewards) == 3
+        assert ctl.status()["controller/groups_failed/score_error"] == 1
+        assert ctl.last_error["rollout-1"].endswith("verifier crashed")
+    finally:
+        first.close()
+        second.close()
+        ctl.close()
+
+
+def test_a_task_the_tokenizer_cannot_encode_is_skipped_and_named(tmp_path, caplog):
+    from tidal.core.interfaces import Task
+    from tidal.integration.controller import check_task
+
+    ctl = _controller(tmp_path, "eval.every=0")
+    d = ctl.domains[0]
+    tasks = iter([Task(prompt="3+4=\u00e9", answer="7"), Task(prompt="3+4=", answer="7")])
+    d.train = tasks
+    caplog.set_level("ERROR")
+    a = ctl._new_assignment()
+    assert a.prompt == "3+4=" and ctl.tasks_skipped == {"arithmetic": 1}
+    assert "'é' (U+00E9) at position 4" in caplog.text and "domains[0]" in caplog.text
+    ctl.close()
+    from tidal.core.errors import PluginError
+
+    try:
+        check_task(Task(prompt="1+1=", metadata={"level": 3}), "acme", "domains[1]")  # type: ignore[dict-item]
+    except PluginError as e:
+        assert "env 'acme' (domains[1])" in str(e) and "metadata['level'] = 3 (int)" in str(e)
+    else:
+        raise AssertionError("metadata that is not text passed the check")

@@ -102,3 +102,51 @@ def test_two_plugins_claiming_one_name_conflict():
 def test_every_kind_has_a_hookspec():
     for kind, hook in KINDS.items():
         assert hasattr(TidalSpecs, hook), kind
+
+
+class _Levels:
+    def __init__(self, level: int = 1, seed: int = 0) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"levels are 1 or 2, got {level}")
+        self.level = level
+
+
+class _Forwarding:
+    @hookimpl
+    def tidal_envs(self):
+        def levels(**options):  # forwards its options, as lazy built-in factories do
+            return _Levels(**options)
+
+        return {"levels": levels}
+
+
+def test_build_names_the_field_and_what_the_plugin_takes():
+    from tidal.core.errors import ConfigError
+
+    reg = Registry(load_entry_points=False)
+    reg.register(_Forwarding(), name="fwd")
+    assert reg.build("env", "levels", {"level": 2}, field="domains[0]", name_key="env").level == 2
+    with pytest.raises(ConfigError) as e:
+        reg.build("env", "levles", {}, field="domains[0]", name_key="env")
+    assert e.value.field == "domains[0].env" and "Did you mean 'levels'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        reg.build("env", "levels", {"levl": 2}, field="domains[1]", name_key="env")
+    text = str(e.value)
+    assert e.value.field == "domains[1].options" and "levl" in text and "it takes: level, seed" in text
+    with pytest.raises(ConfigError, match=r"refused the options at `domains\[0\]\.options`.*levels are 1 or 2, got 9"):
+        reg.build("env", "levels", {"level": 9}, field="domains[0]")
+
+
+def test_build_leaves_a_type_error_from_inside_the_plugin_alone():
+    class Broken:
+        @hookimpl
+        def tidal_envs(self):
+            def broken():
+                return len(3)  # a bug in the plugin, not a bad option
+
+            return {"broken": broken}
+
+    reg = Registry(load_entry_points=False)
+    reg.register(Broken(), name="broken")
+    with pytest.raises(TypeError, match="has no len"):
+        reg.build("env", "broken", {}, field="domains[0]")

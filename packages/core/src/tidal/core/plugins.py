@@ -243,6 +243,9 @@ class Registry:
             hint = f"; it takes: {', '.join(takes)}" if takes else ""
             raise ConfigError(f"{kind} {name!r} does not accept the options at `{at}options` {sorted(options)}: "
                               f"{text}{hint}", field=f"{at}options") from e
+        except ValueError as e:  # the factory's own check of a value: building it again would fail again
+            raise ConfigError(f"{kind} {name!r} refused the options at `{at}options` {dict(options)}: {e}",
+                              field=f"{at}options") from e
 
     def table(self) -> dict[str, dict[str, str]]:
         """kind -> name -> providing plugin, for listings such as `tidal plugins`."""
@@ -251,27 +254,28 @@ class Registry:
 
 # what Python says when a call's arguments do not fit the function's signature
 _BAD_CALL = re.compile(r"unexpected keyword argument|missing \d+ required|takes \d+ positional|"
-                       r"takes no keyword|got multiple values for argument|takes no arguments")
+                       r"takes no keyword|got multiple values for argument|takes no arguments|has no option")
 
 
 def _accepted(factory: Factory, error: TypeError) -> list[str]:
-    """The keyword options of the callable that refused them: the factory itself, or the class or
-    function it forwards `**options` to (the last frame of the TypeError's traceback that ran)."""
-    candidates: list[Any] = [factory]
+    """The keyword options of the callable that refused them: the one the TypeError names
+    (``Arithmetic.__init__() got an unexpected ...``), looked up where the failing call ran (a lazy
+    factory that forwards ``**options``), else the factory itself."""
+    target: Any = factory
+    named = re.match(r"([A-Za-z_]\w*)(?:\.__init__)?\(\)", str(error))
     tb = error.__traceback__
-    while tb is not None:  # the innermost frame that was running when the call failed
-        frame_locals = tb.tb_frame.f_locals
-        candidates.extend(v for v in frame_locals.values() if isinstance(v, type) or inspect.isfunction(v))
+    while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    for c in reversed(candidates):
-        try:
-            params = inspect.signature(c).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        names = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
-        if names and not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names
-    return []
+    if named and tb is not None:
+        frame = tb.tb_frame
+        target = frame.f_locals.get(named.group(1), frame.f_globals.get(named.group(1), factory))
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
 
 
 registry = Registry()
