@@ -366,4 +366,5 @@ def _summary(c: Controller, elapsed: float) -> dict[str, str]:
         "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
         "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",
         "workers": f"{len(c.live_workers())}",
+        "dropped": f"{sum(c.failed_by_reason.values())}",  # groups dropped by a worker (controller/groups_failed/*)
     }
