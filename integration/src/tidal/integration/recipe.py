@@ -148,6 +148,17 @@ def check(cfg: RunConfig) -> None:
                               f"unique `name` (e.g. name = \"{d.env}-2\"); group ids, metrics and evaluation "
                               f"are keyed by it", field=f"domains[{i}].name")
         seen[name] = i
+    if cfg.sampling.temperature <= 0:
+        raise ConfigError(f"sampling.temperature must be > 0 for training samples, got {cfg.sampling.temperature:g}: "
+                          f"a greedy sample carries no policy gradient (eval.temperature may be 0)",
+                          field="sampling.temperature")
+    if cfg.learner.checkpoint_every < 0:
+        raise ConfigError(f"learner.checkpoint_every must be >= 0, got {cfg.learner.checkpoint_every}",
+                          field="learner.checkpoint_every")
+    for name, value, default, source in set_by_the_run(cfg):
+        if value != default and value != source[0]:
+            raise ConfigError(f"`{name}` = {value!r} in the recipe, but the run sets it ({source[1]}): "
+                              f"remove it{source[2]}", field=name)
     if cfg.learner.weights.every < 1:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
@@ -158,6 +169,37 @@ def check(cfg: RunConfig) -> None:
         if d.reward is not None:
             registry.get("reward", d.reward.name)
     registry.get("launcher", cfg.launcher.name)
+
+
+def set_by_the_run(cfg: RunConfig):
+    """(field, the recipe's value, its section's default, (what the run sets, from where, what to do))
+    for every role field that the launcher fills in so that the roles agree: a recipe that sets one of
+    them to something else is refused, never silently overridden."""
+    b, lr, w = BufferConfig(), LearnerConfig(), WorkerConfig()
+    endpoint = (None, "a loopback endpoint picked for each run", "")
+    yield from (
+        ("buffer.group_size", cfg.buffer.group_size, b.group_size, (cfg.group_size, "from `group_size`", "; set `group_size`")),
+        ("buffer.batch_samples", cfg.buffer.batch_samples, b.batch_samples,
+         (cfg.batch_samples, "group_size x batch_groups", "; set `batch_groups`")),
+        ("learner.max_steps", cfg.learner.max_steps, lr.max_steps, (cfg.budget.versions, "from `budget.versions`",
+                                                                    "; set `budget.versions`")),
+        ("learner.seed", cfg.learner.seed, lr.seed, (cfg.seed, "from `seed`", "; set `seed`")),
+        ("learner.train.temperature", cfg.learner.train.temperature, lr.train.temperature,
+         (cfg.sampling.temperature, "from `sampling.temperature`: the learner recomputes logprobs as sampled",
+          "; set `sampling.temperature`")),
+        ("buffer.ingest", cfg.buffer.ingest, b.ingest, endpoint), ("buffer.serve", cfg.buffer.serve, b.serve, endpoint),
+        ("buffer.publish", cfg.buffer.publish, b.publish, endpoint),
+        ("learner.buffer", cfg.learner.buffer, lr.buffer, endpoint),
+        ("learner.publish", cfg.learner.publish, lr.publish, endpoint),
+        ("rollout.name", cfg.rollout.name, w.name, (None, "rollout-0 .. rollout-N", "")),
+        ("rollout.controller", cfg.rollout.controller, w.controller, endpoint),
+        ("rollout.buffer_ingest", cfg.rollout.buffer_ingest, w.buffer_ingest, endpoint),
+        ("rollout.buffer_acks", cfg.rollout.buffer_acks, w.buffer_acks, endpoint),
+        ("rollout.weights", cfg.rollout.weights, w.weights, endpoint),
+    )
+    if cfg.mode == "sync":
+        yield ("learner.weights.every", cfg.learner.weights.every, lr.weights.every,
+               (1, "sync mode publishes every version", "; or use mode = \"async\""))
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

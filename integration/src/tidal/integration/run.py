@@ -62,17 +62,19 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1) -> tuple[list[Ro
     roles_dir = run_dir / "roles"
     roles_dir.mkdir(parents=True, exist_ok=True)
     sync = cfg.mode == "sync"
+    # what the roles must agree on is filled in here; recipe.check refused any other value for these
     buffer = msgspec.structs.replace(
         cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
-        wal_dir=str(run_dir / "buffer-wal"), group_size=cfg.group_size, batch_samples=cfg.batch_samples)
+        wal_dir=str(run_dir / cfg.buffer.wal_dir),  # relative to the run folder (an absolute path stays)
+        group_size=cfg.group_size, batch_samples=cfg.batch_samples)
     learner = msgspec.structs.replace(
         cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
         max_steps=cfg.budget.versions, seed=cfg.seed,
+        train=msgspec.structs.replace(cfg.learner.train, temperature=cfg.sampling.temperature),
         wait_for_subscriber_s=cfg.learner.wait_for_subscriber_s or 30.0,  # this driver's controller
+        # a learner restarted by this driver resumes from a checkpoint; with checkpoint_every = 0 there is
+        # none during the run, so a learner that fails ends the run instead of starting over at version 0
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
-        # a learner restarted by this driver resumes from a checkpoint: without one during the run it
-        # would start over at version 0 while the workers are far ahead
-        checkpoint_every=cfg.learner.checkpoint_every or 10,
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
     learner_threads, worker_threads = share_threads(os.cpu_count() or 1, cfg.workers, nproc_learner, cfg.launch.threads)
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
@@ -260,6 +262,10 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                     errors[name] = message
                 if rc == EXIT_CONFIG:  # a refused configuration: a restart would refuse it again
                     raise _Stop(f"{message or name + ' refused its configuration'} (see {run_dir / 'logs' / name}.log)")
+                if name == "learner" and cfg.learner.checkpoint_every == 0:
+                    raise _Stop(f"learner exited with code {rc} ({message or 'no error reported'}); with "
+                                f"learner.checkpoint_every = 0 there is no checkpoint to restart it from. See "
+                                f"{run_dir / 'logs' / name}.log")
                 restarts[name] += 1
                 if restarts[name] > cfg.launch.max_restarts:
                     raise _Stop(f"{name} exited with code {rc} {restarts[name]} times; last error: "

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.core.protocol import Trajectory
+from tidal.core.protocol import SamplingParams, Trajectory
+from tidal.rollout.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
 from tidal.seqpar.varlen import Item, VarlenLayout
 
 
@@ -33,6 +34,8 @@ class Sample:
     versions: np.ndarray  # int32 [T]
     reward: float
     loss_mask: np.ndarray  # bool [T]
+    sampling: SamplingParams | None = None  # how the sampler processed its logits (None: unknown)
+    kept: np.ndarray | None = None  # uint8 [T, ceil(V/8)] packed vocabulary the sampler kept per token
 
     @property
     def length(self) -> int:
@@ -45,7 +48,42 @@ class Sample:
         # logprobs are copied out of the received frame (read-only memory): torch wants writable arrays
         return cls(id=t.id, group_id=t.group_id, prompt=t.prompt_ids.numpy(), completion=completion,
                    logprobs=t.logprobs.numpy().copy(), versions=t.versions.numpy(), reward=float(t.reward),
-                   loss_mask=mask)
+                   loss_mask=mask, sampling=t.sampling,
+                   kept=None if t.sampling_mask is None else t.sampling_mask.numpy())
+
+
+@dataclass
+class Processing:
+    """The sampler's processing of each of a micro-batch's N completion tokens, for recomputing
+    their logprobs exactly as sampled (tidal.rollout.sampling.processed_logprobs)."""
+
+    temperature: torch.Tensor  # float32 [N]
+    top_k: torch.Tensor  # int64 [N]; <= 0 = off
+    top_p: torch.Tensor  # float32 [N]; 1 = off
+    kept: np.ndarray | None = None  # uint8 [N, ceil(V/8)] the vocabulary each token's sampler kept
+    has_kept: torch.Tensor | None = None  # bool [N]: which tokens `kept` speaks for (the others recompute the cut)
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], index: list[int], sizes: list[int], fallback: SamplingParams,
+           device: torch.device | str) -> Processing | None:
+        params = [samples[i].sampling or fallback for i in index]
+        plain = all(p.temperature == 1.0 and not 0 < p.top_k and p.top_p >= 1.0 for p in params)
+        with_kept = [samples[i].kept is not None and len(samples[i].kept) == t for i, t in zip(index, sizes, strict=True)]
+        if plain and not any(with_kept):
+            return None
+
+        def per_token(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), torch.tensor(sizes)).to(device)
+
+        kept = has = None
+        if any(with_kept):
+            width = next(samples[i].kept.shape[1] for i, w in zip(index, with_kept, strict=True) if w)  # type: ignore[union-attr]
+            kept = np.concatenate([samples[i].kept if w else np.full((t, width), 255, np.uint8)  # type: ignore[misc]
+                                   for i, t, w in zip(index, sizes, with_kept, strict=True)])
+            has = per_token([int(w) for w in with_kept], torch.bool)
+        return cls(per_token([p.temperature for p in params], torch.float32),
+                   per_token([p.top_k for p in params], torch.int64),
+                   per_token([p.top_p for p in params], torch.float32), kept, has)
 
 
 @dataclass
@@ -67,6 +105,7 @@ class Micro:
     rows: torch.Tensor | None = None
     cols: torch.Tensor | None = None
     width: int = 0
+    processing: Processing | None = None  # per completion token, how its sampler processed logits; None = plain
 
     @property
     def tokens(self) -> int:
@@ -80,12 +119,13 @@ class Micro:
 
 
 def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str = "cpu",
-         share_prefix: bool = False) -> list[Micro]:
+         share_prefix: bool = False, fallback: SamplingParams | None = None) -> list[Micro]:
     """First-fit-decreasing packing into rows of at most `max_tokens` (a longer unit gets a row of its
     own). A unit is one sequence, or with `share_prefix` the samples of a group that share their prompt:
     the prompt once, then each completion (needs `tidal_varlen` attention and the micro-batch's layout;
     a group larger than `max_tokens` is split, each part repeating the prompt). Order inside a row
-    follows the input order, so results are deterministic for a given batch."""
+    follows the input order, so results are deterministic for a given batch. `fallback`: the processing
+    assumed for samples that do not say how they were sampled (default: plain temperature 1)."""
     units = _units(samples, max_tokens) if share_prefix else [[i] for i in range(len(samples))]
     size = [_unit_tokens(samples, u) for u in units]
     order = sorted(range(len(units)), key=lambda u: (-size[u], units[u][0]))
@@ -100,7 +140,9 @@ def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str 
         else:
             rows.append([u])
             room.append(max_tokens - size[u])
-    return [_micro(samples, [units[u] for u in sorted(row, key=lambda u: units[u][0])], device) for row in rows]
+    fallback = fallback or SamplingParams()
+    return [_micro(samples, [units[u] for u in sorted(row, key=lambda u: units[u][0])], device, fallback)
+            for row in rows]
 
 
 def _units(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
@@ -127,7 +169,8 @@ def _unit_tokens(samples: Sequence[Sample], unit: list[int]) -> int:
     return len(samples[unit[0]].prompt) + sum(len(samples[i].completion) for i in unit)
 
 
-def _micro(samples: Sequence[Sample], units: list[list[int]], device: torch.device | str) -> Micro:
+def _micro(samples: Sequence[Sample], units: list[list[int]], device: torch.device | str,
+           fallback: SamplingParams) -> Micro:
     ids, pos, items, pred, index, sizes, spans = [], [], [], [], [], [], []
     start = 0
     for unit in units:
@@ -170,7 +213,8 @@ def _micro(samples: Sequence[Sample], units: list[list[int]], device: torch.devi
                  layout=VarlenLayout.from_items(items, device=device),
                  pred=torch.from_numpy(np.concatenate(pred).astype(np.int64)).to(device),
                  targets=torch.from_numpy(targets).to(device), rows=torch.from_numpy(rows).to(device),
-                 cols=torch.from_numpy(cols).to(device), width=max(sizes, default=0))
+                 cols=torch.from_numpy(cols).to(device), width=max(sizes, default=0),
+                 processing=Processing.of(samples, index, sizes, fallback, device))
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
@@ -181,25 +225,36 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> to
     return out
 
 
-def token_logprobs(logits: torch.Tensor, micro: Micro, temperature: float = 1.0, with_entropy: bool = False
+def token_logprobs(logits: torch.Tensor, micro: Micro, with_entropy: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [N] of the micro-batch's completion tokens (all samples', in `pred` order), fp32 and
-    temperature-scaled as the sampler was, and optionally the entropy at each of those positions.
+    processed exactly as each token's sampler processed them (temperature, top-k, top-p, or the very
+    vocabulary it kept), and optionally the entropy of that processed distribution at each position.
     `logits`: [1, L, V] over the whole row, or [1, N, V] already taken at `micro.pred`."""
     assert micro.pred is not None and micro.targets is not None
     pred = logits[0] if logits.shape[1] == len(micro.pred) else logits[0, micro.pred]
     pred = pred.float()
-    if temperature != 1.0:
-        pred = pred / temperature
-    logp = torch.log_softmax(pred, dim=-1)
+    proc = micro.processing
+    if proc is None:  # plain temperature-1 sampling: the model's own distribution
+        logp = torch.log_softmax(pred, dim=-1)
+    else:
+        logp = processed_logprobs(pred, proc.temperature, proc.top_k, proc.top_p)
+        if proc.kept is not None and proc.has_kept is not None:
+            vocab = pred.shape[-1]
+            if proc.kept.shape[1] * 8 < vocab:
+                raise ValueError(f"a trajectory's sampling_mask covers {proc.kept.shape[1] * 8} vocabulary entries "
+                                 f"but the learner's model has {vocab}: sampler and learner run different models")
+            kept = torch.from_numpy(unpack_kept_mask(proc.kept, vocab)).to(pred.device)
+            replay = processed_logprobs(pred, proc.temperature, proc.top_k, proc.top_p, kept=kept)
+            logp = torch.where(proc.has_kept[:, None], replay, logp)
     lp = logp.gather(1, micro.targets[:, None])[:, 0]
-    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    ent = processed_entropy(logp) if with_entropy else None
     return lp, ent
 
 
-def completion_logprobs(logits: torch.Tensor, micro: Micro, temperature: float = 1.0,
-                        with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def completion_logprobs(logits: torch.Tensor, micro: Micro, with_entropy: bool = False
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """`token_logprobs` split per sample: logprobs [T_i] of each sample's completion tokens."""
-    lp, ent = token_logprobs(logits, micro, temperature, with_entropy)
+    lp, ent = token_logprobs(logits, micro, with_entropy)
     sizes = [t for _, _, t in micro.spans]
     return list(lp.split(sizes)), (list(ent.split(sizes)) if ent is not None else None)

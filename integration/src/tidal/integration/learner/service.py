@@ -63,9 +63,11 @@ class LearnerConfig(ConfigStruct):
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
-    # steps between checkpoints; trained batches are acknowledged to the buffer at each one, so a learner
-    # killed in between is served them again on resume; 0 = only at the end (batches acknowledged each step)
-    checkpoint_every: int = 0
+    # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
+    # each one, so a learner killed in between is served them again on resume; 0 = only at the end
+    # (batches acknowledged each step; under `tidal run` a learner that fails then ends the run, as there
+    # is no checkpoint to restart it from)
+    checkpoint_every: int = 10
     max_steps: int = 0  # stop after this many steps; 0 = run until stopped
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)

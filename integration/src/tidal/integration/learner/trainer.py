@@ -14,6 +14,7 @@ loss aggregates). Then clipping, the optimizer and the LR schedule step once.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,14 +26,19 @@ import torch.distributed as dist
 
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.plugins import registry
+from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
+
+log = logging.getLogger("tidal.learner")
 
 
 class TrainConfig(ConfigStruct):
     loss: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="ppo"))
     advantage: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="grpo"))
     correction: PluginRef | None = None  # staleness correction, e.g. {name = "tis", options = {cap = 2.0}}
-    temperature: float = 1.0  # the sampler's temperature: logprobs are recomputed under it
+    # the sampler's temperature for trajectories that do not carry their own sampling parameters (older
+    # producers); every other trajectory is recomputed under the processing it records (Trajectory.sampling)
+    temperature: float = 1.0
     micro_batch_tokens: int = 4096  # packed tokens per forward; gradients accumulate over micro-batches
     # a group's samples share their prompt in the packed row (computed once, not G times); needs the
     # backend's attention to be tidal_varlen (attn "auto" on CPU), ignored otherwise
@@ -74,8 +80,28 @@ class Trainer:
         self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self._value_loss = registry.create(
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
+        self._warned: set[str] = set()
         self.correction = (registry.build("staleness_policy", cfg.correction.name, cfg.correction.options, field="train.correction")
                            if cfg.correction else None)
+
+    @property
+    def fallback(self) -> SamplingParams:
+        return SamplingParams(temperature=self.cfg.temperature)
+
+    def _check_sampling(self, samples: Sequence[Sample]) -> None:
+        """Say loudly, once per kind, when a trajectory's sampling cannot be reproduced exactly."""
+        unknown = [s.id for s in samples if s.sampling is None]
+        if unknown and "unknown" not in self._warned:
+            self._warned.add("unknown")
+            log.warning("trajectory %s (and %d more this step) carries no sampling parameters (a producer older "
+                        "than protocol 1.2?): its logprobs are recomputed at train.temperature = %g with no top-k "
+                        "or top-p; if it was sampled otherwise, every IS weight on it is biased", unknown[0],
+                        len(unknown) - 1, self.cfg.temperature)
+        greedy = [s.id for s in samples if s.sampling is not None and s.sampling.temperature <= 0]
+        if greedy:
+            raise ValueError(f"trajectory {greedy[0]} was sampled greedily (temperature 0): its sampler's "
+                             f"distribution is a point mass, there is no policy gradient to take; sample training "
+                             f"data at a temperature > 0")
 
     def _global(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -135,7 +161,9 @@ class Trainer:
         seqs = float(sum(1 for s in samples if s.loss_mask.any()))
         g_tokens, g_seqs = self._global([tokens, seqs])
         world = dist.get_world_size() if dist.is_initialized() else 1
-        micros = pack(samples, self.cfg.micro_batch_tokens, be.device, share_prefix=self.share_prefix)
+        self._check_sampling(samples)
+        micros = pack(samples, self.cfg.micro_batch_tokens, be.device, share_prefix=self.share_prefix,
+                      fallback=self.fallback)
         # every rank must run the same number of forwards under FSDP (collectives in each)
         n_micro = int(max(self._global_max(len(micros)), 1))
         old_values = self._old_values(samples, micros, n_micro) if self.critic else None
@@ -156,7 +184,7 @@ class Trainer:
                 logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
             else:  # logits only where they predict a completion token (the lm_head skips the prompts)
                 logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
-            lp, ent = token_logprobs(logits, micro, self.cfg.temperature, with_entropy=True)
+            lp, ent = token_logprobs(logits, micro, with_entropy=True)
             ss = [samples[i] for i in micro.index]
             dev = logits.device
 
@@ -175,7 +203,7 @@ class Trainer:
                     ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
                                                 use_cache=False, logits_to_keep=micro.pred,
                                                 **be.layout_kw(micro.layout)).logits
-                    ref_lp, _ = token_logprobs(ref_logits, micro, self.cfg.temperature)
+                    ref_lp, _ = token_logprobs(ref_logits, micro)
                 inputs["ref_logprobs"] = micro.padded(ref_lp)
             if self.correction is not None:
                 from tidal.staleness.correction import CorrectionInputs

@@ -19,7 +19,7 @@ from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 2  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
-#                     SamplingParams.stop
+#                     SamplingParams.stop, Trajectory.sampling
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -167,6 +167,9 @@ class Trajectory(_Msg):
     metadata: dict[str, str] = {}  # free metadata from the task or the worker
     source: str = ""  # name of the rollout worker that produced it; the buffer acks to this name
     group_size: int = 0  # G of its group; 0 = the buffer's configured group size
+    # how its tokens were sampled (temperature, top-k, top-p): the learner recomputes each token's
+    # logprob under exactly this processing; None = unknown (a producer older than protocol 1.2)
+    sampling: SamplingParams | None = None
 
 
 class TrajectoryGroup(_Msg):

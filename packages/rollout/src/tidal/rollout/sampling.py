@@ -19,42 +19,59 @@ import torch
 from tidal.core.protocol import SamplingParams
 
 
-def _column(values: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, device=device, dtype=dtype).unsqueeze(1)
-
-
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Processed log-probabilities [n, V] (fp32; removed entries are -inf) for rows of `logits` [n, V],
     row i processed under `params[i]`."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"process_logits wants logits [n, V] and n sampling params, got {tuple(logits.shape)} "
                          f"and {len(params)}")
+    dev = logits.device
+    return processed_logprobs(logits, torch.tensor([p.temperature for p in params], device=dev),
+                              torch.tensor([p.top_k for p in params], device=dev),
+                              torch.tensor([p.top_p for p in params], device=dev))
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The one definition of the sampler's processed distribution, for the engines and the learner alike:
+    log-probabilities [n, V] (fp32, removed entries -inf, differentiable in `logits`) of rows `logits`
+    [n, V], row i at temperature[i] (<= 0: greedy), top_k[i] (<= 0 or >= V: off) and top_p[i] (1: off).
+
+    `kept` [n, V] bool, when given, is the vocabulary each row's sampler kept (Keep Sampling Mask): the
+    row is renormalised over exactly that set instead of recomputing the top-k/top-p cut, which could
+    differ from the sampler's by ties or by the last bits of the logits."""
     x = logits.float()
     vocab = x.shape[1]
-    temps = [p.temperature for p in params]
-    greedy = [t <= 0.0 for t in temps]
-    x = x / _column([t if t > 0 else 1.0 for t in temps], x.device, x.dtype)
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    ps = [p.top_p for p in params]
-    if any(greedy):
-        ks = [1 if g else k for k, g in zip(ks, greedy, strict=True)]
+    temperature = temperature.to(x.device, torch.float32)
+    greedy = temperature <= 0.0
+    x = x / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     neg_inf = torch.tensor(float("-inf"), device=x.device)
-    if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
+    if kept is not None:
+        return torch.log_softmax(torch.where(kept.to(x.device), x, neg_inf), dim=-1)
+    k = top_k.to(x.device, torch.int64)
+    k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+    k = torch.where(greedy, torch.ones_like(k), k)
+    p = top_p.to(x.device, torch.float32)
+    cut_k, cut_p = bool((k < vocab).any()), bool((p < 1.0).any())
+    if cut_k or cut_p:
         sorted_x, _ = torch.sort(x, dim=-1, descending=True)
-        if any(k < vocab for k in ks):
-            kth = sorted_x.gather(1, torch.tensor(ks, device=x.device).sub(1).unsqueeze(1))
+        if cut_k:
+            kth = sorted_x.gather(1, (k - 1)[:, None])
             x = torch.where(x < kth, neg_inf, x)
             sorted_x = torch.where(sorted_x < kth, neg_inf, sorted_x)
-        if any(p < 1.0 for p in ps):
+        if cut_p:
             probs = torch.softmax(sorted_x, dim=-1)
             before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each sorted entry
-            top_p = _column(ps, x.device, x.dtype)
-            keep_sorted = before < top_p  # the smallest prefix whose mass reaches top_p (first always kept)
-            # cut-off value per row: the smallest kept sorted logit
-            last = keep_sorted.sum(dim=1, keepdim=True).clamp(min=1) - 1
+            keep_sorted = before < p[:, None]  # the smallest prefix whose mass reaches top_p (first always kept)
+            last = keep_sorted.sum(dim=1, keepdim=True).clamp(min=1) - 1  # cut-off: the smallest kept logit
             cutoff = sorted_x.gather(1, last)
             x = torch.where(x < cutoff, neg_inf, x)
     return torch.log_softmax(x, dim=-1)
+
+
+def processed_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy [n] of processed log-distributions [n, V] (removed entries, -inf, contribute 0)."""
+    return -torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
 
 
 _M32 = 0xFFFFFFFF

@@ -379,6 +379,7 @@ class RolloutWorker:
                 sampling_mask=None if res.sampling_mask is None else Array.from_numpy(np.ascontiguousarray(res.sampling_mask)),
                 routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
                 metadata=dict(a.metadata), source=self.cfg.name, group_size=a.num_samples,
+                sampling=a.sampling,  # the learner recomputes logprobs under the same processing
             )
             if group.eval:
                 self._send_ctl(traj)
