@@ -1,6 +1,13 @@
-"""How `tidal run` shares this machine's cores among its roles."""
+"""How `tidal run` lays out its roles: the machine's cores shared by load, and every recipe field either
+honoured in the roles' configs or refused by name (never silently overridden)."""
 
-from tidal.integration.run import share_threads
+import json
+
+import pytest
+
+from tidal.core.errors import ConfigError
+from tidal.integration.recipe import load_recipe
+from tidal.integration.run import plan, share_threads
 
 
 def test_cores_are_shared_by_load_and_never_oversubscribed():
@@ -12,3 +19,31 @@ def test_cores_are_shared_by_load_and_never_oversubscribed():
     for cores in (8, 32, 64):  # (with more workers than cores, each still gets one)
         learner, worker = share_threads(cores, workers=3)
         assert learner + 3 * worker <= cores
+
+
+@pytest.mark.parametrize("override, names", [
+    ("buffer.group_size=4", ["buffer.group_size", "`group_size`"]),
+    ("buffer.batch_samples=16", ["buffer.batch_samples", "`batch_groups`"]),
+    ("learner.max_steps=7", ["learner.max_steps", "`budget.versions`"]),
+    ("learner.train.temperature=0.5", ["learner.train.temperature", "`sampling.temperature`"]),
+    ('rollout.controller="tcp://127.0.0.1:1"', ["rollout.controller", "loopback endpoint"]),
+    ("sampling.temperature=0", ["sampling.temperature", "greedy"]),
+    ("learner.checkpoint_every=-1", ["learner.checkpoint_every"]),
+])
+def test_a_field_the_run_fills_in_is_refused_when_the_recipe_says_otherwise(tmp_path, override, names):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [f'model="{tmp_path}"', override])
+    assert all(n in str(e.value) for n in names), str(e.value)
+    assert e.value.field == names[0]
+
+
+def test_what_a_recipe_sets_reaches_the_roles(tmp_path):
+    cfg = load_recipe(None, [f'model="{tmp_path}"', "group_size=4", "buffer.group_size=4", 'buffer.wal_dir="my-wal"',
+                             "learner.checkpoint_every=0", "sampling.temperature=0.7", "learner.train.temperature=0.7"])
+    roles, _ = plan(cfg, tmp_path / "run")
+    by = {r.name: json.loads(r.config.read_text()) for r in roles}
+    assert by["buffer"]["wal_dir"] == str(tmp_path / "run" / "my-wal") and by["buffer"]["group_size"] == 4
+    assert by["learner"]["checkpoint_every"] == 0 and by["learner"]["train"]["temperature"] == 0.7
+    default = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.temperature=0.6"]), tmp_path / "run2")[0]
+    learner = next(json.loads(r.config.read_text()) for r in default if r.name == "learner")
+    assert learner["checkpoint_every"] == 10 and learner["train"]["temperature"] == 0.6
