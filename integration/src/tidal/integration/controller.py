@@ -41,6 +41,7 @@ from tidal.core.protocol import (
     WorkRequest,
 )
 from tidal.integration.recipe import RunConfig
+from tidal.rollout.stops import split_stops
 from tidal.rollout.worker import EVAL_KEY
 from tidal.staleness.depth import DepthGate
 
@@ -96,12 +97,12 @@ class Controller:
         self.domains = [Domain(d.env, registry.create("env", d.env, **d.options), d.weight, cfg.seed + i,
                                cfg.eval.size if cfg.eval.every else 0) for i, d in enumerate(cfg.domains)]
         self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
-        stop_ids = [i for s in cfg.sampling.stop for i in tokenizer.encode(s)]
+        stop_ids, stop_strings = split_stops(tokenizer, cfg.sampling.stop)
         s = cfg.sampling
         self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids)
+                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
-                                            stop_token_ids=stop_ids, seed=cfg.seed)
+                                            stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
         self.workers: dict[str, WorkerState] = {}
         self.requeued: deque[Assignment] = deque()
         self.next_group = 0
