@@ -140,3 +140,22 @@ def test_a_task_the_tokenizer_cannot_encode_is_skipped_and_named(tmp_path, caplo
         assert "env 'acme' (domains[1])" in str(e) and "metadata['level'] = 3 (int)" in str(e)
     else:
         raise AssertionError("metadata that is not text passed the check")
+def test_stop_strings_reach_the_workers_whole_and_single_token_ones_as_ids(tmp_path):
+    # "Answer:" is seven tokens of the char tokenizer: sent one by one as stop ids, any of its letters
+    # would end a completion
+    cfg = load_recipe(RECIPE, ["eval.every=0", f"model=\"{tmp_path}\"", 'sampling.stop=["\\n", "Answer:"]'])
+    tok = build_char_tokenizer()
+    ctl = Controller(cfg, endpoint="tcp://127.0.0.1:*", learner_pub="tcp://127.0.0.1:9",
+                     buffer_pub="tcp://127.0.0.1:9", run_dir=tmp_path, tokenizer=tok, emit=lambda m: None)
+    worker = dealer(ctl.ch.endpoint, identity=b"rollout-0", linger=0)
+    try:
+        worker.send(Heartbeat(role="rollout", name="rollout-0", seq=0, time=time.time(), version=0))
+        worker.send(WorkRequest(want=1, version=0))
+        _step_until(ctl, lambda: ctl.counts["groups_granted"] >= 1)
+        got = worker.recv(timeout=5)
+        assert isinstance(got, Assignment)
+        assert got.sampling.stop_token_ids == tok.encode("\n") and got.sampling.stop == ["Answer:"]
+        assert ctl.eval_sampling.stop_token_ids == tok.encode("\n") and ctl.eval_sampling.stop == ["Answer:"]
+    finally:
+        worker.close()
+        ctl.close()

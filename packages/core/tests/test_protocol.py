@@ -114,3 +114,27 @@ def test_trajectory_fields_are_what_the_learner_needs():
         "prompt_ids", "completion_ids", "logprobs", "versions", "reward", "step_rewards", "group_id",
         "sample_index", "task", "finish_reason", "routing", "sampling_mask", "metadata",
     } <= names
+
+
+def test_sampling_stop_strings_are_appended_so_an_older_peer_still_decodes():
+    from tidal.core.protocol import SamplingParams
+
+    class OldSamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+        # SamplingParams as protocol 1.1 peers know it: everything before `stop`
+        temperature: float = 1.0
+        top_p: float = 1.0
+        top_k: int = -1
+        max_tokens: int = 256
+        stop_token_ids: list[int] = []
+        ignore_eos: bool = False
+        seed: int | None = None
+        return_sampling_mask: bool = False
+        return_routing: bool = False
+
+    old = OldSamplingParams(temperature=0.5, stop_token_ids=[7], seed=3)
+    new = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=SamplingParams)
+    assert new.stop == [] and new.stop_token_ids == [7] and new.seed == 3
+    # and an old peer reads what a new one writes, ignoring the strings it does not know
+    with_stop = msgspec.msgpack.encode(SamplingParams(temperature=0.5, stop=["Answer:"]))
+    assert msgspec.msgpack.decode(with_stop, type=SamplingParams).stop == ["Answer:"]
+    assert msgspec.msgpack.decode(with_stop, type=OldSamplingParams).temperature == 0.5

@@ -186,3 +186,48 @@ def test_vllm_loads_an_update_from_shared_memory_in_place(engine, tiny):
     worst, kl = _mismatch(new, after, res)
     print(f"after an shm update, vLLM vs forward pass of the new weights: max |dlogp| {worst:.2e}, KL {kl:.2e}")
     assert abs(kl) <= 1e-3 and worst < 1e-2
+
+
+def test_vllm_stops_on_a_stop_string_not_on_its_pieces_and_keeps_the_sampled_tokens(tmp_path_factory):
+    """The model of tests/parrot.py says "x Ans: y Answer: 42" in BPE tokens, so the ":" of "Ans:" (one
+    piece of "Answer:") comes first: vLLM must stop after the token completing "Answer:", returning the
+    tokens as sampled (that one included, none after) with one logprob and one version each."""
+    _require_vllm()
+    import sys
+    from pathlib import Path
+
+    from tidal.rollout.engines.vllm_engine import VLLMEngine
+    from tidal.rollout.stops import split_stops
+    from tidal.rollout.tiny import load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parrot import PROMPT, TEXT, build_parrot
+
+    path = build_parrot(tmp_path_factory.mktemp("parrot-vllm") / "model")
+    tok = load_tokenizer(path)
+    want = tok.encode(TEXT)
+    answer_colon = len(tok.encode("x Ans: y Answer:"))
+    ids, strings = split_stops(tok, ["Answer:", "\n"])
+    assert strings == ["Answer:"] and ids == tok.encode("\n")
+
+    def greedy(rid: str, **kw) -> GenerationRequest:
+        return GenerationRequest(request_id=rid, prompt_ids=tok.encode(PROMPT),
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=16, **kw))
+
+    eng = VLLMEngine(path, max_model_len=64, max_num_seqs=4, kv_cache_bytes=64 << 20,
+                     engine_kwargs={"enforce_eager": True})
+    try:
+        reqs = [greedy("plain"), greedy("string", stop_token_ids=ids, stop=strings),
+                greedy("inside", stop=["Answer: 4"])]
+        res = {r.request_id: r for r in eng.generate(reqs, timeout=300)}
+    finally:
+        eng.close()
+    assert res["plain"].completion_ids == [*want, tok.eos_token_id], "the trained model should say TEXT"
+    for r in res.values():
+        assert r.finish_reason == "stop"
+        assert len(r.logprobs) == len(r.versions) == len(r.completion_ids)
+        n = len(r.completion_ids)
+        assert r.logprobs == pytest.approx(res["plain"].logprobs[:n], abs=1e-5)
+    assert res["string"].completion_ids == want[:answer_colon]
+    assert tok.decode(res["string"].completion_ids) == "x Ans: y Answer:"
+    assert tok.decode(res["inside"].completion_ids) == "x Ans: y Answer: 42"

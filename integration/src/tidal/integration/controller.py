@@ -42,6 +42,7 @@ from tidal.core.protocol import (
     WorkRequest,
 )
 from tidal.integration.recipe import RunConfig
+from tidal.rollout.stops import split_stops
 from tidal.rollout.worker import EVAL_KEY
 from tidal.staleness.depth import DepthGate
 
@@ -142,12 +143,12 @@ class Controller:
             if d.reward is not None:
                 registry.build("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
         self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
-        stop_ids = [i for s in cfg.sampling.stop for i in tokenizer.encode(s)]
+        stop_ids, stop_strings = split_stops(tokenizer, cfg.sampling.stop)
         s = cfg.sampling
         self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids)
+                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
-                                            stop_token_ids=stop_ids, seed=cfg.seed)
+                                            stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
         self.workers: dict[str, WorkerState] = {}
         self.requeued: deque[Assignment] = deque()  # training work of lost workers (sent for credit)
         self.eval_waiting: deque[Assignment] = deque()  # evaluation work with no live worker (sent without)

@@ -49,7 +49,9 @@ class SamplingConfig(ConfigStruct):
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
-    stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])  # generation ends after any of these strings (single tokens of the tokenizer)
+    # generation ends once the completion's text contains any of these strings (the token completing one is
+    # kept); one that the tokenizer writes as a single token is checked as a stop token id, at no decoding cost
+    stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])
 
 
 class EvalConfig(ConfigStruct):

@@ -106,14 +106,16 @@ def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0
     from tidal.core.protocol import SamplingParams
     from tidal.rollout.engines.common import generate
     from tidal.rollout.engines.embedded import EmbeddedEngine
+    from tidal.rollout.stops import split_stops
     from tidal.rollout.tasks import first_tasks
     from tidal.rollout.tiny import load_tokenizer
 
     tok = load_tokenizer(model_path)
     tasks = first_tasks(env, "eval", seed, n)
     engine = EmbeddedEngine(model_path, max_num_seqs=len(tasks), seed=seed)
-    newline = tok.encode("\n")
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=newline, seed=seed)
+    stop_ids, stop_strings = split_stops(tok, ["\n"])
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids, stop=stop_strings,
+                            seed=seed)
     requests = [GenerationRequest(request_id=str(i), prompt_ids=tok.encode(t.prompt), sampling=params)
                 for i, t in enumerate(tasks)]
     rewards = [env.score(tasks[int(r.request_id)], tok.decode(r.completion_ids, skip_special_tokens=True)) >= 1.0

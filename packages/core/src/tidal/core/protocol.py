@@ -121,6 +121,11 @@ class SamplingParams(_Part):
     seed: int | None = None  # per-request seed for reproducible sampling
     return_sampling_mask: bool = False  # record which vocab entries top-k/top-p kept
     return_routing: bool = False  # record MoE expert ids per token per layer
+    # generation ends once the decoded completion contains any of these strings; the token that
+    # completes one is kept and nothing is cut inside a token, so the trained tokens are exactly the
+    # sampled ones (the text may run a little past the stop string). Single-token stops belong in
+    # stop_token_ids, which costs no decoding.
+    stop: list[str] = []
 
 
 class Assignment(_Msg):

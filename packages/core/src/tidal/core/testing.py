@@ -115,7 +115,7 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
             prompt_ids=Array.from_numpy(np.array([1, 2, 3], np.int32), out_of_line=out_of_line),
             num_samples=4,
             task="arith",
-            sampling=SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5),
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2], seed=5, stop=["Answer:"]),
             answer="7",
         ),
         WorkRequest(want=2, version=3, running=1),

@@ -13,6 +13,10 @@ through transformers' attention-function registry (`attn_implementation="tidal_p
 transformers decoder that dispatches through that registry (Llama, Qwen2/3, Mistral, Mixtral, ...)
 runs unmodified.
 
+A request with stop strings (`SamplingParams.stop`) decodes, after each of its tokens, only the few
+trailing tokens that can hold a stop string (`tidal.rollout.stops`), with the model folder's tokenizer,
+loaded by the first such request; requests without stop strings decode nothing.
+
 Weight updates land between two steps: `update_weights` blocks until the loop has copied the tensors
 into the model (the pause), and every token sampled afterwards carries the new version. What happens to
 sequences in flight is the partial-rollout mode:
@@ -44,6 +48,7 @@ from tidal.core.protocol import WeightsAvailable
 from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention, _StepLayout
 from tidal.rollout.engines.common import generate
 from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
+from tidal.rollout.stops import stop_string_ended, stop_window
 from tidal.rollout.weights import ReceiverPool
 
 log = logging.getLogger("tidal.rollout.engine")
@@ -70,6 +75,7 @@ class _Seq:
     masks: list[np.ndarray] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
+    stop_window: int = 0  # trailing tokens decoded to look for the request's stop strings; 0 = it has none
 
     @property
     def completion(self) -> list[int]:
@@ -107,12 +113,17 @@ class EmbeddedEngine:
         version: int = 0,
         stop_on_eos: bool = True,
         weight_transport_options: dict[str, dict[str, Any]] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         if partial_mode not in PARTIAL_MODES:
             raise EngineError(f"partial_mode {partial_mode!r} is not one of {', '.join(PARTIAL_MODES)}")
         _register_attention()
         self.device = torch.device(device)
         self.model = self._load(model, dtype)
+        # stop strings need decoding: the model folder's tokenizer, loaded by the first request that has
+        # some, so that requests without any pay nothing
+        self._tokenizer = tokenizer
+        self._tokenizer_path = None if isinstance(model, torch.nn.Module) else Path(model)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
@@ -196,12 +207,29 @@ class EmbeddedEngine:
                               f"and max_tokens >= 1, got {p}")
         if p.return_routing and not self._routers:
             raise EngineError(f"request {request.request_id!r} asks for MoE routing but the model has no router")
+        if p.stop:
+            self._need_tokenizer(request.request_id)
         seed = p.seed if p.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request.request_id.encode()))
-        seq = _Seq(request, seed & 0x7FFFFFFFFFFF, list(request.prompt_ids), len(request.prompt_ids))
+        seq = _Seq(request, seed & 0x7FFFFFFFFFFF, list(request.prompt_ids), len(request.prompt_ids),
+                   stop_window=stop_window(p.stop) if p.stop else 0)
         with self._lock:
             self._check_alive()
             self._waiting.append(seq)
             self._lock.notify_all()
+
+    def _need_tokenizer(self, request_id: str) -> None:
+        if self._tokenizer is not None:
+            return
+        if self._tokenizer_path is None:
+            raise EngineError(f"request {request_id!r} has stop strings, which need a tokenizer to decode: pass "
+                              "EmbeddedEngine(model, tokenizer=...) when the model is not a folder")
+        from tidal.rollout.tiny import load_tokenizer
+
+        try:
+            self._tokenizer = load_tokenizer(self._tokenizer_path)
+        except Exception as e:
+            raise EngineError(f"request {request_id!r} has stop strings, which need the tokenizer of "
+                              f"{str(self._tokenizer_path)!r}, and it does not load: {e}") from e
 
     def poll(self, timeout: float | None = None) -> list[GenerationResult]:
         """Results finished since the last call; waits up to `timeout` seconds for at least one."""
@@ -402,6 +430,9 @@ class EmbeddedEngine:
                 s.routing.extend(routes[fed_from : last[i] + 1])  # one route per fed position
             p = s.req.sampling
             if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+                finished.append((s, "stop"))
+            elif s.stop_window and stop_string_ended(
+                    self._tokenizer, s.tokens[max(s.prompt_len, len(s.tokens) - s.stop_window):], p.stop):
                 finished.append((s, "stop"))
             elif len(s.tokens) - s.prompt_len >= p.max_tokens or len(s.tokens) >= self.max_model_len:
                 finished.append((s, "length"))

@@ -10,7 +10,12 @@ Wraps vLLM's `AsyncLLM` (V1) behind the same face as the embedded engine: `submi
 - optional fp32 lm_head (`fp32_lm_head=True`), done by the worker extension;
 - per-token policy versions from vLLM's own weight-version spans (`update_weight_version`);
 - on request, sampling masks (`return_sampling_mask=True`, which vLLM serves from its model runner V2,
-  i.e. on GPU) and MoE routing (`return_routing=True`, vLLM's routed-experts output).
+  i.e. on GPU) and MoE routing (`return_routing=True`, vLLM's routed-experts output);
+- stop strings (`SamplingParams.stop`) through vLLM's own detokenizer, which needs the model folder's
+  tokenizer: vLLM loads it when the folder has one, and only requests with stop strings are detokenized
+  (`detokenize=True`). vLLM keeps the token that completes a stop string in `token_ids` and drops any
+  sampled past it, with their logprobs, so the result is exactly the sampled tokens; only the text is
+  cut at the stop string, and the adapter does not use the text.
 
 A weight update pauses generation with ``pause_generation(mode="keep")``, has the worker extension
 (`tidal.rollout.engines.vllm_worker.TidalWorkerExtension`) fetch the announced version through
@@ -54,6 +59,10 @@ def vllm_available() -> tuple[bool, str]:
     except Exception as e:  # ImportError, or a broken install (e.g. torchvision built for another torch)
         return False, f"{type(e).__name__}: {e}"
     return True, vllm.__version__
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
 def _eos_ids(path: Path) -> set[int]:
@@ -114,8 +123,8 @@ class VLLMEngine:
             raise EngineError(f"no model at {str(path)!r}: vLLM loads a local Hugging Face folder here")
         self.partial_mode: PartialMode = partial_mode
         self.fp32_lm_head = fp32_lm_head
-        # Tokens are ids here (skip_tokenizer_init), so vLLM does not know the end-of-sequence id: we stop
-        # on it ourselves, like the embedded engine does.
+        # vLLM may run without a tokenizer (skip_tokenizer_init) and then does not know the end-of-sequence
+        # id: we stop on it ourselves, like the embedded engine does.
         self.eos_ids = _eos_ids(path)
         self.return_sampling_mask = return_sampling_mask
         self.return_routing = return_routing
@@ -131,7 +140,8 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tidal-vllm", daemon=True)
         self._thread.start()
         args = dict(
-            model=str(path), skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+            # prompts go in as ids; vLLM needs the tokenizer only to match stop strings (see `_sampling`)
+            model=str(path), skip_tokenizer_init=not _has_tokenizer(path), dtype=dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, seed=seed, enable_prefix_caching=False, async_scheduling=False,
             logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
             return_sampling_mask=return_sampling_mask, enable_return_routed_experts=return_routing,
@@ -143,6 +153,7 @@ class VLLMEngine:
         if kv_cache_bytes is not None:
             args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         args.update(engine_kwargs or {})
+        self.stop_strings = not args["skip_tokenizer_init"]  # whether requests may carry stop strings
         self.setup_info = self._call(self._start(args), timeout=start_timeout)
 
     # ------------------------------------------------------------------ plumbing
@@ -174,6 +185,10 @@ class VLLMEngine:
         if p.return_routing and not self.return_routing:
             raise EngineError(f"request {request.request_id!r} asks for MoE routing: start VLLMEngine with "
                               "return_routing=True")
+        if p.stop and not self.stop_strings:
+            raise EngineError(f"request {request.request_id!r} has stop strings, which vLLM matches with the model's "
+                              "tokenizer: this engine runs without one (skip_tokenizer_init, or no tokenizer in "
+                              "the model folder); put a tokenizer there or stop on token ids")
         if not request.prompt_ids:
             raise EngineError(f"request {request.request_id!r} has an empty prompt")
         pend = _Pending(request, list(request.prompt_ids))
@@ -191,8 +206,10 @@ class VLLMEngine:
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
             max_tokens=p.max_tokens - len(pend.tokens),
             stop_token_ids=sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)),
-            ignore_eos=p.ignore_eos,
-            seed=None if p.seed is None else p.seed + 7919 * pend.attempt, logprobs=0, detokenize=False,
+            stop=list(p.stop), ignore_eos=p.ignore_eos,
+            seed=None if p.seed is None else p.seed + 7919 * pend.attempt, logprobs=0,
+            # vLLM matches stop strings in its detokenized text; a request without any is not detokenized
+            detokenize=bool(p.stop),
         )
 
     async def _run(self, pend: _Pending) -> None:
