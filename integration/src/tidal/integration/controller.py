@@ -146,7 +146,9 @@ class Controller:
         stop_ids, stop_strings = split_stops(tokenizer, cfg.sampling.stop)
         s = cfg.sampling
         self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings)
+                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings,
+                                             return_sampling_mask=s.return_sampling_mask,
+                                             return_routing=s.return_routing)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
                                             stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
         self.workers: dict[str, WorkerState] = {}

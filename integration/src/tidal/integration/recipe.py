@@ -52,6 +52,12 @@ class SamplingConfig(ConfigStruct):
     # generation ends once the completion's text contains any of these strings (the token completing one is
     # kept); one that the tokenizer writes as a single token is checked as a stop token id, at no decoding cost
     stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])
+    # record, per sampled token, the vocabulary top-k/top-p kept: the learner renormalises over exactly
+    # that set (Keep Sampling Mask) instead of recomputing the cut. Costs vocab/8 bytes per token on the wire
+    return_sampling_mask: bool = False
+    # record, per token, the MoE experts the sampler used (MoE models): the learner reports how often its
+    # router disagrees (moe/router_mismatch) and, with learner.moe.replay, sends tokens to those experts
+    return_routing: bool = False
 
 
 class EvalConfig(ConfigStruct):
@@ -161,6 +167,9 @@ def check(cfg: RunConfig) -> None:
         if value != default and value != source[0]:
             raise ConfigError(f"`{name}` = {value!r} in the recipe, but the run sets it ({source[1]}): "
                               f"remove it{source[2]}", field=name)
+    if cfg.learner.moe.replay and not cfg.sampling.return_routing:
+        raise ConfigError("learner.moe.replay replays the routing the sampler recorded: set "
+                          "sampling.return_routing = true too", field="learner.moe.replay")
     if cfg.learner.weights.every < 1:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")

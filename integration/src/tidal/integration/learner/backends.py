@@ -44,6 +44,9 @@ class BackendConfig(ConfigStruct):
     attn: str = "auto"
     grad_checkpointing: bool = False
     value_head: bool = False  # PPO: a scalar critic head on the last hidden state (trained, never published)
+    # Hugging Face sparse MoE blocks (Mixtral / Qwen3-MoE layout) become tidal-moe-fsdp MoEBlocks (same
+    # parameter names, dropless): what routing replay and the routing-mismatch metric need
+    moe_blocks: bool = True
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
@@ -94,6 +97,7 @@ class _Backend:
 
             module = AutoModelForCausalLM.from_pretrained(
                 model, dtype=getattr(torch, cfg.dtype), attn_implementation=pick_attention(cfg.attn, self.device))
+        self.moe_layers = _convert_moe(module) if cfg.moe_blocks else 0
         if cfg.value_head:
             module.value_head = torch.nn.Linear(module.config.hidden_size, 1, dtype=getattr(torch, cfg.dtype))
             torch.nn.init.zeros_(module.value_head.weight)
@@ -188,6 +192,15 @@ class _Backend:
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _convert_moe(module: torch.nn.Module) -> int:
+    """Swap the model's Hugging Face sparse MoE blocks for MoEBlocks; the number of MoE layers."""
+    from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
+
+    if not any(is_hf_sparse_moe(m) for m in module.modules()):
+        return 0
+    return len(convert_hf_moe(module))
 
 
 class SingleBackend(_Backend):

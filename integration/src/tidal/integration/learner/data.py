@@ -36,6 +36,7 @@ class Sample:
     loss_mask: np.ndarray  # bool [T]
     sampling: SamplingParams | None = None  # how the sampler processed its logits (None: unknown)
     kept: np.ndarray | None = None  # uint8 [T, ceil(V/8)] packed vocabulary the sampler kept per token
+    routing: np.ndarray | None = None  # int [T, moe layers, k] experts the sampler used for each token
 
     @property
     def length(self) -> int:
@@ -49,7 +50,8 @@ class Sample:
         return cls(id=t.id, group_id=t.group_id, prompt=t.prompt_ids.numpy(), completion=completion,
                    logprobs=t.logprobs.numpy().copy(), versions=t.versions.numpy(), reward=float(t.reward),
                    loss_mask=mask, sampling=t.sampling,
-                   kept=None if t.sampling_mask is None else t.sampling_mask.numpy())
+                   kept=None if t.sampling_mask is None else t.sampling_mask.numpy(),
+                   routing=None if t.routing is None else t.routing.numpy())
 
 
 @dataclass

@@ -45,6 +45,13 @@ from tidal.integration.learner.trainer import TrainConfig, needs_reference
 log = logging.getLogger("tidal.learner")
 
 
+class MoEOptions(ConfigStruct):
+    # the learner's forward sends every completion token to the experts its sampler used (the routing
+    # recorded in Trajectory.routing: needs sampling.return_routing); the routing-mismatch metrics are
+    # reported either way whenever routing was recorded
+    replay: bool = False
+
+
 class WeightsConfig(ConfigStruct):
     transport: str = "zmq"  # weight transport plugin: zmq, shm, fs, torch_dist, ...
     options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
@@ -62,6 +69,7 @@ class LearnerConfig(ConfigStruct):
     buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    moe: MoEOptions = msgspec.field(default_factory=MoEOptions)
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
     # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
     # each one, so a learner killed in between is served them again on resume; 0 = only at the end
@@ -108,7 +116,7 @@ class Learner:
                 cfg.reference_model or cfg.model,
                 attn_implementation=pick_attention(options.attn, torch.device(cfg.device))).to(cfg.device)
             reference.requires_grad_(False)
-        self.trainer = Trainer(self.backend, cfg.train, reference)
+        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay)
         self.step = 0
         self.version = 0
         self.samples_trained = 0  # trajectories trained on, over the whole run (kept in checkpoints)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import msgspec
@@ -28,6 +29,7 @@ from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
+from tidal.moe_fsdp.replay import replay_routing
 
 log = logging.getLogger("tidal.learner")
 
@@ -56,9 +58,11 @@ class Trainer:
     """`reference`: a frozen model whose logprobs feed a KL penalty or distillation (required when
     `needs_reference(cfg)`). PPO mode (advantage "gae") needs a backend with `value_head=True`."""
 
-    def __init__(self, backend: Any, cfg: TrainConfig, reference: torch.nn.Module | None = None) -> None:
+    def __init__(self, backend: Any, cfg: TrainConfig, reference: torch.nn.Module | None = None, *,
+                 routing_replay: bool = False) -> None:
         self.backend = backend
         self.cfg = cfg
+        self.routing_replay = routing_replay
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
         self.reference = reference.eval() if reference is not None else None
@@ -102,6 +106,35 @@ class Trainer:
             raise ValueError(f"trajectory {greedy[0]} was sampled greedily (temperature 0): its sampler's "
                              f"distribution is a point mass, there is no policy gradient to take; sample training "
                              f"data at a temperature > 0")
+
+    def _recorded_routes(self, micro: Any, samples: Sequence[Sample]) -> torch.Tensor | None:
+        """The experts each completion token's sampler used, at the row position that produced it
+        ([row_len, moe layers, k], -1 where nothing was recorded: prompts, samples without routing)."""
+        layers = getattr(self.backend, "moe_layers", 0)
+        recorded = [samples[i].routing for i in micro.index]
+        if not layers or micro.pred is None or all(r is None for r in recorded):
+            return None
+        k = next(r.shape[2] for r in recorded if r is not None)
+        flat = [torch.from_numpy(np.asarray(r, np.int64)) if r is not None and r.shape[1:] == (layers, k)
+                else torch.full((len(samples[i].completion), layers, k), -1, dtype=torch.long)
+                for i, r in zip(micro.index, recorded, strict=True)]
+        if any(r is not None and r.shape[1:] != (layers, k) for r in recorded):
+            raise ValueError(f"a trajectory's routing has shape {next(r.shape for r in recorded if r is not None and r.shape[1:] != (layers, k))}"
+                             f" but the learner's model has {layers} MoE layers of top-{k}: sampler and learner "
+                             f"run different models")
+        routes = torch.full((micro.tokens, layers, k), -1, dtype=torch.long)
+        routes[micro.pred.cpu()] = torch.cat(flat)
+        return routes.to(self.backend.device)
+
+    def _routing_metrics(self, routes: torch.Tensor, micro: Any, sums: dict[str, float], n_micro: int) -> None:
+        """How often the learner's own router disagrees with the sampler's routing (the expert set of a
+        token, per layer), and how often the experts actually used did (0 under replay)."""
+        from tidal.moe_fsdp.replay import router_routes, routing_mismatch, used_routes
+
+        module = self.backend._module()
+        rec = routes[micro.pred]
+        sums["moe/router_mismatch"] += float(routing_mismatch(rec, router_routes(module)[micro.pred]).mean()) / n_micro
+        sums["moe/used_mismatch"] += float(routing_mismatch(rec, used_routes(module)[micro.pred]).mean()) / n_micro
 
     def _global(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -180,76 +213,82 @@ class Trainer:
                 be.backward(zero, last=k == n_micro - 1)
                 continue
             micro = micros[k]
-            if self.critic:
-                logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
-            else:  # logits only where they predict a completion token (the lm_head skips the prompts)
-                logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
-            lp, ent = token_logprobs(logits, micro, with_entropy=True)
-            ss = [samples[i] for i in micro.index]
-            dev = logits.device
+            routes = self._recorded_routes(micro, samples)  # [row, layers, k] as sampled, or None
+            with ExitStack() as replaying:
+                if routes is not None and self.routing_replay:  # every token to its sampler's experts
+                    replaying.enter_context(replay_routing(be._module(), routes))
+                if self.critic:
+                    logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
+                else:  # logits only where they predict a completion token (the lm_head skips the prompts)
+                    logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
+                lp, ent = token_logprobs(logits, micro, with_entropy=True)
+                if routes is not None:
+                    self._routing_metrics(routes, micro, sums, len(micros))
+                ss = [samples[i] for i in micro.index]
+                dev = logits.device
 
-            def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
-                return torch.from_numpy(np.concatenate(arrays)).to(dev)
+                def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
+                    return torch.from_numpy(np.concatenate(arrays)).to(dev)
 
-            inputs = dict(
-                logprobs=micro.padded(lp),
-                behaviour_logprobs=micro.padded(flat([s.logprobs for s in ss])),
-                advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
-                mask=micro.padded(flat([s.loss_mask for s in ss]), False).bool(),
-                entropy=micro.padded(ent.detach()) if ent is not None else None,
-            )
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
-                                                use_cache=False, logits_to_keep=micro.pred,
-                                                **be.layout_kw(micro.layout)).logits
-                    ref_lp, _ = token_logprobs(ref_logits, micro)
-                inputs["ref_logprobs"] = micro.padded(ref_lp)
-            if self.correction is not None:
-                from tidal.staleness.correction import CorrectionInputs
+                inputs = dict(
+                    logprobs=micro.padded(lp),
+                    behaviour_logprobs=micro.padded(flat([s.logprobs for s in ss])),
+                    advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
+                    mask=micro.padded(flat([s.loss_mask for s in ss]), False).bool(),
+                    entropy=micro.padded(ent.detach()) if ent is not None else None,
+                )
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
+                                                    use_cache=False, logits_to_keep=micro.pred,
+                                                    **be.layout_kw(micro.layout)).logits
+                        ref_lp, _ = token_logprobs(ref_logits, micro)
+                    inputs["ref_logprobs"] = micro.padded(ref_lp)
+                if self.correction is not None:
+                    from tidal.staleness.correction import CorrectionInputs
 
-                proximal = None
-                if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
-                    # one optimizer step per batch: the proximal policy is these parameters before the
-                    # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
-                    proximal = inputs["logprobs"].detach()
-                    inputs["old_logprobs"] = proximal
-                corr = self.correction(CorrectionInputs(
-                    learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-                    mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
-                inputs["is_weights"] = corr.weights
-                inputs["mask"] = inputs["mask"] & corr.mask
-                for name, v in corr.metrics.items():
-                    sums[f"staleness/{name}"] += float(v) / len(micros)
-            out = self.loss_fn(LossInputs(**inputs))
-            loss = out.loss
-            if self.critic:
-                assert values is not None and returns is not None and old_values is not None
-                vin = LossInputs(
-                    logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
-                    advantages=inputs["advantages"], mask=inputs["mask"],
-                    values=micro.padded(values[0, micro.pred]),
-                    old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
-                    returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
-                vout = self._value_loss(vin)
-                loss = loss + self.cfg.value_coef * vout.loss
-                out.metrics["loss/value"] = vout.loss.detach()
-            # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
-            log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
-            k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
-            sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
-            if "ref_logprobs" in inputs:
-                kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
-                sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
-            m_tokens = float(inputs["mask"].sum())
-            m_seqs = float(inputs["mask"].any(-1).sum())
-            share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
-            # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
-            be.backward(loss * share * world, last=k == n_micro - 1)
-            sums["loss/total"] += float(loss.detach()) * share * world
-            for name, v in out.metrics.items():
-                sums[name] += float(v) * share * world
-            sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
+                    proximal = None
+                    if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
+                        # one optimizer step per batch: the proximal policy is these parameters before the
+                        # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
+                        proximal = inputs["logprobs"].detach()
+                        inputs["old_logprobs"] = proximal
+                    corr = self.correction(CorrectionInputs(
+                        learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
+                        mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
+                    inputs["is_weights"] = corr.weights
+                    inputs["mask"] = inputs["mask"] & corr.mask
+                    for name, v in corr.metrics.items():
+                        sums[f"staleness/{name}"] += float(v) / len(micros)
+                out = self.loss_fn(LossInputs(**inputs))
+                loss = out.loss
+                if self.critic:
+                    assert values is not None and returns is not None and old_values is not None
+                    vin = LossInputs(
+                        logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
+                        advantages=inputs["advantages"], mask=inputs["mask"],
+                        values=micro.padded(values[0, micro.pred]),
+                        old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
+                        returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
+                    vout = self._value_loss(vin)
+                    loss = loss + self.cfg.value_coef * vout.loss
+                    out.metrics["loss/value"] = vout.loss.detach()
+                # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
+                log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
+                k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
+                sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
+                if "ref_logprobs" in inputs:
+                    kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
+                    sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
+                m_tokens = float(inputs["mask"].sum())
+                m_seqs = float(inputs["mask"].any(-1).sum())
+                share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
+                # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
+                be.backward(loss * share * world, last=k == n_micro - 1)
+                sums["loss/total"] += float(loss.detach()) * share * world
+                for name, v in out.metrics.items():
+                    sums[name] += float(v) * share * world
+                sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
         metrics = {k: v / world for k, v in self._global_dict(sums).items()}
         if self.before_update is not None:
             self.before_update()
