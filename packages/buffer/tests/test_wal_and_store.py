@@ -93,6 +93,18 @@ def test_groups_are_ready_only_when_complete():
     assert store.put(traj(2)) is not None and list(store.ready) == ["g0"]
 
 
+def test_a_dropped_trajectory_resent_is_a_duplicate_not_a_new_member():
+    """A group dropped by a filter whose acks were lost is resent whole or in part: it must neither be
+    filtered (and counted) again nor leave half a group waiting for the group timeout."""
+    store = Store(group_size=2)
+    store.put(traj(0))
+    store.put(traj(1))
+    store.drop([traj(0).id, traj(1).id], "filter:zero_variance")
+    assert store.put(traj(1)) is None and store.put(traj(0)) is None
+    assert store.stats["duplicates"] == 2 and not store.assembling and not store.ready
+    assert store.drops == {"filter:zero_variance": 2}
+
+
 def test_lpt_split_balances_tokens_by_whole_groups():
     groups = []
     for i, n in enumerate([100, 90, 50, 40, 30, 10]):

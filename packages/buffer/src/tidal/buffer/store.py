@@ -193,6 +193,9 @@ class Store:
             gid = self.where.pop(i, None)
             if gid is None:
                 continue
+            # settled for good, like a consumed one: a resend (its ack was lost) must not bring it back,
+            # or a filtered group is filtered (and counted) again, or half of it waits for a group timeout
+            self.consumed_ids.add(i)
             self.live_bytes -= len(self.frames.pop(i, b""))
             for groups in (self.assembling, self.ready):
                 g = groups.get(gid)
