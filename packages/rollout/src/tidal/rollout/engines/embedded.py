@@ -12,9 +12,10 @@ next-token logits, then sample with their own seeds and parameters). `submit_man
 once so that it joins together. Fresh prefills of one length attend as one batch.
 
 The KV cache is the engine's own: per layer a `[max_num_seqs, kv_heads, max_model_len, head_dim]`
-tensor whose first `n` rows are the `n` running sequences (a leaving sequence's row is refilled by the
-last one, so the live rows stay contiguous and a decode reads them as a view). Attention reaches it
-through transformers' attention-function registry (`attn_implementation="tidal_packed"`), so any
+tensor whose first `n` rows are the `n` running sequences (rows freed in a step are refilled by the
+sequences above the new count, so the live rows stay contiguous and a decode reads them as a view).
+Attention reaches it through transformers' attention-function registry
+(`attn_implementation="tidal_packed"`), so any
 transformers decoder that dispatches through that registry (Llama, Qwen2/3, Mistral, Mixtral, ...)
 runs unmodified.
 
