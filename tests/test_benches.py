@@ -17,7 +17,8 @@ TINY = {
     "algos.py": ["--batch", "4", "--tokens", "64", "--reps", "1"],
     "buffer.py": ["--n", "1024", "--mib", "4", "--trials", "1"],
     "weight_sync.py": ["--big-gib", "0.02", "--small", "60", "--trials", "1", "--bucket-mib", "4"],
-    "engine.py": ["--requests", "16", "--concurrency", "4", "--max-tokens", "16", "--reps", "1"],
+    "engine.py": ["--requests", "16", "--concurrency", "4", "--max-tokens", "16", "--reps", "1", "--shape", "both",
+                  "--rounds", "2", "--groups", "2"],
     "learner.py": ["--samples", "8", "--max-len", "64", "--hidden", "64", "--layers", "1", "--reps", "1"],
     "moe.py": ["--tokens", "256", "--hidden", "64", "--ffn", "128", "--experts", "4"],
     "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
@@ -43,6 +44,8 @@ def test_benchmark_runs_and_reports(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, f"{script} printed no JSON report:\n{proc.stdout[-2000:]}"
+    if script == "engine.py":  # both shapes measured
+        assert [r.get("shape", "longtail") for r in reports] == ["demo", "longtail"], reports
     if script == "vs_trl.py":  # every system of every workload measured, not just a JSON line
         for name, w in reports[-1]["workloads"].items():
             assert set(w["systems"]) == {"trl", "async", "sync"}, (name, sorted(w["systems"]))

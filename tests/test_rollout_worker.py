@@ -29,6 +29,7 @@ from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.channels import pub, sub
 from tidal.core.errors import ChannelTimeout
+from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import Ack, Assignment, SamplingParams
 from tidal.core.testing import free_endpoint
 
@@ -287,3 +288,38 @@ def test_usr1_writes_every_threads_stack_to_the_log_and_the_role_goes_on(system)
         assert proc.poll() is None, f"{path.name}: the role died of the signal"
     assert log.read_text().count("Thread 0x") >= 2  # the main loop and the weights thread at least
     system.learner.status(timeout=10)  # the buffer still serves
+
+
+def test_a_group_is_submitted_at_once_and_its_prompt_prefilled_once(tiny):
+    """The worker hands the engine a group's G requests in one submission, so they join one step and the
+    embedded engine feeds their shared prompt once; seeds are still the per-sample ones."""
+    from tidal.rollout.engines.embedded import EmbeddedEngine
+    from tidal.rollout.worker import RolloutWorker, WorkerConfig, sample_seed
+
+    prompt = [5, 6, 7, 8, 9, 10]
+    cfg = WorkerConfig(name="submit-test", controller=free_endpoint(), buffer_ingest=free_endpoint(),
+                       buffer_acks=free_endpoint(), model=str(tiny))
+    engine = EmbeddedEngine(tiny, max_num_seqs=16)
+    worker = RolloutWorker(cfg, engine=engine)
+    try:
+        worker._start_group(Assignment(group_id="g7", prompt_ids=Array.from_list(prompt, "int32"), num_samples=G,
+                                       task="arithmetic", sampling=SamplingParams(max_tokens=3, ignore_eos=True)))
+        results = []
+        while len(results) < G:
+            results += engine.poll(timeout=60)
+        fed = engine.load_state()["tokens_fed"]
+    finally:
+        worker._close()
+    assert sorted(r.request_id for r in results) == [f"g7:{i}" for i in range(G)]
+    # one prompt prefill, then G sequences x 2 fed completion tokens (the third is sampled, not fed)
+    assert fed == len(prompt) + G * 2
+    alone = EmbeddedEngine(tiny, max_num_seqs=16, share_prompts=False)
+    try:  # the same seeds with a prefill each give the same samples
+        seeds = [sample_seed("g7", i, None) for i in range(G)]
+        solo = {r.request_id: r for r in alone.generate(
+            [GenerationRequest(request_id=f"g7:{i}", prompt_ids=prompt,
+                               sampling=SamplingParams(max_tokens=3, ignore_eos=True, seed=s))
+             for i, s in enumerate(seeds)], timeout=60)}
+    finally:
+        alone.close()
+    assert all(solo[r.request_id].completion_ids == r.completion_ids for r in results)

@@ -62,6 +62,7 @@ from tidal.core.protocol import (
     WorkRequest,
 )
 from tidal.core.reliable import AckedPusher
+from tidal.rollout.engines.common import submit_all
 
 log = logging.getLogger("tidal.rollout.worker")
 
@@ -306,12 +307,10 @@ class RolloutWorker:
         task = Task(prompt=a.prompt, answer=a.answer, domain=a.domain or a.task, metadata=dict(a.metadata))
         group = _Group(a, task, eval=EVAL_KEY in a.metadata)
         self.groups[a.group_id] = group
-        prompt = [int(x) for x in a.prompt_ids.numpy()]
-        for i in range(a.num_samples):
-            rid = f"{a.group_id}:{i}"
-            sampling = msgspec.structs.replace(a.sampling, seed=sample_seed(a.group_id, i, a.sampling.seed))
-            self.by_request[rid] = (a.group_id, i)
-            self.engine.submit(GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sampling))
+        requests = list(iter_requests(a))
+        for i, r in enumerate(requests):
+            self.by_request[r.request_id] = (a.group_id, i)
+        submit_all(self.engine, requests)  # one submission: the group's samples share one prefill
 
     def _on_result(self, res: GenerationResult) -> None:
         key = self.by_request.pop(res.request_id, None)

@@ -3,7 +3,8 @@
 Per layer a `[max_num_seqs, kv_heads, max_model_len, head_dim]` cache whose first `n` rows are the `n`
 running sequences. The engine sets the step's layout (`_ctx.step`) before each forward; the registered
 attention function (`attn_implementation="tidal_packed"`) writes the new keys/values into their rows and
-attends each sequence to its own context: decoding sequences batched, prefilling ones one by one.
+attends each sequence to its own context: decoding sequences batched, fresh prefills batched by length,
+the rest (prefills on top of cached tokens) one by one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,34 @@ class _StepLayout:
     positions: torch.Tensor  # [N] position of each packed token
     spans: list[tuple[int, int, int, int]]  # per prefilling sequence (packed start, tokens, cache row, past)
     cache: _KVCache
+    # [n_decode, max] keep-mask of the decode context, or None when every context is decode_max long
+    # (sequences of a group step in lockstep, and an unmasked attention is the cheaper kernel)
+    decode_mask: torch.Tensor | None = None
+    # fresh prefills (past 0) of one length, attended as one batch: their packed indices [n, m] each;
+    # the spans they cover are not in `single` (see `group_fresh_spans`)
+    batched: list[torch.Tensor] | None = None
+    single: list[tuple[int, int, int, int]] | None = None  # the other spans, one attention call each
+
+
+def group_fresh_spans(spans: list[tuple[int, int, int, int]], device: torch.device
+                      ) -> tuple[list[torch.Tensor], list[tuple[int, int, int, int]]]:
+    """Fresh prefills of the same length attend as one batch (a group's prompts are one length), so
+    a step of many short prompts costs one attention call per length, not one per prompt."""
+    by_len: dict[int, list[tuple[int, int, int, int]]] = {}
+    single = []
+    for span in spans:
+        if span[3] == 0:
+            by_len.setdefault(span[1], []).append(span)
+        else:
+            single.append(span)
+    batched = []
+    for m, group in by_len.items():
+        if len(group) == 1:
+            single.extend(group)
+            continue
+        starts = torch.tensor([g[0] for g in group], device=device)
+        batched.append(starts[:, None] + torch.arange(m, device=device)[None, :])
+    return batched, single
 
 
 class _KVCache:
@@ -53,11 +82,18 @@ class _KVCache:
             self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.k[idx], self.v[idx]
 
-    def move(self, src: int, dst: int) -> None:
-        for cache in (self.k, self.v):
-            for t in cache.values():
-                with torch.inference_mode():  # the cache is made inside inference mode
-                    t[dst].copy_(t[src])
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy rows `src` to rows `dst` (disjoint), positions below `length` only: nothing later is read."""
+        if not src:
+            return
+        device = next(iter(self.k.values())).device if self.k else None
+        if device is None:
+            return
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        with torch.inference_mode():  # the cache is made inside inference mode
+            for cache in (self.k, self.v):
+                for t in cache.values():
+                    t[d, :, :length] = t[s, :, :length]
 
 
 def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -79,7 +115,15 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = query.new_empty((1, query.shape[2], heads, head_dim))
     if d:
         out[0, :d] = _decode_attention(query[0, :, :d], kc, vc, step, scaling, gqa)
-    for start, m, row, past in step.spans:
+    for idx in step.batched or ():  # fresh prefills of one length: the keys are this step's own
+        n, m = idx.shape
+        flat = idx.reshape(-1)
+        q = query[0][:, flat].view(heads, n, m, head_dim).transpose(0, 1)
+        k = key[0][:, flat].view(key.shape[1], n, m, head_dim).transpose(0, 1)
+        v = value[0][:, flat].view(value.shape[1], n, m, head_dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out[0, flat] = o.permute(0, 2, 1, 3).reshape(n * m, heads, head_dim)
+    for start, m, row, past in step.single if step.single is not None else step.spans:
         q = query[:, :, start : start + m]
         k, v = kc[row : row + 1, :, : past + m], vc[row : row + 1, :, : past + m]
         if past == 0:
@@ -101,7 +145,7 @@ def _decode_attention(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s
         k, v = kc[: step.n_decode, :, :length], vc[: step.n_decode, :, :length]
     else:
         k, v = kc[step.decode_rows, :, :length], vc[step.decode_rows, :, :length]
-    mask = (torch.arange(length, device=q.device)[None, :] < step.decode_lens[:, None])[:, None, None, :]
+    mask = None if step.decode_mask is None else step.decode_mask[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)[:, :, 0]
 
 

@@ -13,10 +13,9 @@ def generate(engine: Any, requests: Iterable[GenerationRequest], timeout: float 
              ) -> Iterator[GenerationResult]:
     """Submit `requests` to `engine` and yield their results as each finishes (not in submission
     order); TimeoutError when some are still running after `timeout` seconds."""
-    pending = set()
-    for r in requests:
-        engine.submit(r)
-        pending.add(r.request_id)
+    requests = list(requests)
+    submit_all(engine, requests)
+    pending = {r.request_id for r in requests}
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -26,3 +25,14 @@ def generate(engine: Any, requests: Iterable[GenerationRequest], timeout: float 
         for res in results:
             pending.discard(res.request_id)
             yield res
+
+
+def submit_all(engine: Any, requests: list[GenerationRequest]) -> None:
+    """Submit `requests` at once where the engine can take them together (`submit_many`: the embedded
+    engine then prefills a group's shared prompt once), else one by one."""
+    many = getattr(engine, "submit_many", None)
+    if many is not None:
+        many(requests)
+        return
+    for r in requests:
+        engine.submit(r)

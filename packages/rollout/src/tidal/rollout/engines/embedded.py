@@ -6,10 +6,16 @@ their pending tokens, each with its own position ids. Finished sequences leave a
 finished them and waiting ones join before the next, so no sequence waits for the longest and nothing
 is padded to it.
 
+The G samples of a group share their prompt: sequences whose tokens are identical and that join in the
+same step are prefilled once (the first feeds the prompt; the others take its keys/values and its
+next-token logits, then sample with their own seeds and parameters). `submit_many` queues a group at
+once so that it joins together. Fresh prefills of one length attend as one batch.
+
 The KV cache is the engine's own: per layer a `[max_num_seqs, kv_heads, max_model_len, head_dim]`
-tensor whose first `n` rows are the `n` running sequences (a leaving sequence's row is refilled by the
-last one, so the live rows stay contiguous and a decode reads them as a view). Attention reaches it
-through transformers' attention-function registry (`attn_implementation="tidal_packed"`), so any
+tensor whose first `n` rows are the `n` running sequences (rows freed in a step are refilled by the
+sequences above the new count, so the live rows stay contiguous and a decode reads them as a view).
+Attention reaches it through transformers' attention-function registry
+(`attn_implementation="tidal_packed"`), so any
 transformers decoder that dispatches through that registry (Llama, Qwen2/3, Mistral, Mixtral, ...)
 runs unmodified.
 
@@ -45,7 +51,14 @@ import torch.nn.functional as F
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
-from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention, _StepLayout
+from tidal.rollout.engines.attention import (
+    ATTN_IMPL,
+    _ctx,
+    _KVCache,
+    _register_attention,
+    _StepLayout,
+    group_fresh_spans,
+)
 from tidal.rollout.engines.common import generate
 from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.stops import stop_string_ended, stop_window
@@ -62,7 +75,7 @@ class EngineError(RuntimeError):
 # --------------------------------------------------------------------------- sequences
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the engine finds sequences in lists, and field equality is O(tokens)
 class _Seq:
     req: GenerationRequest
     seed: int  # sampling seed (the noise of token t is a hash of seed and t)
@@ -112,6 +125,7 @@ class EmbeddedEngine:
         seed: int = 0,
         version: int = 0,
         stop_on_eos: bool = True,
+        share_prompts: bool = True,
         weight_transport_options: dict[str, dict[str, Any]] | None = None,
         tokenizer: Any = None,
     ) -> None:
@@ -131,12 +145,16 @@ class EmbeddedEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.fp32_lm_head = fp32_lm_head
         self.partial_mode: PartialMode = partial_mode
+        self.share_prompts = share_prompts  # identical fresh prompts in one step are prefilled once
         self.seed = seed
         eos = cfg.eos_token_id if stop_on_eos else None
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._version = version
         self._receivers = ReceiverPool(weight_transport_options)
         self._cache = _KVCache(max_num_seqs, self.max_model_len)
+        # A 4-D mask is taken as already built, so transformers skips its mask preparation (which scans
+        # the position ids for packed sequences, ~6 % of a tiny model's step); the attention ignores it.
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self._router_outputs: list[torch.Tensor] = []
         self._routers = self._hook_routers()
 
@@ -192,6 +210,18 @@ class EmbeddedEngine:
         return self._version
 
     def submit(self, request: GenerationRequest) -> None:
+        self.submit_many([request])
+
+    def submit_many(self, requests: Sequence[GenerationRequest]) -> None:
+        """Submit `requests` together: they join the same step (a group's samples then share one prefill
+        of their prompt). Nothing is queued if any of them is refused."""
+        seqs = [self._new_seq(r) for r in requests]
+        with self._lock:
+            self._check_alive()
+            self._waiting.extend(seqs)
+            self._lock.notify_all()
+
+    def _new_seq(self, request: GenerationRequest) -> _Seq:
         p = request.sampling
         if not request.prompt_ids:
             raise EngineError(f"request {request.request_id!r} has an empty prompt")
@@ -210,12 +240,8 @@ class EmbeddedEngine:
         if p.stop:
             self._need_tokenizer(request.request_id)
         seed = p.seed if p.seed is not None else (self.seed * 1_000_003 + zlib.crc32(request.request_id.encode()))
-        seq = _Seq(request, seed & 0x7FFFFFFFFFFF, list(request.prompt_ids), len(request.prompt_ids),
-                   stop_window=stop_window(p.stop) if p.stop else 0)
-        with self._lock:
-            self._check_alive()
-            self._waiting.append(seq)
-            self._lock.notify_all()
+        return _Seq(request, seed & 0x7FFFFFFFFFFF, list(request.prompt_ids), len(request.prompt_ids),
+                    stop_window=stop_window(p.stop) if p.stop else 0)
 
     def _need_tokenizer(self, request_id: str) -> None:
         if self._tokenizer is not None:
@@ -331,10 +357,9 @@ class EmbeddedEngine:
                     self._admit()
                     batch = self._schedule()
                 if batch:
-                    finished = self._step(batch)
+                    finished = self._step(*batch)
                     with self._lock:
-                        for seq, reason in finished:
-                            self._finish(seq, reason)
+                        self._finish_many(finished)
                         self._lock.notify_all()
         except BaseException as e:  # surfaced to callers by _check_alive
             log.exception("embedded engine loop failed")
@@ -351,46 +376,82 @@ class EmbeddedEngine:
             seq.row = len(self._running)
             self._running.append(seq)
 
-    def _schedule(self) -> list[_Seq]:
+    def _schedule(self) -> tuple[list[_Seq], dict[int, int]] | None:
         """Every decoding sequence, then the sequences that need a prefill (joined, or KV to rebuild) up to
-        the prefill token budget: one forward serves both, so a joining sequence costs no extra step."""
+        the prefill token budget: one forward serves both, so a joining sequence costs no extra step.
+
+        A fresh sequence whose tokens equal an earlier one's in this step (the G samples of a group share
+        their prompt) feeds nothing: it takes that one's keys/values and next-token logits, so a group's
+        prompt is prefilled once. Returns the batch and {follower's index: leader's index}, or None."""
         decode = [s for s in self._running if len(s.tokens) - s.computed == 1]
         budget = self.max_prefill_tokens
-        prefill = []
+        prefill: list[_Seq] = []
+        shared: dict[int, int] = {}
+        leaders: dict[tuple[int, ...], int] = {}
         for s in self._running:
             n = len(s.tokens) - s.computed
             if n > 1:
+                key = tuple(s.tokens) if s.computed == 0 and self.share_prompts else None
+                lead = leaders.get(key) if key is not None else None
+                if lead is not None:
+                    shared[len(decode) + len(prefill)] = lead
+                    prefill.append(s)
+                    continue
                 if prefill and n > budget:
                     break
+                if key is not None:
+                    leaders[key] = len(decode) + len(prefill)
                 prefill.append(s)
                 budget -= n
-        return decode + prefill
+        batch = decode + prefill
+        return (batch, shared) if batch else None
 
-    def _step(self, batch: list[_Seq]) -> list[tuple[_Seq, str]]:
-        ids, pos, rows, spans = [], [], [], []
-        last = []
+    def _step(self, batch: list[_Seq], shared: dict[int, int]) -> list[tuple[_Seq, str]]:
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []
+        last: list[int] = []  # per sequence: the packed position whose logits it samples from
+        fed: list[tuple[int, int]] = []  # per sequence: the packed range of the tokens it fed
         n_decode = 0
-        for s in batch:
-            new = s.tokens[s.computed :]
-            if len(new) == 1 and not spans:
+        for i, s in enumerate(batch):
+            lead = shared.get(i)
+            if lead is not None:
+                last.append(last[lead])
+                fed.append(fed[lead])
+                continue
+            start, n = len(ids), len(s.tokens) - s.computed
+            if n == 1 and not spans:
                 n_decode += 1
+                ids.append(s.tokens[-1])
+                pos.append(s.computed)
+                rows.append(s.row)
             else:
-                spans.append((len(ids), len(new), s.row, s.computed))
-            ids.extend(new)
-            pos.extend(range(s.computed, len(s.tokens)))
-            rows.extend([s.row] * len(new))
+                spans.append((start, n, s.row, s.computed))
+                ids.extend(s.tokens[s.computed :])
+                pos.extend(range(s.computed, len(s.tokens)))
+                rows.extend([s.row] * n)
             last.append(len(ids) - 1)
+            fed.append((start, len(ids)))
         dev = self.device
         positions = torch.tensor(pos, device=dev)
         decode_rows = rows[:n_decode]
         decode_lens = [p + 1 for p in pos[:n_decode]]
+        decode_max = max(decode_lens, default=0)
+        lens_t = torch.tensor(decode_lens, device=dev)
+        # lockstep decodes (a group that joined together) need no mask: the cheaper attention kernel
+        mask = None if all(n == decode_max for n in decode_lens) else (
+            torch.arange(decode_max, device=dev)[None, :] < lens_t[:, None])
+        batched, single = group_fresh_spans(spans, dev)
         layout = _StepLayout(
             n_decode=n_decode,
             decode_rows=None if decode_rows == list(range(n_decode)) else torch.tensor(decode_rows, device=dev),
-            decode_lens=torch.tensor(decode_lens, device=dev), decode_max=max(decode_lens, default=0),
+            decode_lens=lens_t, decode_max=decode_max,
             slots=torch.tensor(rows, device=dev), positions=positions, spans=spans, cache=self._cache,
+            decode_mask=mask, batched=batched, single=single,
         )
-        want_routing = any(s.req.sampling.return_routing for s in batch)
+        params = [s.req.sampling for s in batch]
+        want_routing = any(p.return_routing for p in params)
         _ctx.step, _ctx.want_routing = layout, want_routing
         self._router_outputs.clear()
         t0 = time.perf_counter()
@@ -398,9 +459,12 @@ class EmbeddedEngine:
             with torch.inference_mode():
                 hidden = self.model.model(
                     input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], use_cache=False,
+                    attention_mask=self._no_mask,
                 ).last_hidden_state[0]
+                if shared:  # followers take their leader's prompt keys/values (the leader's row is final now)
+                    self._cache.move([batch[lead].row for lead in shared.values()], [batch[f].row for f in shared],
+                                     max(len(batch[lead].tokens) for lead in shared.values()))
                 logits = self._lm_head(hidden[torch.tensor(last, device=dev)])
-                params = [s.req.sampling for s in batch]
                 logp = process_logits(logits, params)
                 seeds = torch.tensor([[s.seed, len(s.tokens) - s.prompt_len] for s in batch], device=dev)
                 tokens = sample(logp, seeds[:, 0], seeds[:, 1])
@@ -417,18 +481,18 @@ class EmbeddedEngine:
         self.stats["tokens_generated"] += len(batch)
 
         finished = []
+        version = self._version
         for i, s in enumerate(batch):
-            fed_from = last[i - 1] + 1 if i else 0  # this sequence's packed tokens: fed_from .. last[i]
             s.computed = len(s.tokens)
             tok = tokens_l[i]
             s.tokens.append(tok)
             s.logprobs.append(chosen[i])
-            s.versions.append(self._version)
-            if masks is not None and s.req.sampling.return_sampling_mask:
+            s.versions.append(version)
+            p = params[i]
+            if masks is not None and p.return_sampling_mask:
                 s.masks.append(masks[i])
-            if routes is not None and s.req.sampling.return_routing:
-                s.routing.extend(routes[fed_from : last[i] + 1])  # one route per fed position
-            p = s.req.sampling
+            if routes is not None and p.return_routing:
+                s.routing.extend(routes[fed[i][0] : fed[i][1]])  # one route per fed position
             if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
                 finished.append((s, "stop"))
             elif s.stop_window and stop_string_ended(
@@ -468,19 +532,31 @@ class EmbeddedEngine:
         )
 
     def _finish(self, seq: _Seq, reason: str) -> None:
-        self._results.append(self._result(seq, reason))
-        self.stats["finished"] += 1
-        if seq in self._running:
-            self._remove(seq)
+        self._finish_many([(seq, reason)])
 
-    def _remove(self, seq: _Seq) -> None:
-        i = self._running.index(seq)
-        last = self._running.pop()
-        if last is not seq:  # keep live rows contiguous: the last sequence takes the freed row
-            self._cache.move(last.row, seq.row)
-            last.row = seq.row
-            self._running[i] = last
-        seq.row = -1
+    def _finish_many(self, done: list[tuple[_Seq, str]]) -> None:
+        for seq, reason in done:
+            self._results.append(self._result(seq, reason))
+        self.stats["finished"] += len(done)
+        self._remove([seq for seq, _ in done if seq.row >= 0])
+
+    def _remove(self, seqs: list[_Seq]) -> None:
+        """Take `seqs` out of the running rows, keeping the live rows contiguous: survivors above the new
+        count move down into the freed rows below it, with one cache copy for all of them."""
+        if not seqs:
+            return
+        gone = set(map(id, seqs))
+        n = len(self._running) - len(seqs)
+        holes = sorted(s.row for s in seqs if s.row < n)
+        movers = [s for s in self._running[n:] if id(s) not in gone]
+        if movers:
+            self._cache.move([s.row for s in movers], holes, max(s.computed for s in movers))
+            for s, row in zip(movers, holes, strict=True):
+                s.row = row
+                self._running[row] = s
+        del self._running[n:]
+        for s in seqs:
+            s.row = -1
 
     def _finish_all(self, reason: str) -> None:
         for seq in [*self._running, *self._waiting]:
@@ -491,8 +567,7 @@ class EmbeddedEngine:
 
     def _apply_aborts(self) -> None:
         ids, self._aborts = self._aborts, set()
-        for seq in [s for s in self._running if s.req.request_id in ids]:
-            self._finish(seq, "abort")
+        self._finish_many([(s, "abort") for s in self._running if s.req.request_id in ids])
         kept = collections.deque()
         for seq in self._waiting:
             if seq.req.request_id in ids:
@@ -533,10 +608,11 @@ class EmbeddedEngine:
         mode = self.partial_mode
         if mode == "continue":
             return
-        for seq in list(self._running):
-            if mode == "drop":
-                self._finish(seq, "abort")
-            elif mode == "recompute":
+        if mode == "drop":
+            self._finish_many([(seq, "abort") for seq in self._running])
+            return
+        for seq in self._running:
+            if mode == "recompute":
                 seq.computed = 0
                 seq.routing.clear()
             elif mode == "retry":
