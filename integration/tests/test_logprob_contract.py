@@ -109,3 +109,22 @@ def test_a_greedy_trajectory_is_refused_by_name(sampled):
     greedy = [Sample(**{**s.__dict__, "sampling": SamplingParams(temperature=0.0)}) for s in samples[:4]]
     with pytest.raises(ValueError, match=r"trajectory g0:0 was sampled greedily"):
         trainer.step(greedy)
+
+
+def test_tokens_outside_the_learners_support_leave_the_loss_counted_never_as_inf(sampled):
+    """The current policy's top-k/top-p support can exclude a token the sampler kept (its weights moved,
+    or the cut fell the other way by the last bits): that token has no ratio under it. It is masked out
+    and counted, and nothing becomes inf or NaN."""
+    import math
+
+    from tidal.core.config import PluginRef
+    from tidal.integration.learner.trainer import TrainConfig, Trainer
+
+    model, samples = sampled
+    be = SingleBackend(str(model), BackendConfig())
+    trainer = Trainer(be, TrainConfig(loss=PluginRef(name="ppo")))
+    narrow = [Sample(**{**s.__dict__, "sampling": SamplingParams(temperature=0.7, top_k=1), "kept": None})
+              for s in samples[:8]]
+    m = trainer.step(narrow)
+    assert 0.2 < m["staleness/outside_support"] < 1.0, m["staleness/outside_support"]
+    assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}

@@ -230,11 +230,20 @@ class Trainer:
                 def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
                     return torch.from_numpy(np.concatenate(arrays)).to(dev)
 
+                behaviour = flat([s.logprobs for s in ss])
+                trained = flat([s.loss_mask for s in ss]).bool()
+                # a token outside the current policy's top-k/top-p support has probability 0 under it: no
+                # ratio, no gradient. It leaves the loss, counted (record sampling masks to keep them all)
+                outside = ~torch.isfinite(lp.detach())
+                if bool(outside.any()):
+                    lp = torch.where(outside, behaviour, lp)
+                    trained = trained & ~outside
+                    sums["staleness/outside_support"] += float(outside.sum()) / max(g_tokens, 1) * world
                 inputs = dict(
                     logprobs=micro.padded(lp),
-                    behaviour_logprobs=micro.padded(flat([s.logprobs for s in ss])),
+                    behaviour_logprobs=micro.padded(behaviour),
                     advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
-                    mask=micro.padded(flat([s.loss_mask for s in ss]), False).bool(),
+                    mask=micro.padded(trained, False).bool(),
                     entropy=micro.padded(ent.detach()) if ent is not None else None,
                 )
                 if self.reference is not None:
@@ -243,7 +252,11 @@ class Trainer:
                                                     use_cache=False, logits_to_keep=micro.pred,
                                                     **be.layout_kw(micro.layout)).logits
                         ref_lp, _ = token_logprobs(ref_logits, micro)
+                        # outside the reference's processed support: no KL term can be computed there
+                        ref_outside = ~torch.isfinite(ref_lp)
+                        ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
                     inputs["ref_logprobs"] = micro.padded(ref_lp)
+                    inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
                 if self.correction is not None:
                     from tidal.staleness.correction import CorrectionInputs
 
