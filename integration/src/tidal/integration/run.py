@@ -165,11 +165,10 @@ class _Stalled(Exception):
 def _in_recipe_terms(message: str, kind: str) -> str:
     """A role names fields of its own config (`train.loss.name`); the user wrote them in the recipe's
     section for that role (`learner.train.loss.name`)."""
-    section = {"learner": "learner", "buffer": "buffer", "rollout": "rollout"}.get(kind)
-    if not section:
+    if kind not in ("learner", "buffer", "rollout"):  # the recipe section of each role kind has its name
         return message
-    return re.sub(r"`([A-Za-z_][\w.\[\]]*)`", lambda m: m.group(0) if m.group(1).startswith(section + ".")
-                  else f"`{section}.{m.group(1)}`", message)
+    return re.sub(r"`([A-Za-z_][\w.\[\]]*)`", lambda m: m.group(0) if m.group(1).startswith(kind + ".")
+                  else f"`{kind}.{m.group(1)}`", message)
 
 
 def _last_errors(c: Controller, errors: dict[str, str], run_dir: Path) -> str:
@@ -202,11 +201,10 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                                 emit=sink)
     except Exception as e:
         sink.close()
-        (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode(
-            {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})))
+        _write_final(run_dir, {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})
         raise
     restarts = {r.name: 0 for r in roles}
-    handle_kind = {r.name: r.kind for r in roles}
+    kinds = {r.name: r.kind for r in roles}
     workers = [r.name for r in roles if r.kind == "rollout"]
     errors: dict[str, str] = {}  # role -> the message it left when it last exited with an error
     roles_dir = run_dir / "roles"
@@ -242,6 +240,9 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                 controller.start_eval(0)
                 eval0, rl_start = True, time.time()
                 progress = Progress(cfg.launch.stall_timeout_s)  # the stall clock starts with the roles up
+            elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
+                raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
+                            f"(see {run_dir / 'logs'})")
             progress.update(controller.learner_version, now)
             quiet = progress.stalled(now) if eval0 and not learner_done else 0.0
             if quiet:
@@ -249,15 +250,12 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                                f"launch.stall_timeout_s or 20x the median step); at version "
                                f"{controller.learner_version} of {cfg.budget.versions}. "
                                + _last_errors(controller, errors, run_dir))
-            elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
-                raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
-                            f"(see {run_dir / 'logs'})")
             for name, rc in handle.exited().items():
                 if name == "learner" and rc == 0:
                     learner_done, done_at = True, now
                     log.info("learner finished %d versions", controller.learner_version)
                     continue
-                message = _in_recipe_terms(role_error(roles_dir, name), handle_kind.get(name, ""))
+                message = _in_recipe_terms(role_error(roles_dir, name), kinds.get(name, ""))
                 if message:
                     errors[name] = message
                 if rc == EXIT_CONFIG:  # a refused configuration: a restart would refuse it again
@@ -324,12 +322,12 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
         final_buffer = _buffer_status(ep["serve"])
         codes.update(handle.stop(["buffer"], cfg.launch.shutdown_timeout_s))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
-        (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode({
+        _write_final(run_dir, {
             "status": status, "versions": controller.learner_version, "budget_versions": cfg.budget.versions,
             "time_budget_reached": time_budget_hit, "final_eval": final_eval,
             "errors": {**controller.last_error, **errors},
             "restarts": {k: v for k, v in restarts.items() if v},
-            "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})))
+            "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})
         sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))
         controller.close()
         sink.close()
@@ -340,6 +338,11 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
     return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
                      wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s, rl_start=rl_start or 0.0)
+
+
+def _write_final(run_dir: Path, final: dict) -> None:
+    """`final.json`: how the run ended (status first), what it reached, each role's last error."""
+    (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode(final)))
 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:

@@ -115,13 +115,12 @@ class Trainer:
         if not layers or micro.pred is None or all(r is None for r in recorded):
             return None
         k = next(r.shape[2] for r in recorded if r is not None)
-        flat = [torch.from_numpy(np.asarray(r, np.int64)) if r is not None and r.shape[1:] == (layers, k)
-                else torch.full((len(samples[i].completion), layers, k), -1, dtype=torch.long)
-                for i, r in zip(micro.index, recorded, strict=True)]
-        if any(r is not None and r.shape[1:] != (layers, k) for r in recorded):
-            raise ValueError(f"a trajectory's routing has shape {next(r.shape for r in recorded if r is not None and r.shape[1:] != (layers, k))}"
-                             f" but the learner's model has {layers} MoE layers of top-{k}: sampler and learner "
-                             f"run different models")
+        bad = next((r.shape for r in recorded if r is not None and r.shape[1:] != (layers, k)), None)
+        if bad is not None:
+            raise ValueError(f"a trajectory's routing has shape {bad} but the learner's model has {layers} MoE "
+                             f"layers of top-{k}: sampler and learner run different models")
+        flat = [torch.full((len(samples[i].completion), layers, k), -1, dtype=torch.long) if r is None
+                else torch.from_numpy(np.asarray(r, np.int64)) for i, r in zip(micro.index, recorded, strict=True)]
         routes = torch.full((micro.tokens, layers, k), -1, dtype=torch.long)
         routes[micro.pred.cpu()] = torch.cat(flat)
         return routes.to(self.backend.device)
@@ -186,7 +185,6 @@ class Trainer:
         return Micro(row, torch.arange(2, device=self.backend.device)[None], [], [])
 
     def step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        from tidal.algos.types import LossInputs
         from tidal.integration.learner.data import pack
 
         be = self.backend
@@ -217,91 +215,8 @@ class Trainer:
             with ExitStack() as replaying:
                 if routes is not None and self.routing_replay:  # every token to its sampler's experts
                     replaying.enter_context(replay_routing(be._module(), routes))
-                if self.critic:
-                    logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
-                else:  # logits only where they predict a completion token (the lm_head skips the prompts)
-                    logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
-                lp, ent = token_logprobs(logits, micro, with_entropy=True)
-                if routes is not None:
-                    self._routing_metrics(routes, micro, sums, len(micros))
-                ss = [samples[i] for i in micro.index]
-                dev = logits.device
-
-                def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
-                    return torch.from_numpy(np.concatenate(arrays)).to(dev)
-
-                behaviour = flat([s.logprobs for s in ss])
-                trained = flat([s.loss_mask for s in ss]).bool()
-                # a token outside the current policy's top-k/top-p support has probability 0 under it: no
-                # ratio, no gradient. It leaves the loss, counted (record sampling masks to keep them all)
-                outside = ~torch.isfinite(lp.detach())
-                if bool(outside.any()):
-                    lp = torch.where(outside, behaviour, lp)
-                    trained = trained & ~outside
-                    sums["staleness/outside_support"] += float(outside.sum()) / max(g_tokens, 1) * world
-                inputs = dict(
-                    logprobs=micro.padded(lp),
-                    behaviour_logprobs=micro.padded(behaviour),
-                    advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
-                    mask=micro.padded(trained, False).bool(),
-                    entropy=micro.padded(ent.detach()) if ent is not None else None,
-                )
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
-                                                    use_cache=False, logits_to_keep=micro.pred,
-                                                    **be.layout_kw(micro.layout)).logits
-                        ref_lp, _ = token_logprobs(ref_logits, micro)
-                        # outside the reference's processed support: no KL term can be computed there
-                        ref_outside = ~torch.isfinite(ref_lp)
-                        ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
-                    inputs["ref_logprobs"] = micro.padded(ref_lp)
-                    inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
-                if self.correction is not None:
-                    from tidal.staleness.correction import CorrectionInputs
-
-                    proximal = None
-                    if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
-                        # one optimizer step per batch: the proximal policy is these parameters before the
-                        # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
-                        proximal = inputs["logprobs"].detach()
-                        inputs["old_logprobs"] = proximal
-                    corr = self.correction(CorrectionInputs(
-                        learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-                        mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
-                    inputs["is_weights"] = corr.weights
-                    inputs["mask"] = inputs["mask"] & corr.mask
-                    for name, v in corr.metrics.items():
-                        sums[f"staleness/{name}"] += float(v) / len(micros)
-                out = self.loss_fn(LossInputs(**inputs))
-                loss = out.loss
-                if self.critic:
-                    assert values is not None and returns is not None and old_values is not None
-                    vin = LossInputs(
-                        logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
-                        advantages=inputs["advantages"], mask=inputs["mask"],
-                        values=micro.padded(values[0, micro.pred]),
-                        old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
-                        returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
-                    vout = self._value_loss(vin)
-                    loss = loss + self.cfg.value_coef * vout.loss
-                    out.metrics["loss/value"] = vout.loss.detach()
-                # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
-                log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
-                k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
-                sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
-                if "ref_logprobs" in inputs:
-                    kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
-                    sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
-                m_tokens = float(inputs["mask"].sum())
-                m_seqs = float(inputs["mask"].any(-1).sum())
-                share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
-                # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
-                be.backward(loss * share * world, last=k == n_micro - 1)
-                sums["loss/total"] += float(loss.detach()) * share * world
-                for name, v in out.metrics.items():
-                    sums[name] += float(v) * share * world
-                sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
+                self._forward_backward(micro, routes, samples, adv, returns, old_values, sums, g_tokens=g_tokens,
+                                       g_seqs=g_seqs, world=world, n_micros=len(micros), last=k == n_micro - 1)
         metrics = {k: v / world for k, v in self._global_dict(sums).items()}
         if self.before_update is not None:
             self.before_update()
@@ -310,6 +225,100 @@ class Trainer:
         metrics["train/sequences"] = g_seqs
         metrics["train/micro_batches"] = float(n_micro)
         return metrics
+
+    def _forward_backward(self, micro: Any, routes: torch.Tensor | None, samples: Sequence[Sample], adv: list,
+                          returns: list | None, old_values: list | None, sums: dict[str, float], *, g_tokens: float,
+                          g_seqs: float, world: int, n_micros: int, last: bool) -> None:
+        """One micro-batch: forward, logprobs as sampled, corrections, loss, backward (its gradient scaled
+        to its share of the whole step's batch); its metrics are added to `sums`."""
+        from tidal.algos.types import LossInputs
+
+        be = self.backend
+        if self.critic:
+            logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
+        else:  # logits only where they predict a completion token (the lm_head skips the prompts)
+            logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
+        lp, ent = token_logprobs(logits, micro, with_entropy=True)
+        if routes is not None:
+            self._routing_metrics(routes, micro, sums, n_micros)
+        ss = [samples[i] for i in micro.index]
+        dev = logits.device
+
+        def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(arrays)).to(dev)
+
+        behaviour = flat([s.logprobs for s in ss])
+        trained = flat([s.loss_mask for s in ss]).bool()
+        # a token outside the current policy's top-k/top-p support has probability 0 under it: no
+        # ratio, no gradient. It leaves the loss, counted (record sampling masks to keep them all)
+        outside = ~torch.isfinite(lp.detach())
+        if bool(outside.any()):
+            lp = torch.where(outside, behaviour, lp)
+            trained = trained & ~outside
+            sums["staleness/outside_support"] += float(outside.sum()) / max(g_tokens, 1) * world
+        inputs = dict(
+            logprobs=micro.padded(lp),
+            behaviour_logprobs=micro.padded(behaviour),
+            advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
+            mask=micro.padded(trained, False).bool(),
+            entropy=micro.padded(ent.detach()) if ent is not None else None,
+        )
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
+                                            use_cache=False, logits_to_keep=micro.pred,
+                                            **be.layout_kw(micro.layout)).logits
+                ref_lp, _ = token_logprobs(ref_logits, micro)
+                # outside the reference's processed support: no KL term can be computed there
+                ref_outside = ~torch.isfinite(ref_lp)
+                ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
+            inputs["ref_logprobs"] = micro.padded(ref_lp)
+            inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
+        if self.correction is not None:
+            from tidal.staleness.correction import CorrectionInputs
+
+            proximal = None
+            if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
+                # one optimizer step per batch: the proximal policy is these parameters before the
+                # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
+                proximal = inputs["logprobs"].detach()
+                inputs["old_logprobs"] = proximal
+            corr = self.correction(CorrectionInputs(
+                learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
+                mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
+            inputs["is_weights"] = corr.weights
+            inputs["mask"] = inputs["mask"] & corr.mask
+            for name, v in corr.metrics.items():
+                sums[f"staleness/{name}"] += float(v) / n_micros
+        out = self.loss_fn(LossInputs(**inputs))
+        loss = out.loss
+        if self.critic:
+            assert values is not None and returns is not None and old_values is not None
+            vin = LossInputs(
+                logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
+                advantages=inputs["advantages"], mask=inputs["mask"],
+                values=micro.padded(values[0, micro.pred]),
+                old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
+                returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
+            vout = self._value_loss(vin)
+            loss = loss + self.cfg.value_coef * vout.loss
+            out.metrics["loss/value"] = vout.loss.detach()
+        # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
+        log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
+        k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
+        sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
+        if "ref_logprobs" in inputs:
+            kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
+            sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
+        m_tokens = float(inputs["mask"].sum())
+        m_seqs = float(inputs["mask"].any(-1).sum())
+        share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
+        # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
+        be.backward(loss * share * world, last=last)
+        sums["loss/total"] += float(loss.detach()) * share * world
+        for name, v in out.metrics.items():
+            sums[name] += float(v) * share * world
+        sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
 
     def _global_dict(self, values: dict[str, float]) -> dict[str, float]:
         """Sum metric dicts over ranks; a rank with no data this step contributes no keys (so the key
