@@ -37,6 +37,7 @@ from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.store import PREAMBLE, Group, Store, body_of, encode_trajectory, num_tokens
+from tidal.buffer.validate import validate, validate_group
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
 from tidal.core.codec import Codec
@@ -71,39 +72,6 @@ class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False
 
 
 _raw_group = msgspec.msgpack.Decoder(_RawGroup)
-
-
-def validate(t: Trajectory) -> str | None:
-    """Why a decoded trajectory cannot be trained on, or None."""
-    n = t.completion_ids.shape[0] if len(t.completion_ids.shape) == 1 else -1
-    if n < 0 or len(t.prompt_ids.shape) != 1:
-        return "prompt_ids and completion_ids must be 1-D"
-    for name in ("logprobs", "versions"):
-        a = getattr(t, name)
-        if a.shape != (n,):
-            return f"{name} has shape {a.shape}, completion_ids has ({n},)"
-    if t.loss_mask is not None and t.loss_mask.shape != (n,):
-        return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
-    if not t.id or not t.group_id:
-        return "id and group_id must be non-empty"
-    return None
-
-
-def validate_group(g: TrajectoryGroup) -> str | None:
-    """Why a decoded group cannot be admitted (as a whole), or None."""
-    if not g.trajectories:
-        return "it has no trajectories"
-    seen = set()
-    for i, t in enumerate(g.trajectories):
-        if t.group_id != g.id:
-            return f"trajectories[{i}] ({t.id}) has group_id {t.group_id!r}, not the group's id {g.id!r}"
-        if t.id in seen:
-            return f"trajectories[{i}] repeats the id {t.id!r}"
-        seen.add(t.id)
-        why = validate(t)
-        if why is not None:
-            return f"trajectories[{i}] ({t.id}): {why}"
-    return None
 
 
 class BufferService:
