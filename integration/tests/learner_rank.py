@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tidal.core.config import PluginRef
-from tidal.integration.learner.backends import BACKENDS, BackendConfig, OptimConfig
+from tidal.core.plugins import registry
+from tidal.integration.learner.backends import BackendConfig, OptimConfig
 from tidal.integration.learner.checkpoint import load_checkpoint, save_checkpoint
 from tidal.integration.learner.data import Sample
 from tidal.integration.learner.trainer import TrainConfig, Trainer
@@ -53,9 +54,9 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = BackendConfig(optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10))
     if args.backend.startswith("deepspeed"):  # deepspeed2 / deepspeed3: the ZeRO stage
-        be = BACKENDS["deepspeed"](args.model, cfg, zero_stage=int(args.backend[-1]))
+        be = registry.create("train_backend", "deepspeed", args.model, cfg, zero_stage=int(args.backend[-1]))
     else:
-        be = BACKENDS[args.backend](args.model, cfg)
+        be = registry.create("train_backend", args.backend, args.model, cfg)
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
                                       correction=PluginRef(name=args.correction) if args.correction else None))
     step = args.start

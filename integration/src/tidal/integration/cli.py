@@ -20,6 +20,20 @@ def _versions() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _options_line(kind: str, name: str) -> str:
+    """What the recipe's `options = {...}` of this plugin takes (a weight transport: its sender's and
+    receiver's)."""
+    from tidal.core.plugin_options import options_text
+
+    try:
+        if kind == "weight_transport":
+            t = registry.create(kind, name)
+            return f"sender options: {options_text(t.sender_options())}\n      receiver options: {options_text(t.receiver_options())}"
+        return f"options: {options_text(registry.options(kind, name))}"
+    except Exception as e:  # its module does not import here: say so, keep listing
+        return f"options: cannot be read here ({type(e).__name__}: {e})"
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     table = registry.table()
     kinds = [args.kind] if args.kind else list(KINDS)
@@ -33,6 +47,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print("  (none installed)")
         for name, provider in entries.items():
             print(f"  {name:<24} from {provider}")
+            print(f"      {_options_line(kind, name)}")
     for name, error in registry.failed.items():
         print(f"plugin {name} failed to load: {error}", file=sys.stderr)
     return 0

@@ -6,32 +6,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.core.plugins import hookimpl
+from tidal.core.plugins import declare, hookimpl
 
 
 def _backend(name: str):
     def make(model: Any, cfg: Any = None, device: str = "cpu", **options: Any) -> Any:
-        from tidal.integration.learner.backends import BACKENDS, BackendConfig
+        from tidal.integration.learner import backends
 
-        return BACKENDS[name](model, cfg or BackendConfig(), device, **options)
+        return getattr(backends, _BACKEND_CLASSES[name])(model, cfg or backends.BackendConfig(), device, **options)
 
     make.__doc__ = f"The {name} train backend (tidal.integration.learner.backends)."
-    return make
+    return declare(make, signature=f"tidal.integration.learner.backends:{_BACKEND_CLASSES[name]}")
+
+
+# the one list of train backends: name -> class in tidal.integration.learner.backends
+_BACKEND_CLASSES = {"single": "SingleBackend", "fsdp2": "FSDP2Backend", "deepspeed": "DeepSpeedBackend"}
 
 
 @hookimpl
 def tidal_train_backends() -> dict[str, Any]:
-    return {"single": _backend("single"), "fsdp2": _backend("fsdp2"), "deepspeed": _backend("deepspeed")}
+    return {name: _backend(name) for name in _BACKEND_CLASSES}
 
 
 @hookimpl
 def tidal_launchers() -> dict[str, Any]:
+    @declare(signature="tidal.integration.launch:LocalLauncher")
     def local(**options: Any) -> Any:
         """Every role a local process of the driver (tidal.integration.launch)."""
         from tidal.integration.launch import LocalLauncher
 
         return LocalLauncher(**options)
 
+    @declare(signature="tidal.integration.launch:RayLauncher")
     def ray(**options: Any) -> Any:
         """Roles as Ray actors on a Ray cluster (tidal.integration.launch; needs tidal[ray])."""
         from tidal.integration.launch import RayLauncher
@@ -43,6 +49,7 @@ def tidal_launchers() -> dict[str, Any]:
 
 @hookimpl
 def tidal_engines() -> dict[str, Any]:
+    @declare(signature="tidal.integration.sim:SimulatedEngine")
     def simulated(model: Any = None, **options: Any) -> Any:
         """Sleep-based continuous-batching engine for pipeline benchmarks (tidal.integration.sim)."""
         from tidal.integration.sim import SimulatedEngine

@@ -173,13 +173,41 @@ def check(cfg: RunConfig) -> None:
     if cfg.learner.weights.every < 1:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
+    check_plugins(cfg)
+
+
+def check_plugins(cfg: RunConfig) -> None:
+    """Every plugin the recipe names exists and its options fit the options it declares
+    (`tidal.core.plugin_options`): checked in the driver, before any role starts, so that a misspelt
+    name or option is a `ConfigError` naming its field, not a role that dies minutes in."""
+    from tidal.core.plugin_options import fit
     from tidal.core.plugins import registry
 
-    for d in cfg.domains:
-        registry.get("env", d.env)  # PluginNotFound lists the names that exist
+    for i, d in enumerate(cfg.domains):
+        registry.check("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
         if d.reward is not None:
-            registry.get("reward", d.reward.name)
-    registry.get("launcher", cfg.launcher.name)
+            registry.check("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
+    t = cfg.learner.train
+    refs: list[tuple[str, PluginRef | None, str]] = [
+        ("launcher", cfg.launcher, "launcher"), ("engine", cfg.rollout.engine, "rollout.engine"),
+        ("policy_loss", t.loss, "learner.train.loss"), ("advantage_estimator", t.advantage, "learner.train.advantage"),
+        ("staleness_policy", t.correction, "learner.train.correction"),
+        ("staleness_policy", cfg.buffer.admission, "buffer.admission"),
+        *(("group_filter", f, f"buffer.filters[{i}]") for i, f in enumerate(cfg.buffer.filters)),
+    ]
+    for kind, ref, field in refs:
+        if ref is not None:
+            registry.check(kind, ref.name, ref.options, field=field)
+    registry.check("train_backend", cfg.learner.backend, {}, field="learner", name_key="backend")
+    w = cfg.learner.weights
+    registry.check("weight_transport", w.transport, {}, field="learner.weights", name_key="transport")
+    transport = registry.create("weight_transport", w.transport)
+    fit(w.options, transport.sender_options(), field="learner.weights.options",
+        what=f"weight transport {w.transport!r} (its sender)")
+    for name, options in cfg.rollout.weight_transport.items():
+        registry.check("weight_transport", name, {}, field="rollout.weight_transport", name_key=name)
+        fit(options, registry.create("weight_transport", name).receiver_options(),
+            field=f"rollout.weight_transport.{name}", what=f"weight transport {name!r} (its receiver)")
 
 
 def set_by_the_run(cfg: RunConfig):

@@ -330,5 +330,3 @@ class DeepSpeedBackend(_Backend):
     def load_native(self, path: str) -> None:
         self.engine.load_checkpoint(path, tag="latest")
 
-
-BACKENDS = {"single": SingleBackend, "fsdp2": FSDP2Backend, "deepspeed": DeepSpeedBackend}

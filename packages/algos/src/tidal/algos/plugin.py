@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from tidal.core.plugins import hookimpl
+from tidal.core.plugins import declare, hookimpl
 
 
 def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
@@ -26,20 +26,27 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
         return functools.partial(fn, **options)
 
     make.__doc__ = f"Build tidal.algos.losses.{name} with fixed options."
-    return make
+    return declare(make, signature=f"tidal.algos.losses:{name}", skip=("inputs",))
 
 
-def _estimator_factory(kind: str) -> Callable[..., Any]:
+# estimator name -> (class in tidal.algos.estimators, whether the class takes the name as its `kind`)
+ESTIMATORS: dict[str, tuple[str, bool]] = {
+    "grpo": ("GroupEstimator", True), "dr_grpo": ("GroupEstimator", True), "rloo": ("GroupEstimator", True),
+    "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
+}
+
+
+def _estimator_factory(name: str) -> Callable[..., Any]:
+    cls_name, takes_kind = ESTIMATORS[name]
+
     def make(**options: Any) -> Any:
         from tidal.algos import estimators
 
-        if kind in ("grpo", "dr_grpo", "rloo", "opo"):
-            return estimators.GroupEstimator(kind, **options)
-        if kind == "reinforce_pp":
-            return estimators.ReinforcePPEstimator(**options)
-        return estimators.GAEEstimator(**options)
+        cls = getattr(estimators, cls_name)
+        return cls(name, **options) if takes_kind else cls(**options)
 
-    return make
+    make.__doc__ = f"tidal.algos.estimators.{cls_name}" + (f"({name!r})" if takes_kind else "")
+    return declare(make, signature=f"tidal.algos.estimators:{cls_name}", skip=("kind",))
 
 
 @hookimpl
@@ -56,7 +63,7 @@ def tidal_policy_losses() -> dict[str, Callable[..., Any]]:
 
 @hookimpl
 def tidal_advantage_estimators() -> dict[str, Callable[..., Any]]:
-    return {k: _estimator_factory(k) for k in ("grpo", "dr_grpo", "rloo", "opo", "reinforce_pp", "gae")}
+    return {k: _estimator_factory(k) for k in ESTIMATORS}
 
 
 @hookimpl

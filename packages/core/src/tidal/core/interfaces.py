@@ -196,6 +196,14 @@ class WeightTransport(Protocol):
 
     def receiver(self, config: Mapping[str, Any]) -> WeightReceiver: ...
 
+    def sender_options(self) -> type:
+        """The msgspec Struct that `sender(config)`'s config must fit (checked before a run starts)."""
+        ...
+
+    def receiver_options(self) -> type:
+        """The msgspec Struct that `receiver(config)`'s config must fit."""
+        ...
+
 
 # --------------------------------------------------------------------------- training and launching
 

@@ -32,6 +32,7 @@ from typing import Any
 import pluggy
 
 from tidal.core.errors import ConfigError, PluginConflict, PluginNotFound
+from tidal.core.plugin_options import declare, fit, options_type
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +230,8 @@ class Registry:
         `ConfigError` that names the plugin and the field (``train.loss.name``, ``train.loss.options``)
         and what exists (the registered names; the options it does take), not a bare error from inside."""
         at = f"{field}." if field else ""
-        try:
-            factory = self.get(kind, name)
-        except PluginNotFound as e:
-            raise ConfigError(f"`{at}{name_key}`: {e}", field=f"{at}{name_key}") from e
+        factory = self._get_for(kind, name, at, name_key)
+        options = self._checked(kind, name, factory, options, at)
         try:
             return factory(*args, **options)
         except TypeError as e:
@@ -246,6 +245,31 @@ class Registry:
         except ValueError as e:  # the factory's own check of a value: building it again would fail again
             raise ConfigError(f"{kind} {name!r} refused the options at `{at}options` {dict(options)}: {e}",
                               field=f"{at}options") from e
+
+    def check(self, kind: str, name: str, options: Mapping[str, Any], *, field: str = "",
+              name_key: str = "name") -> dict[str, Any]:
+        """What `build` checks before it calls the factory, without building: the name is registered and
+        the options fit the plugin's options Struct (`tidal.core.plugin_options`). Returns the options as
+        the factory will get them; raises a `ConfigError` naming the field path, the plugin and the
+        valid names or fields. The driver runs this over a whole recipe before it starts a process."""
+        at = f"{field}." if field else ""
+        return self._checked(kind, name, self._get_for(kind, name, at, name_key), options, at)
+
+    def options(self, kind: str, name: str) -> type | None:
+        """The options Struct of plugin `name` of `kind`; None when it declares none (unchecked)."""
+        return options_type(kind, name, self.get(kind, name))
+
+    def _get_for(self, kind: str, name: str, at: str, name_key: str) -> Factory:
+        try:
+            return self.get(kind, name)
+        except PluginNotFound as e:
+            raise ConfigError(f"`{at}{name_key}`: {e}", field=f"{at}{name_key}") from e
+
+    def _checked(self, kind: str, name: str, factory: Factory, options: Mapping[str, Any], at: str) -> dict[str, Any]:
+        typ = options_type(kind, name, factory)
+        if typ is None:
+            return dict(options)
+        return fit(options, typ, field=f"{at}options", what=f"{kind} {name!r}")
 
     def table(self) -> dict[str, dict[str, str]]:
         """kind -> name -> providing plugin, for listings such as `tidal plugins`."""
@@ -287,4 +311,4 @@ def get(kind: str, name: str) -> Factory:
     return registry.get(kind, name)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "KINDS", "Registry", "TidalSpecs", "get", "hookimpl", "hookspec", "registry"]
+__all__ = ["ENTRY_POINT_GROUP", "KINDS", "Registry", "TidalSpecs", "declare", "get", "hookimpl", "hookspec", "registry"]

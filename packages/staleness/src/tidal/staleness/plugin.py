@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tidal.core.plugins import hookimpl
+from tidal.core.plugins import declare, hookimpl
+
+# name -> "module:class" whose constructor takes the options
+_CLASSES = {
+    "version_rejection": "rejection:VersionRejection", "depth_gate": "depth:DepthGate",
+    "tis": "correction:TokenTIS", "seq_tis": "correction:SequenceTIS", "masked_is": "correction:MaskedIS",
+    "off_policy_seq_mask": "correction:OffPolicySequenceMask", "decoupled_ppo": "correction:DecoupledPPO",
+}
 
 
 def _make(name: str) -> Callable[..., Any]:
@@ -24,10 +31,9 @@ def _make(name: str) -> Callable[..., Any]:
         return FACTORIES[name][0](**options)
 
     factory.__name__ = f"make_{name}"
-    return factory
+    return declare(factory, signature=f"tidal.staleness.{_CLASSES[name]}")
 
 
 @hookimpl
 def tidal_staleness_policies() -> dict[str, Callable[..., Any]]:
-    names = ["version_rejection", "depth_gate", "tis", "seq_tis", "masked_is", "off_policy_seq_mask", "decoupled_ppo"]
-    return {n: _make(n) for n in names}
+    return {n: _make(n) for n in _CLASSES}

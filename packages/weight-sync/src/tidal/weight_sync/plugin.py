@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tidal.core.plugins import hookimpl
+from tidal.core.plugin_options import NoOptions, signature_options
+from tidal.core.plugins import declare, hookimpl
 
 # name -> (module, sender class, receiver class): the one place that says which transports exist
 TRANSPORTS: dict[str, tuple[str, str, str]] = {
@@ -54,7 +55,20 @@ class _Transport:
 
         return WeightReceiver(self.name, **config)
 
+    def sender_options(self) -> type:
+        """The options `sender(config)` takes: `WeightSender`'s and its transport's (a msgspec Struct)."""
+        module, sender, _ = TRANSPORTS[self.name]
+        return signature_options(f"{self.name}_sender_options", "tidal.weight_sync.sender:WeightSender",
+                                 f"tidal.weight_sync.{module}:{sender}", skip=("transport",))
+
+    def receiver_options(self) -> type:
+        """The options `receiver(config)` takes: `WeightReceiver`'s and its transport's."""
+        module, _, receiver = TRANSPORTS[self.name]
+        return signature_options(f"{self.name}_receiver_options", "tidal.weight_sync.receiver:WeightReceiver",
+                                 f"tidal.weight_sync.{module}:{receiver}", skip=("transport",))
+
 
 @hookimpl
 def tidal_weight_transports() -> dict[str, Any]:
-    return {name: (lambda n=name: _Transport(n)) for name in TRANSPORTS}
+    # the factory takes no options; a transport's options are its sender's and receiver's (above)
+    return {name: declare(lambda n=name: _Transport(n), options=NoOptions) for name in TRANSPORTS}
