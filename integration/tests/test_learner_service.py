@@ -64,7 +64,8 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
             [sys.executable, str(HERE / "weights_receiver.py"), announce, str(model_path), str(tmp_path / "recv.jsonl"),
              json.dumps(prompt), json.dumps(good), str(STEPS)],
             stdout=open(tmp_path / "receiver.log", "w"), stderr=subprocess.STDOUT))
-        time.sleep(3)  # the receiver subscribes before the first version is announced
+        # no wait for the receiver to subscribe: one that joins late gets the latest version re-announced
+        # (weights.reannounce_s), and the learner's last version waits for it (weights.final_wait_s)
         learner = subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
              f'publish="{announce}"', f"max_steps={STEPS}", "backend_options.optim.lr=3e-3",

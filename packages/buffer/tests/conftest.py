@@ -175,9 +175,15 @@ class Learners:
             self.errors.append(e)
 
     def wait_for(self, n: int, timeout: float) -> None:
+        """Until the learners have trained `n` trajectories; a learner's error, or `timeout`, fails the test
+        (saying how far they got) instead of returning with less."""
         deadline = time.monotonic() + timeout
         while len(self.trained) < n and time.monotonic() < deadline and not self.errors:
             time.sleep(0.1)
+        if self.errors:
+            raise AssertionError(f"a learner failed after {len(self.trained)} trajectories: {self.errors[0]!r}")
+        if len(self.trained) < n:
+            raise AssertionError(f"learners trained {len(self.trained)} of {n} trajectories within {timeout:g} s")
 
     def stop(self) -> None:
         self._stop.set()

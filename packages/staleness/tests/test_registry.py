@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tidal.core.config import convert
-from tidal.core.interfaces import StalenessPolicy
+from tidal.core.interfaces import AdmissionPolicy, CorrectionPolicy
 from tidal.core.plugins import Registry
 from tidal.staleness.config import MaskedISConfig, VersionRejectionConfig
 from tidal.staleness.correction import FACTORIES, CorrectionInputs
@@ -15,10 +15,10 @@ from tidal.staleness.rejection import VersionRejection
 
 def test_all_policies_registered():
     reg = Registry()
-    assert set(reg.names("staleness_policy")) == {
-        "version_rejection", "depth_gate", "tis", "seq_tis", "masked_is", "off_policy_seq_mask", "decoupled_ppo",
-    }
-    assert isinstance(reg.create("staleness_policy", "version_rejection", max_lag=2), StalenessPolicy)
+    assert reg.names("admission") == ["version_rejection"]
+    assert set(reg.names("correction")) == {"tis", "seq_tis", "masked_is", "off_policy_seq_mask", "decoupled_ppo"}
+    assert isinstance(reg.create("admission", "version_rejection", max_lag=2), AdmissionPolicy)
+    assert all(isinstance(reg.create("correction", n), CorrectionPolicy) for n in reg.names("correction"))
 
 
 def test_policies_build_from_their_config_structs():

@@ -61,8 +61,8 @@ def test_lag_histogram_clips_into_the_last_bin():
 def test_rejection_and_gate_load_without_torch():
     code = (
         "import sys; from tidal.core.plugins import Registry; r = Registry();"
-        "p = r.create('staleness_policy', 'version_rejection', max_lag=1);"
-        "g = r.create('staleness_policy', 'depth_gate', max_staleness=1, batch_size=2);"
+        "p = r.create('admission', 'version_rejection', max_lag=1);"
+        "from tidal.staleness.depth import DepthGate; g = DepthGate(max_staleness=1, batch_size=2);"
         "assert p.admit([0, 1], 1).admit and g.capacity() == 4;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -30,6 +30,9 @@ from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, Prot
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
+    ACK_ASSIGNMENT,
+    TOPIC_METRICS,
+    TOPIC_WEIGHTS,
     Ack,
     Assignment,
     Control,
@@ -40,6 +43,8 @@ from tidal.core.protocol import (
     Trajectory,
     WeightsAvailable,
     WorkRequest,
+    eval_group_id,
+    group_id,
 )
 from tidal.integration.recipe import RunConfig
 from tidal.rollout.stops import split_stops
@@ -130,8 +135,8 @@ class Controller:
         self.tok = tokenizer
         self.emit = emit
         self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0)
-        self.learner_sub = sub(learner_pub, topics=["metrics", "weights"], linger=0)
-        self.buffer_sub = sub(buffer_pub, topics=["metrics"], linger=0)
+        self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0)
+        self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0)
         staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
         self.rng = random.Random(cfg.seed)
@@ -210,7 +215,7 @@ class Controller:
             if msg.version > w.version:
                 w.applied_at = msg.status.get("weights_applied_at", 0.0)
             w.version = msg.version
-        elif isinstance(msg, Ack) and msg.kind == "assignment":
+        elif isinstance(msg, Ack) and msg.kind == ACK_ASSIGNMENT:
             for gid in msg.ids:
                 a = w.outstanding.pop(gid, None)
                 if a is None:
@@ -323,7 +328,7 @@ class Controller:
             ids = self._encode(task.prompt, d)
             if ids is not None:
                 break
-        gid = f"{d.name}-{self.next_group:07d}"
+        gid = group_id(d.name, self.next_group)
         self.next_group += 1
         return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
                           answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata),
@@ -396,7 +401,7 @@ class Controller:
                 ids = self._encode(task.prompt, d)
                 if ids is None:
                     continue
-                gid = f"eval{version}-{d.name}-{i:04d}"
+                gid = eval_group_id(version, d.name, i)
                 expected[gid] = d.name
                 self._send_eval(Assignment(group_id=gid, prompt_ids=ids, num_samples=1, task=d.name,
                                            answer=task.answer, sampling=self.eval_sampling,

@@ -152,10 +152,19 @@ class _RoleHost:
         self.argv, self.log_path, self.env = argv, Path(log_path), env
         self.proc: subprocess.Popen | None = None
 
-    def node_ip(self) -> str:
+    def rendezvous(self) -> tuple[str, str]:
+        """(this node's address, a port free on it) for torch.distributed's store, which rank 0 (this actor's
+        process) binds right after. Picked on the node that binds it, not on the driver's; unlike the
+        run's loopback endpoints (tidal.core.net) it is not held until then: a process on this node that
+        binds a port in that instant can still take it, and the ranks then fail to start (a restart
+        picks again)."""
+        import socket
+
         import ray
 
-        return ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), str(s.getsockname()[1])
 
     def start(self, extra_env: dict[str, str] | None = None) -> int:
         self.proc = start_process([sys.executable, *self.argv], self.log_path, {**self.env, **(extra_env or {})})
@@ -201,8 +210,6 @@ class RayRun:
             self._start(r)
 
     def _start(self, role: Role) -> None:
-        from tidal.core.testing import free_port
-
         self.starts[role.name] = self.starts.get(role.name, 0) + 1
         opts = {"num_cpus": 0.5, **self.resources.get(role.kind, {})}
         host_cls = self.ray.remote(_RoleHost)
@@ -211,8 +218,7 @@ class RayRun:
             log_path = self.run_dir / "logs" / (f"{role.name}.log" if role.nproc == 1 else f"{role.name}-{rank}.log")
             hosts.append(host_cls.options(**opts).remote(role.argv(), str(log_path), role.env))
         if role.nproc > 1:
-            master = self.ray.get(hosts[0].node_ip.remote())
-            port = str(free_port())  # on the driver's node: a local head in practice; see the note in run.py
+            master, port = self.ray.get(hosts[0].rendezvous.remote())  # picked on rank 0's own node
             pids = [h.start.remote({"RANK": str(i), "WORLD_SIZE": str(role.nproc), "LOCAL_RANK": "0",
                                     "MASTER_ADDR": master, "MASTER_PORT": port}) for i, h in enumerate(hosts)]
         else:

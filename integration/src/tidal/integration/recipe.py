@@ -191,8 +191,7 @@ def check_plugins(cfg: RunConfig) -> None:
     refs: list[tuple[str, PluginRef | None, str]] = [
         ("launcher", cfg.launcher, "launcher"), ("engine", cfg.rollout.engine, "rollout.engine"),
         ("policy_loss", t.loss, "learner.train.loss"), ("advantage_estimator", t.advantage, "learner.train.advantage"),
-        ("staleness_policy", t.correction, "learner.train.correction"),
-        ("staleness_policy", cfg.buffer.admission, "buffer.admission"),
+        ("correction", t.correction, "learner.train.correction"), ("admission", cfg.buffer.admission, "buffer.admission"),
         *(("group_filter", f, f"buffer.filters[{i}]") for i, f in enumerate(cfg.buffer.filters)),
     ]
     for kind, ref, field in refs:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass
@@ -25,15 +24,14 @@ from pathlib import Path
 
 import msgspec
 
-from tidal.core.errors import PluginError
+from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
-from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
-from tidal.core.protocol import Metrics
-from tidal.core.testing import free_endpoint
+from tidal.core.process import ERROR_FILE_ENV
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
+from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.rollout.worker import DomainSpec
 
 log = logging.getLogger("tidal.run")
@@ -56,9 +54,13 @@ class RunResult:
         return self.samples / self.rl_s if self.rl_s > 0 else 0.0
 
 
-def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1) -> tuple[list[Role], dict[str, str]]:
-    """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles."""
-    ep = {k: free_endpoint() for k in ("controller", "ingest", "serve", "buffer_pub", "learner_pub")}
+def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReservation | None = None
+         ) -> tuple[list[Role], dict[str, str]]:
+    """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles.
+    The endpoints' ports are held by `ports` (tidal.core.net) until the run ends, so that no other
+    process takes one between this plan and the role that binds it (or binds it again after a restart)."""
+    ports = ports or PortReservation()
+    ep = {k: ports.endpoint() for k in ("controller", "ingest", "serve", "buffer_pub", "learner_pub")}
     roles_dir = run_dir / "roles"
     roles_dir.mkdir(parents=True, exist_ok=True)
     sync = cfg.mode == "sync"
@@ -111,84 +113,18 @@ def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: i
                 env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, ERROR_FILE_ENV: str(error_file(roles_dir, name))})
 
 
-def error_file(roles_dir: Path, name: str) -> Path:
-    """Where role `name` leaves the message of the error it exited on (tidal.core.process.role_main)."""
-    return roles_dir / f"{name}.error"
-
-
-def role_error(roles_dir: Path, name: str) -> str:
-    """The message role `name` left when it last failed, and forget it (a restart starts clean)."""
-    path = error_file(roles_dir, name)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        return ""
-    path.unlink(missing_ok=True)
-    return text
-
-
-class Progress:
-    """When the learner's version last moved, to end a run that cannot make progress: no new version
-    within max(`timeout`, 20 x the median interval between versions so far) is a stall."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.version = -1
-        self.at = time.monotonic()
-        self.intervals: list[float] = []
-
-    def update(self, version: int, now: float) -> None:
-        if version > self.version:
-            if self.version >= 0:
-                self.intervals.append((now - self.at) / (version - self.version))
-            self.version, self.at = version, now
-
-    def limit(self) -> float:
-        if not self.intervals:
-            return self.timeout
-        return max(self.timeout, 20 * sorted(self.intervals)[len(self.intervals) // 2])
-
-    def stalled(self, now: float) -> float:
-        """Seconds without progress when past the limit, else 0."""
-        quiet = now - self.at
-        return quiet if self.timeout > 0 and quiet > self.limit() else 0.0
-
-
-class _Stop(Exception):
-    pass
-
-
-class _Stalled(Exception):
-    pass
-
-
-def _in_recipe_terms(message: str, kind: str) -> str:
-    """A role names fields of its own config (`train.loss.name`); the user wrote them in the recipe's
-    section for that role (`learner.train.loss.name`)."""
-    if kind not in ("learner", "buffer", "rollout"):  # the recipe section of each role kind has its name
-        return message
-    return re.sub(r"`([A-Za-z_][\w.\[\]]*)`", lambda m: m.group(0) if m.group(1).startswith(kind + ".")
-                  else f"`{kind}.{m.group(1)}`", message)
-
-
-def _last_errors(c: Controller, errors: dict[str, str], run_dir: Path) -> str:
-    """The latest error each role reported (or left when it exited), for a stall or timeout message."""
-    found = {**c.last_error, **errors}
-    failed = ", ".join(f"{k} {v}" for k, v in sorted(c.failed_by_reason.items()))
-    parts = [f"{k}: {v}" for k, v in sorted(found.items())]
-    text = "Last errors: " + (" | ".join(parts) if parts else "none reported")
-    if failed:
-        text += f". Groups dropped by reason: {failed}"
-    return text + f". Role logs: {run_dir / 'logs'}"
-
-
 def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
+    with PortReservation() as ports:
+        return _run(cfg, run_dir, nproc_learner, ports)
+
+
+def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortReservation) -> RunResult:
     from tidal.rollout.tiny import load_tokenizer
 
     run_dir = Path(run_dir or default_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    roles, ep = plan(cfg, run_dir, nproc_learner)
+    roles, ep = plan(cfg, run_dir, nproc_learner, ports)
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
@@ -201,148 +137,32 @@ def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) 
                                 emit=sink)
     except Exception as e:
         sink.close()
-        _write_final(run_dir, {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})
+        write_final(run_dir, {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})
         raise
-    restarts = {r.name: 0 for r in roles}
-    kinds = {r.name: r.kind for r in roles}
-    workers = [r.name for r in roles if r.kind == "rollout"]
-    errors: dict[str, str] = {}  # role -> the message it left when it last exited with an error
-    roles_dir = run_dir / "roles"
+    sup = Supervisor(cfg, run_dir, {r.name: r.kind for r in roles}, controller, None, sink, display)
     for r in roles:
-        error_file(roles_dir, r.name).unlink(missing_ok=True)
-    status, t0 = "completed", time.monotonic()
-    progress = Progress(cfg.launch.stall_timeout_s)
-    time_budget_hit = False
-    final_eval = "not run"
-    interrupted = False
+        error_file(sup.roles_dir, r.name).unlink(missing_ok=True)
 
     def on_signal(sig, _frame):
-        nonlocal interrupted
-        interrupted = True
+        sup.interrupted = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log.info("run folder %s (%s mode, %d workers, launcher %s)", run_dir, cfg.mode, cfg.workers, cfg.launcher.name)
-    handle = launcher.launch(roles, run_dir)
-    learner_done = False
-    done_at: float | None = None
-    eval0 = False
-    rl_start: float | None = None
-    next_status = 0.0
     try:
-        while True:
-            if interrupted:
-                status = "interrupted"
-                log.warning("interrupted: stopping every role")
-                break
-            controller.step(0.05)
-            now = time.monotonic()
-            if not eval0 and controller.workers:  # the starting point, on the first worker to connect
-                controller.start_eval(0)
-                eval0, rl_start = True, time.time()
-                progress = Progress(cfg.launch.stall_timeout_s)  # the stall clock starts with the roles up
-            elif not eval0 and now - t0 > cfg.launch.start_timeout_s:
-                raise _Stop(f"no rollout worker connected within {cfg.launch.start_timeout_s:.0f} s "
-                            f"(see {run_dir / 'logs'})")
-            progress.update(controller.learner_version, now)
-            quiet = progress.stalled(now) if eval0 and not learner_done else 0.0
-            if quiet:
-                raise _Stalled(f"no new policy version for {quiet:.0f} s (limit {progress.limit():.0f} s: "
-                               f"launch.stall_timeout_s or 20x the median step); at version "
-                               f"{controller.learner_version} of {cfg.budget.versions}. "
-                               + _last_errors(controller, errors, run_dir))
-            for name, rc in handle.exited().items():
-                if name == "learner" and rc == 0:
-                    learner_done, done_at = True, now
-                    log.info("learner finished %d versions", controller.learner_version)
-                    continue
-                message = _in_recipe_terms(role_error(roles_dir, name), kinds.get(name, ""))
-                if message:
-                    errors[name] = message
-                if rc == EXIT_CONFIG:  # a refused configuration: a restart would refuse it again
-                    raise _Stop(f"{message or name + ' refused its configuration'} (see {run_dir / 'logs' / name}.log)")
-                if name == "learner" and cfg.learner.checkpoint_every == 0:
-                    raise _Stop(f"learner exited with code {rc} ({message or 'no error reported'}); with "
-                                f"learner.checkpoint_every = 0 there is no checkpoint to restart it from. See "
-                                f"{run_dir / 'logs' / name}.log")
-                restarts[name] += 1
-                if restarts[name] > cfg.launch.max_restarts:
-                    raise _Stop(f"{name} exited with code {rc} {restarts[name]} times; last error: "
-                                f"{message or '(none reported)'}; see {run_dir / 'logs' / name}.log")
-                log.warning("%s exited with code %d: restarting (%d of %d)%s", name, rc, restarts[name],
-                            cfg.launch.max_restarts, f": {message}" if message else "")
-                if name in workers:
-                    controller.worker_lost(name)
-                handle.restart(name)
-            for name in controller.stale_workers(cfg.launch.heartbeat_timeout_s):
-                if handle.running(name):
-                    log.warning("%s sent nothing for %.0f s: killing it", name, cfg.launch.heartbeat_timeout_s)
-                    handle.kill(name)
-                controller.worker_lost(name)
-            if now >= next_status:
-                next_status = now + 2.0
-                sink(Metrics(source="controller", step=controller.learner_version, time=time.time(),
-                             scalars=controller.status()))
-                display.update(controller.learner_version, _summary(controller, now - t0))
-            if cfg.budget.minutes and now - t0 > 60 * cfg.budget.minutes and not learner_done:
-                log.info("time budget of %.1f min reached: stopping the learner", cfg.budget.minutes)
-                handle.signal("learner", signal.SIGTERM)
-                cfg = msgspec.structs.replace(cfg, budget=msgspec.structs.replace(cfg.budget, minutes=0.0))
-                time_budget_hit = True
-            if learner_done:
-                final = controller.learner_version
-                if cfg.eval.every and final not in controller.evals and controller.max_worker_version() >= final:
-                    controller.start_eval(final)  # on the workers that already hold the last version
-                # the learner's last metrics may still be queued on our subscription: take them first
-                settled = controller.learner_metrics_version >= final or now - done_at > 5  # type: ignore[operator]
-                if settled and not controller.eval_pending() and (not cfg.eval.every or final in controller.evals):
-                    final_eval = "done" if cfg.eval.every else "off"
-                    break
-                if now - done_at > cfg.eval.final_timeout_s:  # type: ignore[operator]
-                    final_eval = f"timed out after {cfg.eval.final_timeout_s:g} s"
-                    log.warning("the evaluations still running did not finish within %.0f s (eval.final_timeout_s); "
-                                "stopping anyway. %s", cfg.eval.final_timeout_s, _last_errors(controller, errors, run_dir))
-                    break
-        if learner_done and controller.learner_version < cfg.budget.versions and not time_budget_hit:
-            status = (f"failed: the learner stopped at version {controller.learner_version} of "
-                      f"{cfg.budget.versions}; see {run_dir / 'logs' / 'learner'}.log")
-    except _Stalled as e:
-        status = f"stalled: {e}"
-        log.error("run stalled: %s", e)
-    except (_Stop, PluginError) as e:  # PluginError: a plugin made what the controller cannot send
-        status = f"failed: {e}"
-        log.error("%s", e)
-    except BaseException as e:  # a crash of the driver itself: final.json must not say "completed"
-        status = f"failed: {type(e).__name__}: {e}"
-        raise
+        sup.handle = launcher.launch(roles, run_dir)
+        sup.loop()
     finally:
-        display.update(controller.learner_version, _summary(controller, time.monotonic() - t0))
-        display.close()
-        controller.stop_workers("run over")
-        codes = handle.stop(["learner", *workers], cfg.launch.shutdown_timeout_s, only=True)
-        final_buffer = _buffer_status(ep["serve"])
-        codes.update(handle.stop(["buffer"], cfg.launch.shutdown_timeout_s))
-        log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
-        _write_final(run_dir, {
-            "status": status, "versions": controller.learner_version, "budget_versions": cfg.budget.versions,
-            "time_budget_reached": time_budget_hit, "final_eval": final_eval,
-            "errors": {**controller.last_error, **errors},
-            "restarts": {k: v for k, v in restarts.items() if v},
-            "eval": controller.eval_results, "controller": controller.status(), "buffer": final_buffer})
-        sink(Metrics(source="controller", step=controller.learner_version, time=time.time(), scalars=controller.status()))
+        if sup.handle is not None:
+            sup.finish(lambda: _buffer_status(ep["serve"]))
         controller.close()
         sink.close()
         for s, h in old.items():
             signal.signal(s, h)
     samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
-    rl_s = controller.learner_step_at - rl_start if rl_start is not None and controller.learner_step_at else 0.0
-    return RunResult(run_dir=run_dir, status=status, versions=controller.learner_version,
-                     eval=controller.eval_results, restarts={k: v for k, v in restarts.items() if v},
-                     wall_s=time.monotonic() - t0, samples=samples, rl_s=rl_s, rl_start=rl_start or 0.0)
-
-
-def _write_final(run_dir: Path, final: dict) -> None:
-    """`final.json`: how the run ended (status first), what it reached, each role's last error."""
-    (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode(final)))
+    rl_s = controller.learner_step_at - sup.rl_start if sup.rl_start is not None and controller.learner_step_at else 0.0
+    return RunResult(run_dir=run_dir, status=sup.status, versions=controller.learner_version,
+                     eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
+                     wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=sup.rl_start or 0.0)
 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:
@@ -358,22 +178,3 @@ def _buffer_status(endpoint: str) -> dict[str, float]:
         return {}
     finally:
         client.close()
-
-
-def _summary(c: Controller, elapsed: float) -> dict[str, str]:
-    learner = c.last.get("learner-0", {})
-    buffer = next((v for k, v in c.last.items() if k.startswith("buffer")), {})
-    workers = [v for k, v in c.last.items() if k.startswith("rollout")]
-    acc = f"{100 * c.eval_results[-1][1]:.1f}% @v{c.eval_results[-1][0]}" if c.eval_results else "-"
-    return {
-        "elapsed": f"{elapsed / 60:.1f} min",
-        "samples/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
-        "trained": f"{learner.get('train/samples_total', 0.0):.0f}",
-        "tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
-        "reward": f"{learner.get('reward/mean', float('nan')):.3f}",
-        "eval acc": acc,
-        "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
-        "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",
-        "workers": f"{len(c.live_workers())}",
-        "dropped": f"{sum(c.failed_by_reason.values())}",  # groups dropped by a worker (controller/groups_failed/*)
-    }

@@ -38,9 +38,9 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import Metrics
+from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
 from tidal.integration.learner.backends import BackendConfig
-from tidal.integration.learner.trainer import TrainConfig, needs_reference
+from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
 
 log = logging.getLogger("tidal.learner")
 
@@ -102,8 +102,8 @@ class Learner:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         torch.manual_seed(cfg.seed)
         options = cfg.backend_options
-        if cfg.train.advantage.name == "gae" and not options.value_head:
-            log.info("advantage 'gae' (PPO): adding a critic value head")
+        if needs_critic(cfg.train) and not options.value_head:
+            log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
             options = msgspec.structs.replace(options, value_head=True)
         self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device)
         reference = None
@@ -141,7 +141,7 @@ class Learner:
         if self.pub is not None and cfg.wait_for_subscriber_s > 0:
             # PUB/SUB drops what is published before a subscription arrives: a step that comes at once
             # (the buffer already holds a batch) would lose its metrics
-            if not self.pub.wait_for_subscriber("metrics", cfg.wait_for_subscriber_s):
+            if not self.pub.wait_for_subscriber(TOPIC_METRICS, cfg.wait_for_subscriber_s):
                 log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", cfg.publish,
                             cfg.wait_for_subscriber_s)
         self._pub_lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
@@ -263,7 +263,7 @@ class Learner:
         if len(by_task) > 1:
             metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
         if self.pub is not None:
-            self._publish("metrics", Metrics(
+            self._publish(TOPIC_METRICS, Metrics(
                 source=f"learner-{self.rank}", step=self.version, time=time.time(), scalars=metrics,
                 histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
             log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
@@ -299,7 +299,7 @@ class Learner:
         assert self.sender is not None
         ann = self.sender.send(weights, version)
         self._announced = ann
-        self._publish("weights", ann)
+        self._publish(TOPIC_WEIGHTS, ann)
 
     def wait_published(self) -> None:
         """Block until the weights being sent in the background are packed and announced (before the
@@ -319,7 +319,7 @@ class Learner:
             ann = self._announced
             if ann is not None:
                 try:
-                    self._publish("weights", ann)
+                    self._publish(TOPIC_WEIGHTS, ann)
                 except Exception as e:  # never take the learner down for a repeat
                     log.debug("re-announcing version %d failed: %s", ann.version, e)
 
@@ -404,9 +404,10 @@ class Learner:
 
 
 def _spawn(nproc: int, argv: list[str]) -> int:
-    from tidal.core.testing import free_port
+    from tidal.core.net import PortReservation
 
-    port = str(free_port())
+    ports = PortReservation()  # held while the ranks run: rank 0's TCPStore binds it, nobody else can
+    port = str(ports.port())
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
@@ -420,6 +421,7 @@ def _spawn(nproc: int, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     codes = [p.wait() for p in procs]
+    ports.close()
     return max(codes, key=abs)
 
 

@@ -50,8 +50,17 @@ class TrainConfig(ConfigStruct):
 
 
 def needs_reference(cfg: TrainConfig) -> bool:
-    """Whether the loss reads reference logprobs: a KL penalty to it, or distillation from it."""
-    return cfg.loss.name == "distillation" or float(cfg.loss.options.get("kl_coef", 0.0) or 0.0) > 0.0
+    """Whether the loss reads reference logprobs (a KL penalty to it, or distillation from it): what the
+    loss says of itself (`reads_reference`, tidal.core.interfaces.PolicyLoss)."""
+    loss = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
+    return bool(getattr(loss, "reads_reference", False))
+
+
+def needs_critic(cfg: TrainConfig) -> bool:
+    """Whether the advantage estimator reads a critic's values (GAE: PPO mode): what the estimator says
+    of itself (`needs_values`, tidal.core.interfaces.AdvantageEstimator)."""
+    est = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
+    return bool(getattr(est, "needs_values", False))
 
 
 class Trainer:
@@ -69,9 +78,11 @@ class Trainer:
         if self.reference is not None and self.reference.config._attn_implementation != backend.attention:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
             self.reference.set_attn_implementation(backend.attention)
-        self.critic = cfg.advantage.name == "gae"
+        self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
+        self.critic = bool(getattr(self.estimator, "needs_values", False))
         if self.critic and not getattr(backend.cfg, "value_head", False):
-            raise ValueError("advantage 'gae' (PPO) needs a critic: set backend_options.value_head = true")
+            raise ValueError(f"advantage {cfg.advantage.name!r} reads a critic's values: set "
+                             f"backend_options.value_head = true")
         # called just before the optimizer changes the parameters (the learner waits there for a
         # background weight send that still reads them)
         self.before_update: Callable[[], None] | None = None
@@ -81,11 +92,10 @@ class Trainer:
         self.share_prefix = cfg.share_prompts and backend.attention == VARLEN_ATTENTION
         self.loss_fn = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
-        self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self._value_loss = registry.create(
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self._warned: set[str] = set()
-        self.correction = (registry.build("staleness_policy", cfg.correction.name, cfg.correction.options, field="train.correction")
+        self.correction = (registry.build("correction", cfg.correction.name, cfg.correction.options, field="train.correction")
                            if cfg.correction else None)
 
     @property
@@ -278,7 +288,7 @@ class Trainer:
             from tidal.staleness.correction import CorrectionInputs
 
             proximal = None
-            if self.cfg.correction is not None and self.cfg.correction.name == "decoupled_ppo":
+            if getattr(self.correction, "needs_proximal", False):
                 # one optimizer step per batch: the proximal policy is these parameters before the
                 # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
                 proximal = inputs["logprobs"].detach()

@@ -77,6 +77,8 @@ class ReinforcePPEstimator:
 
 
 class GAEEstimator:
+    needs_values = True  # reads a critic's per-token values: the learner trains a value head
+
     def __init__(self, gamma: float = 1.0, lam: float = 0.95) -> None:
         self.gamma, self.lam = gamma, lam
 

@@ -245,3 +245,6 @@ def value_loss(
 def _masked_var(x: Tensor, mask: Tensor) -> Tensor:
     mean = masked_mean(x, mask)
     return masked_mean((x - mean).square(), mask)
+
+
+distillation_loss.reads_reference = True  # type: ignore[attr-defined]  # it matches the reference, always

@@ -23,7 +23,10 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
         if unknown:
             allowed = ", ".join(p for p in params if p != "inputs")
             raise TypeError(f"{name} has no option(s) {', '.join(unknown)}; options are: {allowed}")
-        return functools.partial(fn, **options)
+        loss = functools.partial(fn, **options)
+        # what the learner asks: whether to load a frozen reference model for this loss
+        loss.reads_reference = bool(getattr(fn, "reads_reference", False) or options.get("kl_coef"))  # type: ignore[attr-defined]
+        return loss
 
     make.__doc__ = f"Build tidal.algos.losses.{name} with fixed options."
     return declare(make, signature=f"tidal.algos.losses:{name}", skip=("inputs",))

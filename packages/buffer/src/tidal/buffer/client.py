@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from tidal.core.channels import dealer, make_hello
 from tidal.core.errors import ChannelTimeout, ProtocolError
-from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics
+from tidal.core.protocol import ACK_BATCH, Ack, Batch, BatchRequest, Control, Error, Metrics
 from tidal.core.security import Curve
 
 
@@ -82,7 +82,7 @@ class BatchClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChannelTimeout(f"buffer did not confirm the ack of {', '.join(ids[:3])} within {timeout:g} s")
-            self._ch.send(Ack(kind="batch", ids=ids), timeout=left)
+            self._ch.send(Ack(kind=ACK_BATCH, ids=ids), timeout=left)
             reply = self._wait((Ack,), min(self.retry_every, left))
             if reply is not None and set(ids) <= set(reply.ids):
                 return

@@ -9,7 +9,7 @@ and Metrics (topic ``metrics``). A trajectory is acknowledged only once its WAL 
 commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
 
 A `TrajectoryGroup` is admitted as one WAL record (`PutGroup`) and acknowledged as one
-(``Ack(kind="group", ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
+(``Ack(kind=ACK_GROUP, ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
 member: known ids are acknowledged again without a second copy, the admission policy refuses stale
 members one by one (named in ``Ack.refused``; the others are kept), so a group and the same trajectories
 sent singly end in the same state. A group that is malformed as a whole — no members, a member of
@@ -45,7 +45,21 @@ from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import Ack, Batch, BatchRequest, Control, Error, Metrics, Trajectory, TrajectoryGroup
+from tidal.core.protocol import (
+    ACK_BATCH,
+    ACK_CONTROL,
+    ACK_GROUP,
+    ACK_TRAJECTORY,
+    TOPIC_METRICS,
+    Ack,
+    Batch,
+    BatchRequest,
+    Control,
+    Error,
+    Metrics,
+    Trajectory,
+    TrajectoryGroup,
+)
 from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
 
@@ -90,7 +104,7 @@ class BufferService:
             f"; SKIPPED {report.corrupt_bytes} corrupt bytes" if report.corrupt_bytes else "",
         )
         self.admission = (
-            registry.build("staleness_policy", cfg.admission.name, cfg.admission.options, field="admission") if cfg.admission else None
+            registry.build("admission", cfg.admission.name, cfg.admission.options, field="admission") if cfg.admission else None
         )
         self.filters = [(f.name, registry.build("group_filter", f.name, f.options, field=f"filters[{i}]"))
                         for i, f in enumerate(cfg.filters)]
@@ -250,10 +264,10 @@ class BufferService:
                          formed: list[str]) -> None:
         self._undurable.difference_update(formed)
         for source, ids in acks.items():
-            self.publish_ack(source, Ack(kind="trajectory", ids=ids))
+            self.publish_ack(source, Ack(kind=ACK_TRAJECTORY, ids=ids))
         for source, (gids, refused) in group_acks.items():
             self.rejected += len(refused)
-            self.publish_ack(source, Ack(kind="group", ids=gids, refused=refused))
+            self.publish_ack(source, Ack(kind=ACK_GROUP, ids=gids, refused=refused))
         for source, kind, item, why in refusals:
             self.rejected += 1
             self.publish_ack(source, Ack(kind=kind, ids=[item], ok=False, detail=why))
@@ -359,13 +373,13 @@ class BufferService:
                 self.learner_version = max(self.learner_version, msg.version)
                 self.parked[msg.rank] = (peer, msg)
                 self.try_serve(msg.rank)
-            elif type(msg) is Ack and msg.kind == "batch":
+            elif type(msg) is Ack and msg.kind == ACK_BATCH:
                 self.consume(msg.ids)
-                self._reply(peer, Ack(kind="batch", ids=msg.ids))
+                self._reply(peer, Ack(kind=ACK_BATCH, ids=msg.ids))
             elif type(msg) is Control and msg.command == "status":
                 self._reply(peer, self.metrics())
             elif type(msg) is Control and msg.command == "stop":
-                self._reply(peer, Ack(kind="control", ids=["stop"]))
+                self._reply(peer, Ack(kind=ACK_CONTROL, ids=["stop"]))
                 self.stop()
             else:
                 self._reply(peer, Error(code="refused", detail=f"the buffer does not handle {type(msg).__name__} here"))
@@ -488,7 +502,7 @@ class BufferService:
         for rank in list(self.parked):
             self.try_serve(rank)
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
-            self.pub.publish("metrics", self.metrics())
+            self.pub.publish(TOPIC_METRICS, self.metrics())
         self.maybe_compact()
 
     def maybe_compact(self) -> None:

@@ -274,7 +274,7 @@ class RouterChannel(Channel):
                 e.peer = peer
                 if self.reply_errors:
                     code = "version" if isinstance(e, ProtocolVersionError) else "protocol"
-                    self._try_send(peer, Error(code=code, detail=str(e)))
+                    self._try_send(peer, Error(code=code, detail=str(e), protocol=self.codec.protocol))
                 raise
             if type(msg) is Hello:
                 self._answer_hello(peer, msg)
@@ -284,7 +284,7 @@ class RouterChannel(Channel):
     def _answer_hello(self, peer: bytes, hello: Hello) -> None:
         if hello.protocol[0] != self.codec.protocol[0]:
             err = ProtocolVersionError(ours=self.codec.protocol, theirs=tuple(hello.protocol), peer=peer)  # type: ignore[arg-type]
-            self._try_send(peer, Error(code="version", detail=str(err)))
+            self._try_send(peer, Error(code="version", detail=str(err), protocol=self.codec.protocol))
             raise err
         self.peers[peer] = hello
         self._try_send(peer, self.hello)
@@ -334,20 +334,14 @@ class DealerChannel(Channel):
         reply = self.request(hello, timeout)
         if type(reply) is Error:
             if reply.code == "version":
-                raise ProtocolVersionError(ours=self.codec.protocol, theirs=_parse_theirs(reply.detail))
+                # a peer older than protocol 1.3 does not say its version: (-1, -1)
+                theirs = tuple(reply.protocol) if reply.protocol != (0, 0) else (-1, -1)
+                raise ProtocolVersionError(ours=self.codec.protocol, theirs=theirs)  # type: ignore[arg-type]
             raise ProtocolError(f"{self.endpoint} refused the handshake: {reply.detail}")
         if type(reply) is not Hello:
             raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply).__name__}")
         self.server = reply
         return reply
-
-
-def _parse_theirs(detail: str) -> tuple[int, int]:
-    # The server's error says "peer speaks X.Y, this process speaks A.B": from our side, A.B is theirs.
-    import re
-
-    m = re.search(r"this process speaks (\d+)\.(\d+)", detail)
-    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
 
 
 def make_hello(role: str, name: str, software: dict[str, str] | None = None) -> Hello:

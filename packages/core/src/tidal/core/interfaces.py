@@ -127,14 +127,20 @@ RewardFn = Callable[[Task, str], float]
 
 @runtime_checkable
 class AdvantageEstimator(Protocol):
-    """Per-token advantages [B, T] from rewards; see tidal-algos for the exact inputs."""
+    """Per-token advantages [B, T] from rewards; see tidal-algos for the exact inputs.
+
+    Optional attribute ``needs_values: bool`` (absent = False): it reads a critic's per-token values, so
+    the learner trains a value head (GAE)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
 
 
 @runtime_checkable
 class PolicyLoss(Protocol):
-    """Loss from a `LossInputs` (per-token tensors) to a `LossOutputs` (scalar loss + metrics)."""
+    """Loss from a `LossInputs` (per-token tensors) to a `LossOutputs` (scalar loss + metrics).
+
+    Optional attribute ``reads_reference: bool`` (absent = False): it reads a frozen reference model's
+    logprobs (a KL penalty, distillation), so the learner loads one."""
 
     def __call__(self, inputs: Any, /) -> Any: ...
 
@@ -159,10 +165,21 @@ class Admission(msgspec.Struct, kw_only=True):
 
 
 @runtime_checkable
-class StalenessPolicy(Protocol):
-    """Admits, trims or drops a trajectory given its per-token policy versions (no torch needed)."""
+class AdmissionPolicy(Protocol):
+    """Admits, trims or drops a trajectory given its per-token policy versions (the buffer: no torch)."""
 
     def admit(self, versions: Sequence[int], current_version: int) -> Admission: ...
+
+
+@runtime_checkable
+class CorrectionPolicy(Protocol):
+    """Reweights and masks the loss's tokens for the lag between sampler and learner (the learner):
+    `tidal.staleness.correction.CorrectionInputs` in, `Correction` (weights, mask, metrics) out.
+
+    Optional attribute ``needs_proximal: bool`` (absent = False): it needs the learner's pre-update
+    logprobs as the proximal policy (decoupled PPO)."""
+
+    def __call__(self, inputs: Any, /) -> Any: ...
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -254,7 +271,9 @@ class Launcher(Protocol):
 
 __all__ = [
     "Admission",
+    "AdmissionPolicy",
     "AdvantageEstimator",
+    "CorrectionPolicy",
     "Engine",
     "Environment",
     "GenerationRequest",
@@ -266,7 +285,6 @@ __all__ = [
     "PolicyLoss",
     "RewardFn",
     "RunHandle",
-    "StalenessPolicy",
     "Task",
     "Tensor",
     "TrainBackend",

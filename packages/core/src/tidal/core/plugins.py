@@ -70,8 +70,12 @@ class TidalSpecs:
         """Policy losses (`PolicyLoss`): e.g. "ppo", "gspo", "cispo"."""
 
     @hookspec
-    def tidal_staleness_policies(self) -> Mapping[str, Factory]:
-        """Off-policy control (`StalenessPolicy`): rejection, depth bound, IS correction."""
+    def tidal_admissions(self) -> Mapping[str, Factory]:
+        """Admission of stale trajectories, in the buffer (`AdmissionPolicy`, no torch): e.g. "version_rejection"."""
+
+    @hookspec
+    def tidal_corrections(self) -> Mapping[str, Factory]:
+        """Off-policy corrections of the loss, in the learner (`CorrectionPolicy`): e.g. "tis", "decoupled_ppo"."""
 
     @hookspec
     def tidal_group_filters(self) -> Mapping[str, Factory]:
@@ -97,7 +101,8 @@ KINDS: dict[str, str] = {
     "reward": "tidal_rewards",
     "advantage_estimator": "tidal_advantage_estimators",
     "policy_loss": "tidal_policy_losses",
-    "staleness_policy": "tidal_staleness_policies",
+    "admission": "tidal_admissions",
+    "correction": "tidal_corrections",
     "group_filter": "tidal_group_filters",
     "weight_transport": "tidal_weight_transports",
     "train_backend": "tidal_train_backends",
@@ -112,7 +117,8 @@ BUILTIN_PROVIDERS: dict[str, str] = {
     "reward": "tidal-rollout",
     "advantage_estimator": "tidal-algos",
     "policy_loss": "tidal-algos",
-    "staleness_policy": "tidal-staleness",
+    "admission": "tidal-staleness",
+    "correction": "tidal-staleness",
     "group_filter": "tidal-algos",
     "weight_transport": "tidal-weight-sync",
     "train_backend": "tidal",

@@ -18,8 +18,8 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
-#                     SamplingParams.stop, Trajectory.sampling
+PROTOCOL_MINOR = 3  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+#                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -29,6 +29,42 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=Tr
 
 class _Part(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Base of structs nested inside messages (no tag)."""
+
+
+# --------------------------------------------------------------------------- vocabulary
+# The names every package uses on the wire, defined once here: publish/subscribe topics, what an `Ack`
+# acknowledges, and how ids are built from each other. Nothing outside this module spells them.
+
+TOPIC_METRICS = "metrics"  # `Metrics` (learner, buffer): what the driver plots and the controller reads
+TOPIC_WEIGHTS = "weights"  # `WeightsAvailable` (learner rank 0): a new policy version to fetch
+
+AckKind = Literal["trajectory", "group", "batch", "weights", "assignment", "control"]
+ACK_TRAJECTORY: AckKind = "trajectory"  # buffer -> producer: these trajectories are durable
+ACK_GROUP: AckKind = "group"  # buffer -> producer: these groups are durable (Ack.refused: members refused)
+ACK_BATCH: AckKind = "batch"  # learner -> buffer: these batches are trained (and the buffer's reply)
+ACK_WEIGHTS: AckKind = "weights"  # generator -> weight server: version `Ack.version` applied (or refused)
+ACK_ASSIGNMENT: AckKind = "assignment"  # worker -> controller: this group is done (durable, dropped, or eval)
+ACK_CONTROL: AckKind = "control"  # a `Control` command carried out (ids: the command)
+
+
+def group_id(domain: str, n: int) -> str:
+    """The id of the `n`-th training group the controller hands out for `domain` (unique in a run)."""
+    return f"{domain}-{n:07d}"
+
+
+def eval_group_id(version: int, domain: str, index: int) -> str:
+    """The id of held-out problem `index` of `domain` in the evaluation of policy `version`."""
+    return f"eval{version}-{domain}-{index:04d}"
+
+
+def trajectory_id(group_id: str, index: int) -> str:
+    """The id of sample `index` of group `group_id`."""
+    return f"{group_id}:{index}"
+
+
+def group_of(trajectory_id: str) -> str:
+    """The group id a trajectory id was built from (`trajectory_id`'s inverse)."""
+    return trajectory_id.rsplit(":", 1)[0]
 
 
 # --------------------------------------------------------------------------- handshake & errors
@@ -53,13 +89,14 @@ class Error(_Msg):
     code: str  # machine-readable kind: "protocol", "version", "refused", "internal", ...
     detail: str  # human-readable explanation: what was wrong and what to do
     ref: str = ""  # id of the message this answers, when there is one
+    protocol: tuple[int, int] = (0, 0)  # code "version": the protocol the refusing side speaks
 
 
 class Ack(_Msg):
     """Acknowledges messages by id: durable trajectories, consumed batches, applied weights."""
 
-    kind: str  # what is acknowledged: "trajectory", "group" (ids are group ids), "batch", "weights", ...
-    ids: list[str]  # ids of the acknowledged items (trajectory ids, batch ids, "v<version>")
+    kind: str  # what is acknowledged: an `AckKind` (ACK_TRAJECTORY, ACK_GROUP, ...; str so that a newer kind decodes)
+    ids: list[str]  # ids of the acknowledged items (trajectory, group, batch ids; "v<version>" for weights)
     ok: bool = True  # False: the items were received but rejected (see `detail`)
     detail: str = ""  # why they were rejected, when ok is False
     # kind "group" with ok True: members of the acknowledged groups that were refused one by one (stale),
@@ -68,6 +105,7 @@ class Ack(_Msg):
     # machine-readable kind of failure when ok is False, for drop-by-reason counts: "score_error",
     # "decode_error", "reward_error", "abort", "refused", ... ("" = unspecified)
     reason: str = ""
+    version: int = -1  # kind "weights": the policy version applied (or refused); -1 = not about a version
 
 
 # --------------------------------------------------------------------------- control plane
@@ -294,11 +332,20 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
 )
 
 __all__ = [
+    "ACK_ASSIGNMENT",
+    "ACK_BATCH",
+    "ACK_CONTROL",
+    "ACK_GROUP",
+    "ACK_TRAJECTORY",
+    "ACK_WEIGHTS",
     "MESSAGE_TYPES",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
     "PROTOCOL_VERSION",
+    "TOPIC_METRICS",
+    "TOPIC_WEIGHTS",
     "Ack",
+    "AckKind",
     "Assignment",
     "Batch",
     "BatchRequest",
@@ -317,4 +364,8 @@ __all__ = [
     "WeightsBucket",
     "WeightsRequest",
     "WorkRequest",
+    "eval_group_id",
+    "group_id",
+    "group_of",
+    "trajectory_id",
 ]

@@ -8,6 +8,7 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.protocol import (
+    ACK_TRAJECTORY,
     PROTOCOL_VERSION,
     Ack,
     Assignment,
@@ -27,6 +28,7 @@ from tidal.core.protocol import (
     WeightsBucket,
     WeightsRequest,
     WorkRequest,
+    trajectory_id,
 )
 
 
@@ -88,7 +90,7 @@ def make_group(group_id: str = "group-0", size: int = 4, *, source: str = "", **
     trajs = []
     for i in range(size):
         t = make_trajectory(i, **kw)
-        t.id, t.group_id, t.sample_index, t.source, t.group_size = f"{group_id}:{i}", group_id, i, source, size
+        t.id, t.group_id, t.sample_index, t.source, t.group_size = trajectory_id(group_id, i), group_id, i, source, size
         trajs.append(t)
     return TrajectoryGroup(id=group_id, trajectories=trajs, source=source)
 
@@ -100,7 +102,7 @@ def sample_messages(out_of_line: bool | None = None) -> list[Message]:
     return [
         Hello(role="test", name="t0", protocol=PROTOCOL_VERSION, software={"tidal-core": "0"}, pid=1, host="h"),
         Error(code="protocol", detail="bad", ref="x"),
-        Ack(kind="trajectory", ids=["a", "b"]),
+        Ack(kind=ACK_TRAJECTORY, ids=["a", "b"]),
         Heartbeat(role="rollout", name="r0", seq=7, time=1.5, version=3, status={"in_flight": 2.0}),
         Control(command="pause", reason="weights", version=4, args={"k": "v"}),
         Metrics(

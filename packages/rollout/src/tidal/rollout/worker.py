@@ -6,7 +6,7 @@ Talks to three peers, all through tidal.core channels:
 
 - the **controller** (DEALER -> its ROUTER): the worker says Hello, then asks for work with
   `WorkRequest(want=n)` (credit-based: it never holds more groups than `max_groups`), receives
-  `Assignment`s, reports each group with `Ack(kind="assignment")` once the buffer has acknowledged every
+  `Assignment`s, reports each group with `Ack(kind=ACK_ASSIGNMENT)` once the buffer has acknowledged every
   sample (``ok=False`` with the reason when a group was dropped), and sends `Heartbeat` and `Metrics`.
   A `Heartbeat` also goes out the moment new weights are applied: the controller's depth gate opens on
   it, so the version report never waits for the heartbeat period (that is for liveness only).
@@ -49,6 +49,8 @@ from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
+    ACK_ASSIGNMENT,
+    TOPIC_WEIGHTS,
     Ack,
     Assignment,
     Control,
@@ -60,6 +62,8 @@ from tidal.core.protocol import (
     TrajectoryGroup,
     WeightsAvailable,
     WorkRequest,
+    group_of,
+    trajectory_id,
 )
 from tidal.core.reliable import AckedPusher
 from tidal.rollout.engines.common import submit_all
@@ -95,7 +99,7 @@ class WorkerConfig(ConfigStruct):
     buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
     buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
     weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
-    weights_topic: str = "weights"  # topic prefix of the announcements there ("" = every message)
+    weights_topic: str = TOPIC_WEIGHTS  # topic prefix of the announcements there ("" = every message)
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
     # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
@@ -138,7 +142,7 @@ def sample_seed(group_id: str, index: int, base: int | None) -> int:
     """The seed of one sample: from the assignment's seed when given, else from the group id."""
     if base is not None:
         return base + index
-    return zlib.crc32(f"{group_id}:{index}".encode()) & 0x7FFFFFFF
+    return zlib.crc32(trajectory_id(group_id, index).encode()) & 0x7FFFFFFF
 
 
 class RolloutWorker:
@@ -360,7 +364,7 @@ class RolloutWorker:
                 self._logged_kinds.add(kind)
                 log.error("%s: group %s of domain %r dropped (%s); later drops of this kind are only counted",
                           self.cfg.name, gid, group.assignment.task, why, exc_info=cause)
-        self._send_ctl(Ack(kind="assignment", ids=[gid], ok=False, detail=why, reason=reason))
+        self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], ok=False, detail=why, reason=reason))
 
     def _deliver(self, group: _Group, rewards: list[float]) -> None:
         a = group.assignment
@@ -369,7 +373,7 @@ class RolloutWorker:
             res = group.results[i]
             reward = rewards[i]
             traj = Trajectory(
-                id=f"{a.group_id}:{i}", group_id=a.group_id, sample_index=i, task=a.task,
+                id=trajectory_id(a.group_id, i), group_id=a.group_id, sample_index=i, task=a.task,
                 prompt_ids=a.prompt_ids,
                 completion_ids=Array.from_numpy(np.asarray(res.completion_ids, np.int32)),
                 logprobs=Array.from_numpy(np.asarray(res.logprobs, np.float32)),
@@ -411,17 +415,17 @@ class RolloutWorker:
             self._rejections_seen = len(self.pusher.rejected)
 
     def _settle(self, tid: str) -> None:
-        gid = tid.rsplit(":", 1)[0]
+        gid = group_of(tid)
         group = self.groups.get(gid)
         if group is None:
             return
         group.unacked.discard(tid)
         if group.sent and not group.unacked:
             del self.groups[gid]
-            rejected = [t for t in (f"{gid}:{i}" for i in range(group.assignment.num_samples))
+            rejected = [t for t in (trajectory_id(gid, i) for i in range(group.assignment.num_samples))
                         if t in self.pusher.rejected]
             self.counters["groups_dropped" if rejected else "groups_done"] += 1
-            self._send_ctl(Ack(kind="assignment", ids=[gid], ok=not rejected,
+            self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], ok=not rejected,
                                detail=f"buffer refused {len(rejected)} of its samples: "
                                       f"{self.pusher.rejected[rejected[0]]}" if rejected else "",
                                reason="refused" if rejected else ""))
@@ -525,7 +529,7 @@ def iter_requests(assignment: Assignment) -> Iterator[GenerationRequest]:
     for i in range(assignment.num_samples):
         sampling = msgspec.structs.replace(assignment.sampling,
                                            seed=sample_seed(assignment.group_id, i, assignment.sampling.seed))
-        yield GenerationRequest(request_id=f"{assignment.group_id}:{i}", prompt_ids=prompt, sampling=sampling)
+        yield GenerationRequest(request_id=trajectory_id(assignment.group_id, i), prompt_ids=prompt, sampling=sampling)
 
 
 def main(argv: list[str] | None = None) -> int:

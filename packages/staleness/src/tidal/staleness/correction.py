@@ -149,6 +149,8 @@ class DecoupledPPO:
     loss), and the behaviour mismatch is corrected by the weight pi_prox / pi_behav, optionally truncated.
     Use with stale rollouts: it keeps the trust region around a recent policy, not the stale sampler."""
 
+    needs_proximal = True  # the learner passes its pre-update logprobs (CorrectionInputs.proximal_logprobs)
+
     def __init__(self, cap: float | None = None) -> None:
         self.cap = cap
 

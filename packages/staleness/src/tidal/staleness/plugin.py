@@ -1,39 +1,40 @@
-"""tidal-staleness' built-ins, registered through the `tidal` entry point. No torch at import time:
-the buffer loads this to find "version_rejection"."""
+"""tidal-staleness' built-ins, registered through the `tidal` entry point: the admission policy
+(kind ``admission``, used by the buffer, which has no torch) and the loss corrections (kind
+``correction``, used by the learner). No torch at import time. The depth gate is not a plugin: the
+controller owns it (tidal.staleness.depth)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from tidal.core.plugins import declare, hookimpl
 
-# name -> "module:class" whose constructor takes the options
-_CLASSES = {
-    "version_rejection": "rejection:VersionRejection", "depth_gate": "depth:DepthGate",
+# name -> "module:class" (in tidal.staleness) whose constructor takes the options: one list per kind
+ADMISSIONS = {"version_rejection": "rejection:VersionRejection"}
+CORRECTIONS = {
     "tis": "correction:TokenTIS", "seq_tis": "correction:SequenceTIS", "masked_is": "correction:MaskedIS",
     "off_policy_seq_mask": "correction:OffPolicySequenceMask", "decoupled_ppo": "correction:DecoupledPPO",
 }
 
 
-def _make(name: str) -> Callable[..., Any]:
+def _make(path: str) -> Callable[..., Any]:
+    module, _, cls = path.partition(":")
+
     def factory(**options: Any) -> Any:
-        if name == "version_rejection":
-            from tidal.staleness.rejection import VersionRejection
+        return getattr(importlib.import_module(f"tidal.staleness.{module}"), cls)(**options)
 
-            return VersionRejection(**options)
-        if name == "depth_gate":
-            from tidal.staleness.depth import DepthGate
-
-            return DepthGate(**options)
-        from tidal.staleness.correction import FACTORIES
-
-        return FACTORIES[name][0](**options)
-
-    factory.__name__ = f"make_{name}"
-    return declare(factory, signature=f"tidal.staleness.{_CLASSES[name]}")
+    factory.__name__ = f"make_{cls}"
+    factory.__doc__ = f"tidal.staleness.{module}.{cls}"
+    return declare(factory, signature=f"tidal.staleness.{path}")
 
 
 @hookimpl
-def tidal_staleness_policies() -> dict[str, Callable[..., Any]]:
-    return {n: _make(n) for n in _CLASSES}
+def tidal_admissions() -> dict[str, Callable[..., Any]]:
+    return {n: _make(p) for n, p in ADMISSIONS.items()}
+
+
+@hookimpl
+def tidal_corrections() -> dict[str, Callable[..., Any]]:
+    return {n: _make(p) for n, p in CORRECTIONS.items()}

@@ -13,7 +13,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.channels import dealer, router
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
-from tidal.core.protocol import Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
+from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
 from tidal.core.security import Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
@@ -74,9 +74,8 @@ class ZmqSenderTransport:
                 except ProtocolError as e:
                     log.warning("weight server: bad request: %s", e)
                     continue
-                if type(msg) is Ack and msg.kind == "weights":
-                    for vid in msg.ids:
-                        self.reports.setdefault(int(vid.lstrip("v")), []).append((msg.ok, msg.detail))
+                if type(msg) is Ack and msg.kind == ACK_WEIGHTS:
+                    self.reports.setdefault(msg.version, []).append((msg.ok, msg.detail))
                     continue
                 if type(msg) is not WeightsRequest:
                     continue
@@ -175,7 +174,7 @@ class ZmqReceiverTransport:
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         try:
-            self._channel(ann.location).send(Ack(kind="weights", ids=[f"v{ann.version}"], ok=ok, detail=detail), timeout=5)
+            self._channel(ann.location).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
         except ChannelTimeout:
             pass
 
