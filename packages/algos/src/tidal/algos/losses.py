@@ -28,6 +28,8 @@ def _finish(
     norm_length: float | None,
 ) -> LossOutputs:
     """Apply IS weights, aggregate, add KL and entropy terms, and fill the shared metrics."""
+    metrics.pop("_n", None)
+    metrics.pop("_inv", None)
     mask = inputs.mask
     if inputs.is_weights is not None:
         per_token = per_token * inputs.is_weights.detach()
@@ -51,19 +53,32 @@ def _finish(
 
 
 @torch.no_grad()
-def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+def _ratio_metrics(log_ratio: Tensor, mask: Tensor, ratio: Tensor | None = None) -> dict[str, Tensor]:
+    """Ratio mean/max/min and the k3 "approx KL" over the valid tokens. Each full-size temporary costs
+    about as much as the loss's own arithmetic, so they are kept few: the float mask and its count once,
+    the ratio reused when the loss already has it, max and min over one masked copy each."""
     lr = log_ratio.detach()
     m = mask.bool()
-    ratio = lr.exp()
-    any_valid = m.any()
+    ratio = lr.exp() if ratio is None else ratio.detach()
+    mf = m.to(ratio.dtype)
+    n = mf.sum()
+    inv = 1.0 / n.clamp(min=1)
+    valid = n > 0
     zero = ratio.new_zeros(())
     return {
-        "ratio/mean": masked_mean(ratio, mask),
-        "ratio/max": torch.where(any_valid, ratio.masked_fill(~m, -torch.inf).max(), zero),
-        "ratio/min": torch.where(any_valid, ratio.masked_fill(~m, torch.inf).min(), zero),
-        # k3 estimate of KL(anchor || current) from anchor samples: the "approx KL" PPO logs
-        "kl/approx": masked_mean(torch.expm1(lr) - lr, mask),
+        "ratio/mean": (ratio * mf).sum() * inv,
+        "ratio/max": torch.where(valid, torch.where(m, ratio, -torch.inf).max(), zero),
+        "ratio/min": torch.where(valid, torch.where(m, ratio, torch.inf).min(), zero),
+        # k3 estimate of KL(anchor || current) from anchor samples: the "approx KL" PPO logs (expm1: exact
+        # near ratio 1, where ratio - 1 would cancel)
+        "kl/approx": ((torch.expm1(lr) - lr) * mf).sum() * inv,
+        "_n": n, "_inv": inv,  # shared with the caller's clip fractions, removed before returning
     }
+
+
+def _fraction(hit: Tensor, mask: Tensor, metrics: dict[str, Tensor]) -> Tensor:
+    """Share of valid tokens where `hit` (bool) holds."""
+    return (hit & mask.bool()).sum().to(metrics["_inv"].dtype) * metrics["_inv"]
 
 
 def ppo_loss(
@@ -94,15 +109,15 @@ def ppo_loss(
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
     mask = inputs.mask
-    metrics = _ratio_metrics(log_ratio, mask)
+    metrics = _ratio_metrics(log_ratio, mask, ratio)
     r = ratio.detach()
-    metrics["clip/high"] = masked_mean(((r > 1 + clip_high) & (adv > 0)).to(r.dtype), mask)
-    metrics["clip/low"] = masked_mean(((r < 1 - clip_low) & (adv < 0)).to(r.dtype), mask)
+    metrics["clip/high"] = _fraction((r > 1 + clip_high) & (adv > 0), mask, metrics)
+    metrics["clip/low"] = _fraction((r < 1 - clip_low) & (adv < 0), mask, metrics)
     if dual_clip is not None:
         bound = -dual_clip * adv  # positive for negative advantages
         dual = (adv < 0) & (per_token.detach() > bound)
         per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-        metrics["clip/dual"] = masked_mean(dual.to(r.dtype), mask)
+        metrics["clip/dual"] = _fraction(dual, mask, metrics)
     return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
                    entropy_coef=entropy_coef, norm_length=norm_length)
 
@@ -171,9 +186,9 @@ def cispo_loss(
     adv = inputs.advantages.detach()
     per_token = -weight * adv * inputs.logprobs
     mask = inputs.mask
-    metrics = _ratio_metrics(log_ratio, mask)
-    metrics["clip/high"] = masked_mean((r > 1 + clip_high).to(r.dtype), mask)
-    metrics["clip/low"] = masked_mean((r < lower).to(r.dtype), mask)
+    metrics = _ratio_metrics(log_ratio, mask, r)
+    metrics["clip/high"] = _fraction(r > 1 + clip_high, mask, metrics)
+    metrics["clip/low"] = _fraction(r < lower, mask, metrics)
     return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
                    entropy_coef=entropy_coef, norm_length=norm_length)
 
