@@ -45,15 +45,17 @@ def main() -> None:
     ap.add_argument("--sp-mode", default="ulysses")
     ap.add_argument("--loss", default="ppo")
     ap.add_argument("--micro", type=int, default=96)
+    ap.add_argument("--advantage", default="grpo", help="gae: PPO with a critic (its values gathered too)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
-    be = BACKENDS[args.backend](args.model, BackendConfig())
+    be = BACKENDS[args.backend](args.model, BackendConfig(value_head=args.advantage == "gae"))
     sp = setup_sequence_parallel(ParallelConfig(sp=args.sp, sp_mode=args.sp_mode), be)
-    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss)), sp=sp)
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
+                                      advantage=PluginRef(name=args.advantage)), sp=sp)
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads() -> None:  # after every reduction, before clipping and the optimizer
