@@ -1,4 +1,5 @@
-"""One learner rank for the sequence-parallel tests: one Trainer step on a fixed batch (GRPO groups of
+"""One learner rank for the sequence-parallel tests: one Trainer step on a fixed batch, split by group
+over the data-parallel ranks (the SP groups) (GRPO groups of
 samples sharing a prompt, several sequences per packed row, several rows, half the samples drawn at
 temperature 0.7 / top-k 40), under `learner.parallel` as given. Rank 0 writes the step's loss and the
 full gradients, reduced as the optimizer sees them (safetensors)."""
@@ -64,7 +65,10 @@ def main() -> None:
             grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
     trainer.before_update = keep_grads
-    metrics = trainer.step(batch(be.model.config.vocab_size))
+    # the data-parallel split: over SP groups, not ranks (the ranks of a group share their samples)
+    dp_rank, dp = (sp.dp_rank, sp.dp) if sp is not None else (rank, dist.get_world_size() if dist.is_initialized() else 1)
+    mine = [s for s in batch(be.model.config.vocab_size) if int(s.group_id[1:]) % dp == dp_rank]
+    metrics = trainer.step(mine)
     if rank == 0:
         from safetensors.torch import save_file
 

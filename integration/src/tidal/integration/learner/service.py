@@ -118,6 +118,10 @@ class Learner:
         # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
         # requests and acknowledges it and hands it to the others
         self.dp_rank, self.dp = (self.sp.dp_rank, self.sp.dp) if self.sp is not None else (self.rank, self.world)
+        if self.sp is not None:
+            m = self.sp.mesh
+            log.info("rank %d: sequence-parallel rank %d of %d (%s: ulysses %d x ring %d), data-parallel share %d of %d",
+                     self.rank, m.rank, m.size, cfg.parallel.sp_mode, m.ulysses, m.ring, self.dp_rank, self.dp)
         reference = None
         if needs_reference(cfg.train):
             from transformers import AutoModelForCausalLM

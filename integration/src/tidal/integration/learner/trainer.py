@@ -9,7 +9,9 @@ recomputed (temperature as sampled), the staleness correction (tidal-staleness, 
 importance weights and masks against the sampler's logprobs, and the tidal-algos loss (by name) is
 backpropagated. Gradients accumulate over the micro-batches, each scaled so that the step's loss is
 exactly the loss of the whole batch across all data-parallel ranks (token-mean or sequence-mean as the
-loss aggregates). Then clipping, the optimizer and the LR schedule step once.
+loss aggregates). Then clipping, the optimizer and the LR schedule step once. Under sequence
+parallelism (`sp=`, see tidal.integration.learner.parallel) each micro-batch's row is split over the
+ranks of an SP group and its per-token values gathered, so the loss is the same as on one rank.
 """
 
 from __future__ import annotations
