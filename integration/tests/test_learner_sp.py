@@ -123,14 +123,14 @@ def test_sp2_step_on_two_ranks_equals_one_rank(model, one_rank, tmp_path, mode, 
     assert_same_step(one_rank(loss, advantage), two)
 
 
-def test_dp2_by_sp2_on_four_ranks_equals_one_rank(model, one_rank, tmp_path):
-    """4 ranks as 2 SP groups of 2 (hybrid needs a Ulysses and a ring degree > 1 each: sp = 4 is planned
-    as 2 x 2 by the check above, and tidal-seqpar's own tests cover that mesh): the batch is split over the
-    groups by GRPO group, each group's rows over its ranks; losses, metrics and gradients are the whole
-    batch's, each token counted once."""
-    four = step(model, tmp_path / "four.safetensors", "--sp", "2", "--sp-mode", "ring", "--backend", "fsdp2",
+@pytest.mark.parametrize(("sp", "mode", "dp"), [(2, "ring", 2), (4, "hybrid", 1)])
+def test_four_ranks_equal_one_rank(model, one_rank, tmp_path, sp, mode, dp):
+    """dp 2 x sp 2: the batch is split over the two SP groups by GRPO group, each group's rows over its
+    two ranks (fsdp2 over all four). sp 4 "hybrid": Ulysses 2 x ring 2 (hybrid keeps both above 1).
+    Losses, metrics and gradients are the whole batch's, each token counted once."""
+    four = step(model, tmp_path / "four.safetensors", "--sp", str(sp), "--sp-mode", mode, "--backend", "fsdp2",
                 world=4)
-    assert_same_step(one_rank("ppo", "grpo"), four, dp=2)
+    assert_same_step(one_rank("ppo", "grpo"), four, dp=dp)
 
 
 def test_attention_sinks_under_sp2_equal_one_rank(sinks_model, tmp_path):
