@@ -19,7 +19,7 @@ TINY = {
     "weight_sync.py": ["--big-gib", "0.02", "--small", "60", "--trials", "1", "--bucket-mib", "4"],
     "engine.py": ["--requests", "16", "--concurrency", "4", "--max-tokens", "16", "--reps", "1", "--shape", "both",
                   "--rounds", "2", "--groups", "2"],
-    "learner.py": ["--samples", "8", "--max-len", "64", "--hidden", "64", "--layers", "1", "--reps", "1"],
+    "learner.py": ["--samples", "8", "--max-len", "64", "--hidden", "64", "--layers", "1", "--reps", "1", "--sp-len", "256"],
     "moe.py": ["--tokens", "256", "--hidden", "64", "--ffn", "128", "--experts", "4"],
     "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
                   "--block", "64", "--timeout", "200"],

@@ -12,16 +12,31 @@ step (PPO loss, GRPO advantages, AdamW) in the same process, interleaved:
   padded   the usual baseline: micro-batches of `--pad-batch` sequences padded to the longest, masked
 Then a sweep over the row budget (`--sweep`): with the batch fixed, Σ len² is fixed while Σ row_len² grows
 with the budget; varlen's step time must follow the first, dense's follows the second.
-Tokens/s counts real (unpadded, unshared) tokens. Prints tables and one JSON line.
+Tokens/s counts real (unpadded, unshared) tokens.
+
+Sequence parallelism (`--sp-len`, `--sp-modes`): one learner step (the same Trainer, `learner.parallel.sp`)
+on one sequence of `--sp-len` tokens (a 32-token prompt, the rest completion), at sp = 1 (one process) and
+sp = 2 (two gloo processes, Ulysses and/or ring), `--threads` torch threads per rank, each configuration in
+fresh processes after a warm-up step. Peak activation memory per rank is measured with saved-tensor hooks
+(`torch.autograd.graph.saved_tensors_hooks`): the bytes of every distinct storage autograd saves for
+backward during the step's forward (parameters excluded), at its highest (the end of the forward, before
+backward frees it); the largest rank's is reported. Step time: the median of `--reps` steps (the slowest
+rank). Goal: sp = 2 holds <= 0.6x the activations of sp = 1 per rank.
+
+Prints tables and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,6 +113,120 @@ def timed(trainers: dict[str, Trainer], batch: list[Sample], reps: int) -> dict[
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+class SavedBytes:
+    """Bytes autograd holds for backward: every distinct storage a saved tensor lives in (views of one
+    storage count once, parameters not at all), from `reset` to the end of the forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        return t
+
+    def reset(self) -> None:  # a micro-batch's backward has freed what its forward saved
+        self.seen.clear()
+        self.now = 0
+
+
+def sp_worker(a: argparse.Namespace) -> None:
+    """One rank of one sequence-parallel configuration: warm-up step, then `reps` measured steps."""
+    import torch.distributed as dist
+
+    from tidal.integration.learner.parallel import ParallelConfig, setup_sequence_parallel
+
+    torch.set_num_threads(a.threads)
+    if a.world > 1:
+        dist.init_process_group("gloo", rank=a.rank, world_size=a.world, init_method=f"tcp://127.0.0.1:{a.port}")
+    torch.manual_seed(0)
+    be = SingleBackend(a.model, BackendConfig(optim=OptimConfig(lr=1e-5)))
+    sp = setup_sequence_parallel(ParallelConfig(sp=a.world, sp_mode=a.mode), be)
+    trainer = Trainer(be, TrainConfig(loss=PluginRef(name="ppo"), micro_batch_tokens=a.sp_len), sp=sp)
+    rng = np.random.default_rng(0)
+    vocab = be.model.config.vocab_size
+
+    def sample(length: int) -> Sample:
+        t = length - 32
+        return Sample(id="long", group_id="g", prompt=rng.integers(3, vocab, 32).astype(np.int32),
+                      completion=rng.integers(3, vocab, t).astype(np.int32),
+                      logprobs=(-rng.random(t) * 3).astype(np.float32), versions=np.zeros(t, np.int32), reward=1.0,
+                      loss_mask=np.ones(t, bool))
+
+    saved = SavedBytes(be.model)
+    backward = be.backward
+
+    def counted_backward(loss: torch.Tensor, last: bool) -> None:
+        backward(loss, last)
+        saved.reset()
+
+    be.backward = counted_backward
+    trainer.step([sample(min(a.sp_len, 256))])  # optimizer state, gloo's buffers, lazy init: not measured
+    batch = [sample(a.sp_len)]
+    times = []
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        for _ in range(a.reps):
+            if a.world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            times.append(time.perf_counter() - t0)
+    Path(a.out).write_text(json.dumps({"rank": a.rank, "peak": saved.peak, "seconds": statistics.median(times)}))
+    if a.world > 1:
+        dist.destroy_process_group()
+
+
+def sp_measure(a: argparse.Namespace, model: str, mode: str, world: int, tmp: str) -> dict:
+    """One configuration in `world` fresh processes: the largest rank's peak, the slowest rank's time."""
+    from tidal.core.testing import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    port = str(free_port())
+    outs = [Path(tmp) / f"sp_{mode}_{world}_{r}.json" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--sp-worker", "--rank", str(r), "--world", str(world),
+                               "--port", port, "--mode", mode, "--model", model, "--out", str(outs[r]),
+                               "--sp-len", str(a.sp_len), "--reps", str(a.reps), "--threads", str(a.threads)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"sp={world} {mode} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    ranks = [json.loads(o.read_text()) for o in outs]
+    return {"peak": max(r["peak"] for r in ranks), "seconds": max(r["seconds"] for r in ranks)}
+
+
+def sp_section(a: argparse.Namespace, tmp: str) -> dict:
+    from tidal.rollout.tiny import build_tiny_model
+
+    heads = max(2, a.hidden // 64)  # Ulysses over 2 ranks needs at least 2 heads
+    path = str(build_tiny_model(f"{tmp}/sp", hidden=a.hidden, layers=a.layers, heads=heads, kv_heads=max(1, heads // 2),
+                                intermediate=3 * a.hidden, max_positions=a.sp_len + 8))
+    one = sp_measure(a, path, "ulysses", 1, tmp)
+    out = {"sp_len": a.sp_len, "sp1_peak_bytes": one["peak"], "sp1_s": one["seconds"], "modes": {}}
+    print(f"\nsequence parallelism: one {a.sp_len}-token sequence, one learner step, {a.threads} thread(s) per rank; "
+          f"peak activation memory per rank (saved-tensor hooks)")
+    print(f"{'':14}{'peak MiB/rank':>14}{'vs sp=1':>9}{'step s':>9}{'vs sp=1':>9}")
+    print(f"{'sp=1':14}{one['peak'] / 2**20:14.1f}{1:8.2f}x{one['seconds']:9.3f}{1:8.2f}x")
+    for mode in [m for m in a.sp_modes.split(",") if m]:
+        two = sp_measure(a, path, mode, 2, tmp)
+        mem, t = two["peak"] / one["peak"], two["seconds"] / one["seconds"]
+        print(f"{'sp=2 ' + mode:14}{two['peak'] / 2**20:14.1f}{mem:8.2f}x{two['seconds']:9.3f}{t:8.2f}x")
+        out["modes"][mode] = {"peak_bytes": two["peak"], "s": two["seconds"], "memory_ratio": mem, "time_ratio": t}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=64)
@@ -108,7 +237,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", default="512,1024,2048,4096", help="row budgets (tokens) for the scaling sweep")
+    ap.add_argument("--sp-len", type=int, default=4096, help="sequence length of the sequence-parallel step")
+    ap.add_argument("--sp-modes", default="ulysses,ring", help="sp = 2 modes to measure; '' skips the section")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank in the sequence-parallel runs")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per sequence-parallel configuration")
+    ap.add_argument("--sp-worker", action="store_true", help=argparse.SUPPRESS)
+    for internal in ("--rank", "--world", "--port"):
+        ap.add_argument(internal, type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="ulysses", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sp_worker:
+        sp_worker(args)
+        return
 
     from tidal.integration.learner.data import pack
     from tidal.rollout.tiny import build_tiny_model
@@ -159,10 +301,14 @@ def main() -> None:
         d_growth = sweep[-1]["dense_s"] / sweep[0]["dense_s"]
         print(f"largest / smallest budget: Σ row_len² x{sweep[-1]['sum_row_len_sq'] / sweep[0]['sum_row_len_sq']:.1f}, "
               f"varlen time x{v_growth:.2f}, dense time x{d_growth:.2f}")
+    sp = None
+    if args.sp_modes:
+        with tempfile.TemporaryDirectory() as tmp:
+            sp = sp_section(args, tmp)
     print(json.dumps({"bench": "learner", "real_tokens": real, "padded_tokens": padded_tokens, "sum_len_sq": sum_sq,
                       **{f"{k.replace('/', '_')}_tok_s": real / v for k, v in t.items()},
                       "dense_over_varlen": t["dense"] / t["varlen"], "padded_over_varlen": t["padded"] / t["varlen"],
-                      "sweep": sweep}))
+                      "sweep": sweep, "sp": sp}))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
+from tidal.integration.learner.parallel import ParallelConfig, check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.supervisor import Supervisor, error_file, write_final
@@ -78,6 +79,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         # none during the run, so a learner that fails ends the run instead of starting over at version 0
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
+    if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
+        check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
+                       backend=learner.backend, attn=learner.backend_options.attn)
     learner_threads, worker_threads = share_threads(os.cpu_count() or 1, cfg.workers, nproc_learner, cfg.launch.threads)
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),

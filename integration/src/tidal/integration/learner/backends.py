@@ -84,6 +84,7 @@ def lr_lambda(cfg: OptimConfig):
 
 class _Backend:
     name = "base"
+    reduces_grads = False  # whether backward/step reduce gradients over the ranks (sharded backends)
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
         self.cfg = cfg
@@ -147,11 +148,15 @@ class _Backend:
         return str(getattr(self._module().config, "_attn_implementation", "") or "")
 
     def layout_kw(self, layout: Any) -> dict[str, Any]:
-        """Forward kwargs for a packed row's layout (only `tidal_varlen` reads it; also for a reference
-        model that runs the same attention)."""
-        from tidal.seqpar.hf import VARLEN_ATTENTION
+        """Forward kwargs for a packed row's layout (`tidal_varlen` reads a VarlenLayout, sequence-parallel
+        `tidal_sp` this rank's ShardLayout; also for a reference model that runs the same attention)."""
+        from tidal.seqpar.hf import ATTENTION_NAME, VARLEN_ATTENTION
 
-        return {"varlen_layout": layout} if layout is not None and self.attention == VARLEN_ATTENTION else {}
+        if layout is None:
+            return {}
+        if self.attention == ATTENTION_NAME:
+            return {"sp_layout": layout}
+        return {"varlen_layout": layout} if self.attention == VARLEN_ATTENTION else {}
 
     def _call(self, **kw: Any) -> Any:
         return self.model(**kw)
@@ -209,6 +214,7 @@ class SingleBackend(_Backend):
 
 class FSDP2Backend(_Backend):
     name = "fsdp2"
+    reduces_grads = True
 
     def _optim_impl(self) -> dict[str, bool]:
         return {}  # DTensor parameters: torch picks its implementation
@@ -251,6 +257,7 @@ class DeepSpeedBackend(_Backend):
     format (`save_checkpoint` / `load_checkpoint`)."""
 
     name = "deepspeed"
+    reduces_grads = True
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu",
                  zero_stage: int = 3) -> None:

@@ -87,6 +87,13 @@ class Processing:
                    per_token([p.top_k for p in params], torch.int64),
                    per_token([p.top_p for p in params], torch.float32), kept, has)
 
+    def select(self, index: torch.Tensor) -> Processing:
+        """The processing of the tokens at `index` (a subset of the N, e.g. one sequence-parallel rank's)."""
+        at = index.to(self.temperature.device)
+        return Processing(self.temperature[at], self.top_k[at], self.top_p[at],
+                          None if self.kept is None else self.kept[index.cpu().numpy()],
+                          None if self.has_kept is None else self.has_kept[at])
+
 
 @dataclass
 class Micro:

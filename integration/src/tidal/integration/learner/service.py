@@ -40,6 +40,7 @@ from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
 from tidal.integration.learner.backends import BackendConfig
+from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
 
 log = logging.getLogger("tidal.learner")
@@ -70,6 +71,9 @@ class LearnerConfig(ConfigStruct):
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     moe: MoEOptions = msgspec.field(default_factory=MoEOptions)
+    # sequence parallelism { sp = P, sp_mode = "ulysses" | "ring" | "hybrid" }: the ranks form dp x sp, each
+    # packed row split over the P ranks of an SP group (tidal-seqpar); ep: expert parallelism
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
     # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
     # each one, so a learner killed in between is served them again on resume; 0 = only at the end
@@ -93,6 +97,7 @@ class Learner:
         from tidal.buffer.client import BatchClient
         from tidal.core.channels import pub
         from tidal.core.plugins import registry
+        from tidal.integration.learner.parallel import check_parallel, model_config, setup_sequence_parallel
         from tidal.integration.learner.trainer import Trainer
 
         if not cfg.model:
@@ -100,12 +105,23 @@ class Learner:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if cfg.parallel != ParallelConfig():  # refused before the model is loaded
+            check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend,
+                           attn=cfg.backend_options.attn)
         torch.manual_seed(cfg.seed)
         options = cfg.backend_options
         if needs_critic(cfg.train) and not options.value_head:
             log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
             options = msgspec.structs.replace(options, value_head=True)
         self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device)
+        self.sp = setup_sequence_parallel(cfg.parallel, self.backend)  # collective; None when sp = 1
+        # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
+        # requests and acknowledges it and hands it to the others
+        self.dp_rank, self.dp = (self.sp.dp_rank, self.sp.dp) if self.sp is not None else (self.rank, self.world)
+        if self.sp is not None:
+            m = self.sp.mesh
+            log.info("rank %d: sequence-parallel rank %d of %d (%s: ulysses %d x ring %d), data-parallel share %d of %d",
+                     self.rank, m.rank, m.size, cfg.parallel.sp_mode, m.ulysses, m.ring, self.dp_rank, self.dp)
         reference = None
         if needs_reference(cfg.train):
             from transformers import AutoModelForCausalLM
@@ -116,7 +132,7 @@ class Learner:
                 cfg.reference_model or cfg.model,
                 attn_implementation=pick_attention(options.attn, torch.device(cfg.device))).to(cfg.device)
             reference.requires_grad_(False)
-        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay)
+        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp)
         self.step = 0
         self.version = 0
         self.samples_trained = 0  # trajectories trained on, over the whole run (kept in checkpoints)
@@ -135,8 +151,8 @@ class Learner:
             self.trained_ids = list(progress.get("trained_ids", []))
             self.trained.extend(progress.get("trained", []))
             log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
-        self.client = BatchClient(cfg.buffer, self.rank, self.world, name=f"learner-{self.rank}",
-                                  trained=list(self.trained))
+        self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
+                                  trained=list(self.trained)) if self.sp is None or self.sp.leader else None
         self.pub = pub(cfg.publish, linger=1.0, watch_subscriptions=True) if self.rank == 0 else None
         if self.pub is not None and cfg.wait_for_subscriber_s > 0:
             # PUB/SUB drops what is published before a subscription arrives: a step that comes at once
@@ -211,26 +227,32 @@ class Learner:
         t0, asked_at = time.perf_counter(), time.time()
         self._collect_checkpoint(wait=False)
         ack, self._ack_next = self._ack_next, []
-        got, batch = self._until_stopped(lambda t: self.client.next_batch(self.version, timeout=t, ack=ack),
-                                         self.cfg.batch_timeout_s, "no batch from the buffer")
+        got, batch = True, None
+        if self.client is not None:  # under sequence parallelism, SP rank 0 of each group
+            client = self.client
+            got, batch = self._until_stopped(lambda t: client.next_batch(self.version, timeout=t, ack=ack),
+                                             self.cfg.batch_timeout_s, "no batch from the buffer")
         if not self._everyone(got):
             return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
         t_batch = time.perf_counter()
         # control-plane latency: from the share being complete in the buffer (or our request, if later)
         # to this step starting; a batch formed before we asked measures only the request's round trip
-        ready_to_step = time.time() - max(batch.ready_at, asked_at) if batch.ready_at else None
-        samples = [Sample.from_trajectory(t) for t in batch.trajectories]
+        ready_to_step = time.time() - max(batch.ready_at, asked_at) if batch is not None and batch.ready_at else None
+        samples = [Sample.from_trajectory(t) for t in batch.trajectories] if batch is not None else []
+        batch_id = batch.batch_id if batch is not None else ""
+        if self.sp is not None:
+            batch_id, samples = self.sp.share((batch_id, samples))
         metrics = self.trainer.step(samples)
         if self.cfg.simulate_s_per_sample:
-            time.sleep(self.cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / self.world)
+            time.sleep(self.cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / self.dp)
         t_train = time.perf_counter()
         self.step += 1
         self.version += 1
         self.samples_trained += int(metrics["train/sequences"])  # all ranks
-        self.trained.append(batch.batch_id)
-        self.unacked.append(batch.batch_id)
-        if self.cfg.record_trained_ids:
-            self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories]))
+        self.trained.append(batch_id)
+        self.unacked.append(batch_id)
+        if self.cfg.record_trained_ids:  # each data-parallel share once
+            self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories] if batch is not None else []))
         if self.latest is None or not self.cfg.checkpoint_every:
             self.acknowledge()  # no checkpoint to wait for: the step itself is the record
         elif self.step % self.cfg.checkpoint_every == 0:
@@ -258,7 +280,7 @@ class Learner:
         if ready_to_step is not None:
             metrics["train/ready_to_step_ms"] = 1e3 * max(0.0, ready_to_step)
         by_task: dict[str, list[float]] = {}
-        for t in batch.trajectories:
+        for t in batch.trajectories if batch is not None else []:
             by_task.setdefault(t.task, []).append(float(t.reward))
         if len(by_task) > 1:
             metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
@@ -276,9 +298,10 @@ class Learner:
         a batch the buffer serves again is acknowledged without training."""
         self._collect_checkpoint(wait=True)
         ids, self.unacked, self._ack_next = self._ack_next + self.unacked, [], []
-        if not ids:
+        if not ids or self.client is None:  # an SP rank other than 0: its group's SP rank 0 acknowledges
             return
-        acked, _ = self._until_stopped(lambda t: self.client.ack(ids, timeout=t), 60.0,
+        client = self.client
+        acked, _ = self._until_stopped(lambda t: client.ack(ids, timeout=t), 60.0,
                                        f"the buffer did not confirm the ack of {', '.join(ids[:3])}")
         if not acked:
             log.warning("stopping before the buffer confirmed the ack of %d batches (recorded as trained)", len(ids))
@@ -391,7 +414,8 @@ class Learner:
         self.wait_published()
         if self._background is not None:
             self._background.shutdown(wait=True)
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
         if self.sender is not None:
             if not self._stop:  # finished its steps: the generators should get the last version
                 self._wait_for_last_version()

@@ -9,7 +9,9 @@ recomputed (temperature as sampled), the staleness correction (tidal-staleness, 
 importance weights and masks against the sampler's logprobs, and the tidal-algos loss (by name) is
 backpropagated. Gradients accumulate over the micro-batches, each scaled so that the step's loss is
 exactly the loss of the whole batch across all data-parallel ranks (token-mean or sequence-mean as the
-loss aggregates). Then clipping, the optimizer and the LR schedule step once.
+loss aggregates). Then clipping, the optimizer and the LR schedule step once. Under sequence
+parallelism (`sp=`, see tidal.integration.learner.parallel) each micro-batch's row is split over the
+ranks of an SP group and its per-token values gathered, so the loss is the same as on one rank.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
+from tidal.integration.learner.parallel import SequenceParallel, Shard
 from tidal.moe_fsdp.replay import replay_routing
 
 log = logging.getLogger("tidal.learner")
@@ -68,10 +71,12 @@ class Trainer:
     `needs_reference(cfg)`). PPO mode (advantage "gae") needs a backend with `value_head=True`."""
 
     def __init__(self, backend: Any, cfg: TrainConfig, reference: torch.nn.Module | None = None, *,
-                 routing_replay: bool = False) -> None:
+                 routing_replay: bool = False, sp: SequenceParallel | None = None) -> None:
         self.backend = backend
         self.cfg = cfg
         self.routing_replay = routing_replay
+        # sequence parallelism (learner.parallel.sp > 1): each micro-batch split over this rank's SP group
+        self.sp = sp
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
         self.reference = reference.eval() if reference is not None else None
@@ -90,6 +95,9 @@ class Trainer:
         from tidal.seqpar.hf import VARLEN_ATTENTION
 
         self.share_prefix = cfg.share_prompts and backend.attention == VARLEN_ATTENTION
+        if sp is not None and cfg.share_prompts:
+            log.info("sequence parallelism: each sample is packed with its own prompt (train.share_prompts "
+                     "needs tidal_varlen's shared-prefix layout, which a row split over ranks does not have)")
         self.loss_fn = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self._value_loss = registry.create(
@@ -167,9 +175,22 @@ class Trainer:
         ret = [out.returns[i, : len(s.completion)] for i, s in enumerate(samples)] if out.returns is not None else None
         return adv, ret
 
-    def _values(self, micro: Any, values: torch.Tensor) -> list[torch.Tensor]:
-        """Critic value of each completion token: read at the position that predicts it."""
-        return list(values[0, micro.pred].split([t for _, _, t in micro.spans]))
+    def _shard(self, micro: Any) -> tuple[Any, Shard | None]:
+        """(what this rank's forward takes: the micro-batch, or under sequence parallelism its shard of
+        it; the shard, or None)"""
+        if self.sp is None:
+            return micro, None
+        shard = self.sp.shard(micro)
+        return shard.micro, shard
+
+    def _forward(self, local: Any, critic: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [1, n, V], critic values [n] or None) at the positions `local.pred` that predict the
+        completion tokens (logits elsewhere are not computed, except in PPO mode)."""
+        be = self.backend
+        if not critic:  # the lm_head skips the prompts
+            return be.forward(local.input_ids, local.position_ids, local.layout, keep=local.pred), None
+        logits, values = be.forward_with_values(local.input_ids, local.position_ids, local.layout)
+        return logits[:, local.pred], values[0, local.pred]
 
     def _old_values(self, samples: Sequence[Sample], micros: list, n_micro: int) -> list[torch.Tensor]:
         """PPO: the critic's values before this step (no grad), for GAE and value clipping."""
@@ -177,9 +198,12 @@ class Trainer:
         with torch.no_grad():
             for k in range(n_micro):
                 micro = micros[k] if k < len(micros) else self._dummy(samples)
-                _, values = self.backend.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
-                if k < len(micros):
-                    for i, v in zip(micro.index, self._values(micro, values), strict=True):
+                local, shard = self._shard(micro)
+                _, values = self._forward(local, critic=True)
+                if shard is not None:
+                    (values,) = shard.gather(values)
+                if k < len(micros):  # critic value of each completion token, at the position predicting it
+                    for i, v in zip(micro.index, values.split([t for _, _, t in micro.spans]), strict=True):
                         out[i] = v.detach().float()
         return out  # type: ignore[return-value]
 
@@ -200,7 +224,8 @@ class Trainer:
         be = self.backend
         tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
         seqs = float(sum(1 for s in samples if s.loss_mask.any()))
-        g_tokens, g_seqs = self._global([tokens, seqs])
+        sp = self.sp.size if self.sp is not None else 1  # the ranks of an SP group hold the same samples
+        g_tokens, g_seqs = (x / sp for x in self._global([tokens, seqs]))
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._check_sampling(samples)
         micros = pack(samples, self.cfg.micro_batch_tokens, be.device, share_prefix=self.share_prefix,
@@ -212,22 +237,30 @@ class Trainer:
         sums: dict[str, float] = defaultdict(float)
         for k in range(n_micro):
             if k >= len(micros):  # this rank has no more data: a zero-weight forward keeps collectives in step
-                dummy = self._dummy(samples)
+                local, _ = self._shard(self._dummy(samples))
                 if self.critic:
-                    logits, values = be.forward_with_values(dummy.input_ids, dummy.position_ids)
+                    logits, values = be.forward_with_values(local.input_ids, local.position_ids, local.layout)
                     zero = logits.sum() * 0.0 + values.sum() * 0.0
                 else:
-                    zero = be.forward(dummy.input_ids, dummy.position_ids).sum() * 0.0
+                    zero = be.forward(local.input_ids, local.position_ids, local.layout).sum() * 0.0
                 be.backward(zero, last=k == n_micro - 1)
                 continue
             micro = micros[k]
+            local, shard = self._shard(micro)
             routes = self._recorded_routes(micro, samples)  # [row, layers, k] as sampled, or None
+            if routes is not None and shard is not None:
+                routes = shard.rows(routes, pad_value=-1)  # this rank's tokens' routes
             with ExitStack() as replaying:
                 if routes is not None and self.routing_replay:  # every token to its sampler's experts
                     replaying.enter_context(replay_routing(be._module(), routes))
-                self._forward_backward(micro, routes, samples, adv, returns, old_values, sums, g_tokens=g_tokens,
-                                       g_seqs=g_seqs, world=world, n_micros=len(micros), last=k == n_micro - 1)
+                self._forward_backward(micro, shard, routes, samples, adv, returns, old_values, sums,
+                                       g_tokens=g_tokens, g_seqs=g_seqs, world=world, n_micros=len(micros),
+                                       last=k == n_micro - 1)
+        # under sequence parallelism every rank of an SP group adds the same (whole micro-batch) metrics:
+        # _forward_backward scales them by the number of SP groups (dp), not of ranks
         metrics = {k: v / world for k, v in self._global_dict(sums).items()}
+        if self.sp is not None:
+            self.sp.reduce_grads(be)
         if self.before_update is not None:
             self.before_update()
         metrics.update(be.clip_and_step())
@@ -236,21 +269,29 @@ class Trainer:
         metrics["train/micro_batches"] = float(n_micro)
         return metrics
 
-    def _forward_backward(self, micro: Any, routes: torch.Tensor | None, samples: Sequence[Sample], adv: list,
-                          returns: list | None, old_values: list | None, sums: dict[str, float], *, g_tokens: float,
-                          g_seqs: float, world: int, n_micros: int, last: bool) -> None:
+    def _forward_backward(self, micro: Any, shard: Shard | None, routes: torch.Tensor | None,
+                          samples: Sequence[Sample], adv: list, returns: list | None, old_values: list | None,
+                          sums: dict[str, float], *, g_tokens: float, g_seqs: float, world: int, n_micros: int,
+                          last: bool) -> None:
         """One micro-batch: forward, logprobs as sampled, corrections, loss, backward (its gradient scaled
-        to its share of the whole step's batch); its metrics are added to `sums`."""
+        to its share of the whole step's batch); its metrics are added to `sums`. With a `shard` (sequence
+        parallelism) the forward runs on this rank's tokens, and the per-token logprobs, entropies and
+        values are gathered from the SP group, so the loss below is the whole micro-batch's on every rank."""
         from tidal.algos.types import LossInputs
 
         be = self.backend
-        if self.critic:
-            logits, values = be.forward_with_values(micro.input_ids, micro.position_ids, micro.layout)
-        else:  # logits only where they predict a completion token (the lm_head skips the prompts)
-            logits, values = be.forward(micro.input_ids, micro.position_ids, micro.layout, keep=micro.pred), None
-        lp, ent = token_logprobs(logits, micro, with_entropy=True)
+        local = micro if shard is None else shard.micro
+        logits, values = self._forward(local, self.critic)
+        lp, ent = token_logprobs(logits, local, with_entropy=True)
         if routes is not None:
-            self._routing_metrics(routes, micro, sums, n_micros)
+            self._routing_metrics(routes, local, sums, n_micros)
+        if shard is not None:
+            if values is None:
+                lp, ent = shard.gather(lp, ent.detach())
+            else:
+                lp, ent, values = shard.gather(lp, ent.detach(), values)
+        # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
+        dp = world // (shard.mesh.size if shard is not None else 1)
         ss = [samples[i] for i in micro.index]
         dev = logits.device
 
@@ -265,7 +306,7 @@ class Trainer:
         if bool(outside.any()):
             lp = torch.where(outside, behaviour, lp)
             trained = trained & ~outside
-            sums["staleness/outside_support"] += float(outside.sum()) / max(g_tokens, 1) * world
+            sums["staleness/outside_support"] += float(outside.sum()) / max(g_tokens, 1) * dp
         inputs = dict(
             logprobs=micro.padded(lp),
             behaviour_logprobs=micro.padded(behaviour),
@@ -275,10 +316,12 @@ class Trainer:
         )
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = self.reference(input_ids=micro.input_ids, position_ids=micro.position_ids,
-                                            use_cache=False, logits_to_keep=micro.pred,
-                                            **be.layout_kw(micro.layout)).logits
-                ref_lp, _ = token_logprobs(ref_logits, micro)
+                ref_logits = self.reference(input_ids=local.input_ids, position_ids=local.position_ids,
+                                            use_cache=False, logits_to_keep=local.pred,
+                                            **be.layout_kw(local.layout)).logits
+                ref_lp, _ = token_logprobs(ref_logits, local)
+                if shard is not None:
+                    (ref_lp,) = shard.gather(ref_lp)
                 # outside the reference's processed support: no KL term can be computed there
                 ref_outside = ~torch.isfinite(ref_lp)
                 ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
@@ -307,7 +350,7 @@ class Trainer:
             vin = LossInputs(
                 logprobs=inputs["logprobs"], behaviour_logprobs=inputs["behaviour_logprobs"],
                 advantages=inputs["advantages"], mask=inputs["mask"],
-                values=micro.padded(values[0, micro.pred]),
+                values=micro.padded(values),
                 old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
                 returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
             vout = self._value_loss(vin)
@@ -316,19 +359,20 @@ class Trainer:
         # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
         log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
         k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
-        sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * world
+        sums["staleness/mismatch_kl"] += float(k3.sum()) / max(g_tokens, 1) * dp
         if "ref_logprobs" in inputs:
             kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
-            sums["kl/reference"] += float(kl) / max(g_tokens, 1) * world
+            sums["kl/reference"] += float(kl) / max(g_tokens, 1) * dp
         m_tokens = float(inputs["mask"].sum())
         m_seqs = float(inputs["mask"].any(-1).sum())
         share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
-        # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's
+        # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's (under
+        # sequence parallelism the SP ranks' gradients sum to their micro-batch's, then the same holds)
         be.backward(loss * share * world, last=last)
-        sums["loss/total"] += float(loss.detach()) * share * world
+        sums["loss/total"] += float(loss.detach()) * share * dp
         for name, v in out.metrics.items():
-            sums[name] += float(v) * share * world
-        sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * world
+            sums[name] += float(v) * share * dp
+        sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
 
     def _global_dict(self, values: dict[str, float]) -> dict[str, float]:
         """Sum metric dicts over ranks; a rank with no data this step contributes no keys (so the key

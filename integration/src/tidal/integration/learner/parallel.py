@@ -1,0 +1,277 @@
+"""The learner's parallelism beyond data parallel: sequence parallelism (tidal-seqpar) and expert
+parallelism (tidal-moe-fsdp), chosen with `learner.parallel`.
+
+Sequence parallelism (`sp = P`): the learner's W ranks form a dp × sp grid (W = dp · P, consecutive
+ranks share a sequence). The P ranks of an SP group train the same micro-batches: each packed row is
+split over them (`tidal.seqpar.plan_layout`: padding, zigzag over the ring, slices over Ulysses) and the
+model's attention runs through `sp_attention` (sinks included). Each rank computes logits, logprobs and
+entropy only at its own positions; those per-token values (a float or two per completion token, not
+logits) are gathered over the group, so every rank of it computes the same loss of the whole micro-batch:
+token means over the global valid tokens, sequence-level ratios and aggregations (GSPO, seq-mean) and
+advantages are exactly those of one rank. Gradients: each rank backpropagates its own tokens' part;
+their sum over the SP group is the micro-batch's gradient, and the backend's reduction over all W ranks
+(FSDP2, or `reduce_grads` for the single backend) does the rest. Only SP rank 0 of a group talks to the
+buffer (as data-parallel rank `dp_rank` of `dp`) and hands the batch to the others.
+
+    par = ParallelConfig(sp=2, sp_mode="ring")
+    sp = setup_sequence_parallel(par, backend)          # after dist.init_process_group; collective
+    trainer = Trainer(backend, train_cfg, sp=sp)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from tidal.core.config import ConfigStruct
+from tidal.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tidal.integration.learner.data import Micro
+    from tidal.seqpar import ShardLayout, SPMesh
+
+FIELD = "learner.parallel"
+SP_BACKENDS = ("single", "fsdp2")  # deepspeed's engine is not wired to the SP layout (untested): refused
+SP_ATTENTION = ("auto", "tidal_sp")  # the attention implementation under sp > 1 is tidal-seqpar's
+
+
+class ParallelConfig(ConfigStruct):
+    sp: int = 1  # sequence-parallel degree (tidal-seqpar)
+    sp_mode: Literal["ulysses", "ring", "hybrid"] = "ulysses"
+    ep: int = 1  # expert-parallel degree (tidal-moe-fsdp)
+
+
+def model_config(model: str | Path) -> dict[str, Any]:
+    """The model folder's config.json (what the checks read: heads, sliding windows, dropout)."""
+    path = Path(model) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the model's config {path}: {e}", field="model") from None
+
+
+def _ulysses_fits(q_heads: int, kv_heads: int) -> list[int]:
+    """Ulysses degrees that split the heads (seqpar's rule: divide the query heads, and the KV heads be
+    a multiple or a divisor of the degree)."""
+    return [u for u in range(1, q_heads + 1) if q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)]
+
+
+def check_sequence_parallel(par: ParallelConfig, *, world: int, config: dict[str, Any], backend: str = "single",
+                            attn: str = "auto") -> tuple[int, int]:
+    """The (ulysses, ring) degrees of `par.sp` on `world` learner ranks for a model with HF `config`;
+    ConfigError naming the field, the value and what works when they do not fit."""
+    sp, mode = par.sp, par.sp_mode
+    if sp < 1:
+        raise ConfigError(f"{FIELD}.sp must be >= 1, got {sp}", field=f"{FIELD}.sp")
+    if world % sp:
+        raise ConfigError(f"{FIELD}.sp = {sp} needs the learner's ranks to be a multiple of it (dp x sp), but it "
+                          f"has {world}: start {sp * max(1, world // sp)} or {sp * (world // sp + 1)} ranks "
+                          f"(launch nproc) or pick sp among {[d for d in range(1, world + 1) if world % d == 0]}",
+                          field=f"{FIELD}.sp")
+    if sp == 1:
+        return 1, 1
+    if backend not in SP_BACKENDS:
+        raise ConfigError(f"{FIELD}.sp = {sp} runs with the learner backends {list(SP_BACKENDS)}, not {backend!r}",
+                          field="learner.backend")
+    if attn not in SP_ATTENTION:
+        raise ConfigError(f"{FIELD}.sp = {sp} runs attention through tidal-seqpar (\"tidal_sp\": the row split over "
+                          f"the SP ranks); backend_options.attn = {attn!r} cannot attend over a split row: set it to "
+                          f"\"auto\"", field="learner.backend_options.attn")
+    text = config.get("text_config") or config
+    q = int(text.get("num_attention_heads") or 0)
+    kv = int(text.get("num_key_value_heads") or q)
+    sliding = [t for t in (text.get("layer_types") or []) if "sliding" in str(t)]
+    if sliding or (text.get("use_sliding_window") and text.get("sliding_window")):
+        raise ConfigError(f"{FIELD}.sp = {sp}: the model has sliding-window attention layers ({len(sliding) or 'all'}), "
+                          f"which tidal-seqpar does not implement; use sp = 1 for this model", field=f"{FIELD}.sp")
+    if float(text.get("attention_dropout") or 0.0):
+        raise ConfigError(f"{FIELD}.sp = {sp}: attention dropout {text['attention_dropout']} is not supported under "
+                          f"sequence parallelism; set the model's attention_dropout to 0", field=f"{FIELD}.sp")
+    if not q:
+        raise ConfigError("the model's config has no num_attention_heads: cannot plan sequence parallelism",
+                          field=f"{FIELD}.sp")
+    fits = _ulysses_fits(q, kv)
+    if mode == "ring":
+        return 1, sp
+    if mode == "ulysses":
+        if sp not in fits:
+            raise ConfigError(f"{FIELD}.sp = {sp} with sp_mode = \"ulysses\" cannot split the model's {q} query heads / "
+                              f"{kv} KV heads (the degree must divide the query heads, and the KV heads be a multiple "
+                              f"or a divisor of it): Ulysses degrees that work are {fits}; sp_mode = \"ring\" takes any "
+                              f"degree, and \"hybrid\" puts the part the heads cannot take on the ring",
+                              field=f"{FIELD}.sp")
+        return sp, 1
+    if mode == "hybrid":  # Ulysses inside as far as the heads allow, ring across
+        inner = [u for u in fits if 1 < u < sp and sp % u == 0]
+        if not inner:
+            raise ConfigError(f"{FIELD}.sp = {sp} with sp_mode = \"hybrid\" needs a Ulysses degree u with 1 < u < sp "
+                              f"dividing sp and the heads ({q} query / {kv} KV heads: {fits}), the ring taking sp / u; "
+                              f"there is none: use sp_mode = \"ulysses\" or \"ring\"", field=f"{FIELD}.sp_mode")
+        return max(inner), sp // max(inner)
+    raise ConfigError(f"{FIELD}.sp_mode must be \"ulysses\", \"ring\" or \"hybrid\", not {mode!r}",
+                      field=f"{FIELD}.sp_mode")
+
+
+def check_parallel(par: ParallelConfig, *, world: int, config: dict[str, Any], backend: str = "single",
+                   attn: str = "auto") -> None:
+    """Every `learner.parallel` check, before a model is loaded (ConfigError naming the field)."""
+    check_sequence_parallel(par, world=world, config=config, backend=backend, attn=attn)
+    if par.ep != 1:
+        raise ConfigError(f"{FIELD}.ep = {par.ep}: expert parallelism is not wired into the learner in this build; "
+                          f"use ep = 1", field=f"{FIELD}.ep")
+
+
+@dataclass
+class Shard:
+    """This rank's part of one packed micro-batch under sequence parallelism."""
+
+    micro: Micro  # this rank's tokens: ids, positions, the row's ShardLayout; pred/targets/processing of the
+    # completion tokens whose logits this rank computes (pred: local positions)
+    sel: list[torch.Tensor]  # per SP rank, which of the micro-batch's N completion tokens it scores
+    mesh: SPMesh
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.micro.layout  # type: ignore[return-value]
+
+    def gather(self, *cols: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token values of this rank's completion tokens ([n_me] each) -> the whole micro-batch's
+        ([N] each, on every SP rank). Differentiable: see `_Gather`."""
+        import torch
+
+        # even an empty piece stays in the graph: its backward must reach this rank's attention collectives
+        out = _gather(torch.stack([c.float() for c in cols], 1), self.sel, self.mesh)
+        return list(out.unbind(1))
+
+    def rows(self, x: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
+        """This rank's rows of a per-row-position tensor [row_len, ...] (e.g. recorded MoE routes)."""
+        from tidal.seqpar import shard
+
+        return shard(x, self.layout, self.mesh, dim=0, pad_value=pad_value)
+
+
+def _gather(x: torch.Tensor, sel: list[torch.Tensor], mesh: SPMesh) -> torch.Tensor:
+    import torch
+    import torch.distributed as dist
+
+    class _Gather(torch.autograd.Function):
+        """All SP ranks' [n_r, C] pieces -> [N, C] in completion-token order. Backward: every SP rank
+        computes the same loss from the same gathered values, so the gradient w.r.t. the whole [N, C] is
+        the same on all of them; each passes on its own rows only, and the parameter gradients the
+        ranks accumulate sum to the loss's gradient (no reduction here: the backend's does it)."""
+
+        @staticmethod
+        def forward(ctx, piece: torch.Tensor) -> torch.Tensor:
+            width = max(len(s) for s in sel)
+            total = sum(len(s) for s in sel)
+            out = piece.new_empty(total, piece.shape[1])
+            if width == 0:
+                return out
+            buf = piece.new_zeros(width, piece.shape[1])
+            buf[: len(piece)] = piece
+            parts = [torch.empty_like(buf) for _ in sel]
+            dist.all_gather(parts, buf, group=mesh.group)
+            for part, s in zip(parts, sel, strict=True):
+                out[s] = part[: len(s)]
+            return out
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            return grad[sel[mesh.rank]]
+
+    return _Gather.apply(x)
+
+
+@dataclass
+class SequenceParallel:
+    """This rank's place in the learner's dp × sp grid and what it does differently there."""
+
+    mesh: SPMesh
+    dp_rank: int  # which data-parallel share of each batch this rank's SP group trains
+    dp: int  # number of SP groups (data-parallel degree)
+    world: int  # dp * sp
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def leader(self) -> bool:
+        """SP rank 0 of its group: the one that requests batches from the buffer and acknowledges them."""
+        return self.mesh.rank == 0
+
+    def share(self, obj: Any) -> Any:
+        """The SP group leader's `obj` on every rank of the group (pickled; a batch's samples)."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.mesh.group, 0), group=self.mesh.group)
+        return box[0]
+
+    def shard(self, micro: Micro) -> Shard:
+        """Split a packed micro-batch (one row, samples each one segment: no shared prompts) over the
+        SP group: this rank's tokens, and which completion tokens' logits each rank computes (the rank
+        holding the position that predicts it)."""
+        import torch
+
+        from tidal.integration.learner.data import Micro
+        from tidal.seqpar import plan_layout, shard
+
+        mesh, dev = self.mesh, micro.input_ids.device
+        if micro.input_ids.shape[0] != 1:
+            raise ValueError(f"a packed micro-batch is one row, got {micro.input_ids.shape[0]}")
+        layout = plan_layout(micro.tokens, mesh, position_ids=micro.position_ids.cpu())
+        local_len = layout.padded_len // mesh.size
+        where = torch.empty(layout.padded_len, dtype=torch.long)  # row position -> rank * local_len + local index
+        for r in range(mesh.size):
+            where[layout.rank_indices(r // mesh.ulysses, r % mesh.ulysses)] = r * local_len + torch.arange(local_len)
+        pred = micro.pred.cpu() if micro.pred is not None else torch.zeros(0, dtype=torch.long)
+        flat = where[pred]
+        owner = flat // local_len
+        sel = [torch.nonzero(owner == r).flatten() for r in range(mesh.size)]
+        mine = sel[mesh.rank]
+        local = Micro(
+            shard(micro.input_ids, layout, mesh, dim=1), shard(micro.position_ids, layout, mesh, dim=1),
+            micro.index, micro.spans, layout=layout, pred=(flat[mine] % local_len).to(dev),
+            targets=micro.targets[mine.to(dev)] if micro.targets is not None else None,
+            processing=micro.processing.select(mine) if micro.processing is not None else None)
+        return Shard(local, [s.to(dev) for s in sel], mesh)
+
+    def reduce_grads(self, backend: Any) -> None:
+        """Average gradients over all ranks, as FSDP2 does, for a backend that does not (single): with the
+        trainer's scaling (×world) that makes every replica's gradient the whole batch's."""
+        if getattr(backend, "reduces_grads", False):
+            return
+        import torch
+        import torch.distributed as dist
+
+        for p in backend.model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(self.world)
+
+
+def setup_sequence_parallel(par: ParallelConfig, backend: Any) -> SequenceParallel | None:
+    """Check `par` against the backend's model and world, build the dp × sp mesh (collective: every rank
+    calls it) and switch the model's attention to tidal-seqpar's. None when sp = 1."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    module = backend._module()
+    ulysses, ring = check_sequence_parallel(par, world=world, config=module.config.to_dict(),
+                                            backend=getattr(backend, "name", "single"), attn=backend.cfg.attn)
+    if par.sp == 1:
+        return None
+    from tidal.seqpar import make_mesh
+    from tidal.seqpar.hf import enable_sequence_parallel
+
+    mesh = make_mesh(ulysses=ulysses, ring=ring)
+    enable_sequence_parallel(module, mesh)
+    return SequenceParallel(mesh=mesh, dp_rank=dist.get_rank() // par.sp, dp=world // par.sp, world=world)
