@@ -8,13 +8,18 @@ consumed) is a record, applied here and appended to the log by the service. Noth
 from __future__ import annotations
 
 import time
+import typing
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from tidal.buffer import wal
+from tidal.core.arrays import Array, DType, Shape
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
-from tidal.core.protocol import PROTOCOL_VERSION, Trajectory
+from tidal.core.protocol import PROTOCOL_VERSION, Trajectory, TrajectoryGroup
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 _codec = Codec(inline_threshold=1 << 62)
@@ -39,6 +44,82 @@ def decode_trajectory(frame: bytes) -> Trajectory:
     if type(msg) is not Trajectory:
         raise ValueError(f"WAL Put holds a {type(msg).__name__}, not a Trajectory")
     return msg
+
+
+class ArrayView(msgspec.Struct, array_like=True, gc=False):
+    """An `Array` as the buffer reads it off an inline frame: `data` is a view into the received message,
+    not a copy (the byte count is checked by `validate`, not here: no Python call per array)."""
+
+    dtype: DType  # as Array.dtype
+    shape: Shape  # as Array.shape
+    data: memoryview  # the inline bytes (an out-of-line reference does not decode: the full codec takes it)
+
+    def numpy(self) -> Any:
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+
+def _viewed(tp: Any) -> Any:
+    """`tp` with Array replaced by ArrayView (also inside `Array | None`)."""
+    if tp is Array:
+        return ArrayView
+    args = typing.get_args(tp)
+    if Array in args:
+        return typing.Union[tuple(ArrayView if a is Array else a for a in args)]  # noqa: UP007
+    return tp
+
+
+def _sample_fields() -> list[tuple]:
+    out: list[tuple] = []
+    for f in msgspec.structs.fields(Trajectory):
+        tp = _viewed(f.type)
+        if f.default is not msgspec.NODEFAULT:
+            out.append((f.name, tp, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
+        else:
+            out.append((f.name, tp))
+    return out
+
+
+# A Trajectory as the buffer holds it: the same wire layout (tag, fields, order, defaults; made from
+# Trajectory's own fields, so it cannot drift) with every array a view into the received message. The
+# buffer routes, logs and serves samples without copying their arrays into Python bytes, and serves
+# them as the bytes they arrived in. Group filters and re-masking get a real `Trajectory` (`decode_body`).
+Sample = msgspec.defstruct("Sample", _sample_fields(), tag="Trajectory", array_like=True, gc=False,
+                           module=__name__)
+
+
+class SampleGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
+    """A TrajectoryGroup read as Samples (same wire layout as the protocol's)."""
+
+    id: str
+    trajectories: list[Sample]  # type: ignore[valid-type]
+    source: str = ""
+
+
+_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
+_sample = msgspec.msgpack.Decoder(Sample)
+
+
+def decode_samples(body: memoryview) -> Any:
+    """A Sample or SampleGroup from the msgpack body of an inline frame, without copying its arrays.
+    Raises msgspec errors for anything else (the caller asks the full codec why)."""
+    return _samples.decode(body)
+
+
+def sample_of(body: bytes | memoryview) -> Any:
+    """The Sample a stored encoding holds (views into `body`)."""
+    return _sample.decode(body)
+
+
+def decode_body(body: bytes | memoryview) -> Trajectory:
+    """A real Trajectory (arrays copied out) from a stored encoding, for filters and re-masking."""
+    return decode_trajectory(frame_of(body))
+
+
+assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
 
 
 def num_tokens(t: Trajectory) -> int:
@@ -79,7 +160,7 @@ class RecentIds:
 class Group:
     group_id: str
     size: int  # expected number of samples
-    members: dict[str, Trajectory] = field(default_factory=dict)  # trajectory id -> trajectory
+    members: dict[str, Any] = field(default_factory=dict)  # trajectory id -> its Sample (or Trajectory)
     first_seen: float = field(default_factory=time.monotonic)
     tokens: int = 0  # prompt + completion tokens of the members (kept up to date by Store)
 
@@ -89,7 +170,7 @@ class Served:
     batch_id: str
     rank: int
     world_size: int
-    trajectories: list[Trajectory]
+    trajectories: list[Any]  # Samples (or Trajectories), in order
     formed_at: float = field(default_factory=time.time)  # wall clock (a replayed share: its replay)
 
 
@@ -249,10 +330,12 @@ class Store:
     def apply(self, rec: wal.Record) -> None:
         """Replay one WAL record."""
         if type(rec) is wal.Put:
-            self.put(decode_trajectory(rec.frame), body_of(rec.frame))
+            body = body_of(rec.frame)
+            self.put(sample_of(body), body)
         elif type(rec) is wal.PutGroup:
             for frame in rec.frames:
-                self.put(decode_trajectory(frame), body_of(frame))
+                body = body_of(frame)
+                self.put(sample_of(body), body)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
@@ -262,7 +345,7 @@ class Store:
         elif type(rec) is wal.Release:
             self.release(rec.group_id)
         elif type(rec) is wal.Restore:
-            self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames], rec.frames)
+            self.restore(rec.batch_id, rec.rank, rec.world_size, [sample_of(body_of(f)) for f in rec.frames], rec.frames)
         elif type(rec) is wal.Snapshot:
             self.next_batch_seq = rec.next_batch_seq
             self.consumed_ids = RecentIds(self.dedupe_window, rec.consumed_ids)

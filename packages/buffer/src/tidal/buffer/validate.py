@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from tidal.buffer.store import ArrayView
+from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import Trajectory, TrajectoryGroup
 
+_ARRAYS = ("prompt_ids", "completion_ids", "logprobs", "versions", "step_rewards", "step_ends", "loss_mask",
+           "routing", "sampling_mask")
 
-def validate(t: Trajectory) -> str | None:
-    """Why a decoded trajectory cannot be trained on, or None."""
+
+def validate(t: Trajectory | Any) -> str | None:
+    """Why a decoded trajectory (or `Sample`) cannot be trained on, or None."""
     n = t.completion_ids.shape[0] if len(t.completion_ids.shape) == 1 else -1
     if n < 0 or len(t.prompt_ids.shape) != 1:
         return "prompt_ids and completion_ids must be 1-D"
@@ -18,11 +25,21 @@ def validate(t: Trajectory) -> str | None:
         return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
     if not t.id or not t.group_id:
         return "id and group_id must be non-empty"
+    if type(t.versions) is ArrayView:  # a Sample: its arrays' byte counts are checked here (an Array's by itself)
+        for name in _ARRAYS:
+            a = getattr(t, name)
+            if a is None:
+                continue
+            size = ITEMSIZE[a.dtype]
+            for d in a.shape:
+                size *= d
+            if len(a.data) != size:
+                return f"{name} has {len(a.data)} bytes; dtype {a.dtype} and shape {a.shape} need {size}"
     return None
 
 
-def validate_group(g: TrajectoryGroup) -> str | None:
-    """Why a decoded group cannot be admitted (as a whole), or None."""
+def validate_group(g: TrajectoryGroup | Any) -> str | None:
+    """Why a decoded group (or `SampleGroup`) cannot be admitted (as a whole), or None."""
     if not g.trajectories:
         return "it has no trajectories"
     seen = set()
