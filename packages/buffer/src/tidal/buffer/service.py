@@ -46,7 +46,7 @@ from tidal.buffer.store import (
     decode_body,
     decode_samples,
     encode_trajectory,
-    num_tokens,
+    member_bodies,
     sample_of,
 )
 from tidal.buffer.validate import validate, validate_group
@@ -84,16 +84,6 @@ SHARES_AHEAD = 3
 # it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
 # are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
 INGEST_VIEW_BYTES = 16 * 1024
-
-
-class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
-    """A TrajectoryGroup header read for its members' encodings (views into the header, not copies)."""
-
-    id: str
-    trajectories: list[msgspec.Raw]
-
-
-_raw_group = msgspec.msgpack.Decoder(_RawGroup)
 
 
 class BufferService:
@@ -339,7 +329,7 @@ class BufferService:
             return f"invalid group {g.id}: {why}", {}
         store = self.store
         # each member's encoding is a slice of the header when every array rode inline in it
-        bodies = _raw_group.decode(body_of(frame)).trajectories if frame is not None else None
+        bodies = member_bodies(body_of(frame)) if frame is not None else None
         admitted: list[Any] = []
         kept: list[Any] = []
         refused: dict[str, str] = {}
@@ -347,7 +337,7 @@ class BufferService:
             if store.known(t.id):
                 store.stats["duplicates"] += 1
                 continue
-            body = None if bodies is None else memoryview(bodies[i])
+            body = None if bodies is None else bodies[i]
             if self.admission is not None:
                 why, mask = self._admit(t)
                 if why is not None:
@@ -361,7 +351,10 @@ class BufferService:
             admitted.append(t)
             kept.append(body)
         if admitted:
-            self.wal.append_group(kept, PREAMBLE)
+            if len(admitted) == len(bodies or ()) and all(a is b for a, b in zip(kept, bodies, strict=True)):
+                self.wal.append_message(frame)  # the whole group as it came: one piece, not one per member
+            else:
+                self.wal.append_group(kept, PREAMBLE)
             group = store.put_group(admitted, kept)
             if group is not None:
                 self.on_group_complete(group)
@@ -444,10 +437,13 @@ class BufferService:
                 return
         served = self.store.outstanding[q[pos]]
         del self.parked[rank]
-        trajs = [self._prepare(t) for t in served.trajectories]
+        if self.admission is None:  # the stored encodings, spliced into the Batch as they are
+            frames, raw = self.store.frames, msgspec.Raw
+            trajs = [raw(frames[t.id]) for t in served.trajectories]
+        else:
+            trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
-                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories),
-                      ready_at=served.formed_at)
+                      step=self.learner_version, num_tokens=served.tokens, ready_at=served.formed_at)
         if served.batch_id in self._undurable:
             self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
             self._commit_within(0.0)  # a learner waits for it

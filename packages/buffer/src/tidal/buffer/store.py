@@ -99,6 +99,14 @@ class SampleGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=Fal
     source: str = ""
 
 
+class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
+    """A TrajectoryGroup header read for its members' encodings (views into the header, not copies)."""
+
+    id: str
+    trajectories: list[msgspec.Raw]
+
+
+_raw_group = msgspec.msgpack.Decoder(_RawGroup)
 _samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
 _sample = msgspec.msgpack.Decoder(Sample)
 
@@ -107,6 +115,11 @@ def decode_samples(body: memoryview) -> Any:
     """A Sample or SampleGroup from the msgpack body of an inline frame, without copying its arrays.
     Raises msgspec errors for anything else (the caller asks the full codec why)."""
     return _samples.decode(body)
+
+
+def member_bodies(body: bytes | memoryview) -> list[memoryview]:
+    """The encodings of a TrajectoryGroup's members, from the msgpack body of its one frame (views)."""
+    return [memoryview(m) for m in _raw_group.decode(body).trajectories]
 
 
 def sample_of(body: bytes | memoryview) -> Any:
@@ -145,6 +158,13 @@ class RecentIds:
         if len(new) >= self.half:
             self.old, self.new = new, set()
 
+    def update(self, ids: Iterable[str]) -> None:
+        """`add` of each of `ids` (the generation turns over after them, not in their midst)."""
+        new = self.new
+        new.update(ids)
+        if len(new) >= self.half:
+            self.old, self.new = new, set()
+
     def __contains__(self, i: object) -> bool:
         return i in self.new or i in self.old
 
@@ -171,6 +191,7 @@ class Served:
     rank: int
     world_size: int
     trajectories: list[Any]  # Samples (or Trajectories), in order
+    tokens: int = 0  # prompt + completion tokens of the trajectories
     formed_at: float = field(default_factory=time.time)  # wall clock (a replayed share: its replay)
 
 
@@ -254,7 +275,7 @@ class Store:
             where[tid] = gid
             members[tid] = t
             size += len(body)
-            tokens += num_tokens(t)
+            tokens += t.prompt_ids.shape[0] + t.completion_ids.shape[0]  # 1-D: validated
         self.live_bytes += size
         g.tokens += tokens
         self.stats["accepted"] += len(trajs)
@@ -291,18 +312,27 @@ class Store:
 
     def serve(self, batch_id: str, rank: int, world_size: int, ids: list[str]) -> Served:
         trajs = []
+        where, ready = self.where, self.ready
+        before: dict[str, int] = {}  # group id -> its token count before this share took members
         for i in ids:
-            gid = self.where.get(i)
-            g = self.ready.get(gid) if gid is not None else None
+            gid = where.get(i)
+            g = ready.get(gid) if gid is not None else None
             if g is None or i not in g.members:
                 raise KeyError(f"trajectory {i} is not ready to serve")
-            t = g.members.pop(i)
-            g.tokens -= num_tokens(t)
-            trajs.append(t)
-            if not g.members:
-                del self.ready[gid]
-            self.where[i] = batch_id
-        served = Served(batch_id, rank, world_size, trajs)
+            trajs.append(g.members.pop(i))
+            if gid not in before:
+                before[gid] = g.tokens
+            where[i] = batch_id
+        tokens = 0
+        for gid, n in before.items():  # a group taken whole (the usual case) needs no count per member
+            g = ready[gid]
+            if g.members:
+                g.tokens = sum(num_tokens(t) for t in g.members.values())
+                tokens += n - g.tokens
+            else:
+                tokens += n
+                del ready[gid]
+        served = Served(batch_id, rank, world_size, trajs, tokens)
         self.outstanding[batch_id] = served
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
         self.stats["served"] += len(trajs)
@@ -315,11 +345,14 @@ class Store:
         served = self.outstanding.pop(batch_id, None)
         if served is None:
             return False
-        where, frames, consumed = self.where, self.frames, self.consumed_ids
-        for t in served.trajectories:
-            where.pop(t.id, None)
-            self.live_bytes -= len(frames.pop(t.id, b""))
-            consumed.add(t.id)
+        where, frames = self.where, self.frames
+        ids = [t.id for t in served.trajectories]
+        size = 0
+        for i in ids:
+            where.pop(i, None)
+            size += len(frames.pop(i, b""))
+        self.live_bytes -= size
+        self.consumed_ids.update(ids)
         q = self.pending_shares.get(served.rank)
         if q is not None and batch_id in q:
             q.remove(batch_id)
@@ -335,6 +368,9 @@ class Store:
         elif type(rec) is wal.PutGroup:
             for frame in rec.frames:
                 body = body_of(frame)
+                self.put(sample_of(body), body)
+        elif type(rec) is wal.PutMessage:
+            for body in member_bodies(body_of(rec.frame)):
                 self.put(sample_of(body), body)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
@@ -356,7 +392,7 @@ class Store:
             self.where[t.id] = batch_id
             self.frames[t.id] = body_of(frame)
             self.live_bytes += len(frame) - PREAMBLE_BYTES
-        self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs)
+        self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs, sum(num_tokens(t) for t in trajs))
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
 
     def snapshot(self) -> Iterator[wal.Record]:
