@@ -38,9 +38,10 @@ from tidal.buffer.batching import split_groups
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.memory import retain_freed_memory
 from tidal.buffer.store import (
+    GROUP_TYPES,
     PREAMBLE,
+    VIEW_AT_LEAST,
     Group,
-    SampleGroup,
     Store,
     body_of,
     decode_body,
@@ -83,7 +84,8 @@ SHARES_AHEAD = 3
 # An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
 # it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
 # are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
-INGEST_VIEW_BYTES = 16 * 1024
+INGEST_VIEW_BYTES = VIEW_AT_LEAST
+_GROUPS = (*GROUP_TYPES, TrajectoryGroup)
 
 
 class BufferService:
@@ -188,7 +190,7 @@ class BufferService:
                 self.protocol_errors += 1
                 log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
                 continue
-            if type(msg) is SampleGroup or type(msg) is TrajectoryGroup:
+            if type(msg) in _GROUPS:
                 n += len(msg.trajectories)
                 verdict, refused = self.accept_group(msg, frame)
                 if verdict is None:

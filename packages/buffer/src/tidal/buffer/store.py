@@ -55,48 +55,66 @@ class ArrayView(msgspec.Struct, array_like=True, gc=False):
     data: memoryview  # the inline bytes (an out-of-line reference does not decode: the full codec takes it)
 
     def numpy(self) -> Any:
-        import numpy as np
-
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+        return _numpy(self)
 
 
-def _viewed(tp: Any) -> Any:
-    """`tp` with Array replaced by ArrayView (also inside `Array | None`)."""
+class ArrayBytes(msgspec.Struct, array_like=True, gc=False):
+    """`ArrayView` for a small message: its bytes copied (cheaper than a view object when they are few)."""
+
+    dtype: DType  # as Array.dtype
+    shape: Shape  # as Array.shape
+    data: bytes  # the inline bytes
+
+    def numpy(self) -> Any:
+        return _numpy(self)
+
+
+ARRAY_READS = (ArrayView, ArrayBytes)
+
+
+def _numpy(a: Any) -> Any:
+    import numpy as np
+
+    return np.frombuffer(a.data, dtype=np.dtype(a.dtype).newbyteorder("<")).reshape(a.shape)
+
+
+def _read_as(tp: Any, array: type) -> Any:
+    """`tp` with Array replaced by `array` (also inside `Array | None`)."""
     if tp is Array:
-        return ArrayView
+        return array
     args = typing.get_args(tp)
     if Array in args:
-        return typing.Union[tuple(ArrayView if a is Array else a for a in args)]  # noqa: UP007
+        return typing.Union[tuple(array if a is Array else a for a in args)]  # noqa: UP007
     return tp
 
 
-def _sample_fields() -> list[tuple]:
-    out: list[tuple] = []
+def _sample_type(name: str, array: type) -> Any:
+    fields: list[tuple] = []
     for f in msgspec.structs.fields(Trajectory):
-        tp = _viewed(f.type)
+        tp = _read_as(f.type, array)
         if f.default is not msgspec.NODEFAULT:
-            out.append((f.name, tp, f.default))
+            fields.append((f.name, tp, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
-            out.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
+            fields.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
         else:
-            out.append((f.name, tp))
-    return out
+            fields.append((f.name, tp))
+    sample = msgspec.defstruct(name, fields, tag="Trajectory", array_like=True, gc=False, module=__name__)
+    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]), ("source", str, "")],
+                              tag="TrajectoryGroup", array_like=True, gc=False, module=__name__)
+    return sample, group
 
 
 # A Trajectory as the buffer holds it: the same wire layout (tag, fields, order, defaults; made from
-# Trajectory's own fields, so it cannot drift) with every array a view into the received message. The
-# buffer routes, logs and serves samples without copying their arrays into Python bytes, and serves
-# them as the bytes they arrived in. Group filters and re-masking get a real `Trajectory` (`decode_body`).
-Sample = msgspec.defstruct("Sample", _sample_fields(), tag="Trajectory", array_like=True, gc=False,
-                           module=__name__)
-
-
-class SampleGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
-    """A TrajectoryGroup read as Samples (same wire layout as the protocol's)."""
-
-    id: str
-    trajectories: list[Sample]  # type: ignore[valid-type]
-    source: str = ""
+# Trajectory's own fields, so it cannot drift) with every array an ArrayView, a view into the received
+# message. The buffer routes, logs and serves samples without copying their arrays, and serves them as
+# the bytes they arrived in. Group filters and re-masking get a real `Trajectory` (`decode_body`). A
+# small message is read as SmallSamples (arrays as ArrayBytes: for a few hundred bytes, a copy costs
+# less than a view object).
+Sample, SampleGroup = _sample_type("Sample", ArrayView)
+SmallSample, SmallSampleGroup = _sample_type("SmallSample", ArrayBytes)
+GROUP_TYPES = (SampleGroup, SmallSampleGroup)
+assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
+VIEW_AT_LEAST = 16 * 1024  # a message at least this large is read as Samples (views), a smaller one copied
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -108,13 +126,15 @@ class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False
 
 _raw_group = msgspec.msgpack.Decoder(_RawGroup)
 _samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
+_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)  # type: ignore[operator]
 _sample = msgspec.msgpack.Decoder(Sample)
+_small_sample = msgspec.msgpack.Decoder(SmallSample)
 
 
 def decode_samples(body: memoryview) -> Any:
-    """A Sample or SampleGroup from the msgpack body of an inline frame, without copying its arrays.
-    Raises msgspec errors for anything else (the caller asks the full codec why)."""
-    return _samples.decode(body)
+    """A Sample or SampleGroup (SmallSample... below VIEW_AT_LEAST bytes) from the msgpack body of an
+    inline frame. Raises msgspec errors for anything else (the caller asks the full codec why)."""
+    return (_samples if len(body) >= VIEW_AT_LEAST else _small_samples).decode(body)
 
 
 def member_bodies(body: bytes | memoryview) -> list[memoryview]:
@@ -123,8 +143,8 @@ def member_bodies(body: bytes | memoryview) -> list[memoryview]:
 
 
 def sample_of(body: bytes | memoryview) -> Any:
-    """The Sample a stored encoding holds (views into `body`)."""
-    return _sample.decode(body)
+    """The Sample a stored encoding holds (views into `body`; a SmallSample when it is small)."""
+    return (_sample if len(body) >= VIEW_AT_LEAST else _small_sample).decode(body)
 
 
 def decode_body(body: bytes | memoryview) -> Trajectory:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.buffer.store import ArrayView
+from tidal.buffer.store import ARRAY_READS
 from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import Trajectory, TrajectoryGroup
 
@@ -25,7 +25,7 @@ def validate(t: Trajectory | Any) -> str | None:
         return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
     if not t.id or not t.group_id:
         return "id and group_id must be non-empty"
-    if type(t.versions) is ArrayView:  # a Sample: its arrays' byte counts are checked here (an Array's by itself)
+    if type(t.versions) in ARRAY_READS:  # a Sample: its arrays' byte counts are checked here (an Array's by itself)
         p, c, lp, v = t.prompt_ids, t.completion_ids, t.logprobs, t.versions
         size = ITEMSIZE
         if (len(p.data) != size[p.dtype] * p.shape[0] or len(c.data) != size[c.dtype] * n
