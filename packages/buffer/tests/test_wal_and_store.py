@@ -175,4 +175,4 @@ def test_a_group_message_is_logged_as_it_came_and_replays_every_member_as_a_samp
         assert (n == 8) == (type(held["traj-0"].logprobs) is ArrayView)
         assert [s.logprobs.numpy().tolist() for s in held.values()] == [t.logprobs.tolist() for t in members]
         assert store.ready[f"g{n}"].tokens == sum(num_tokens(t) for t in members)
-        assert body_of(frame_of(store.frames["traj-0"])).tobytes() == store.frames["traj-0"].tobytes()
+        assert body_of(frame_of(store.frames["traj-0"])).tobytes() == bytes(store.frames["traj-0"])

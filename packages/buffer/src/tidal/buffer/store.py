@@ -137,9 +137,10 @@ def decode_samples(body: memoryview) -> Any:
     return (_samples if len(body) >= VIEW_AT_LEAST else _small_samples).decode(body)
 
 
-def member_bodies(body: bytes | memoryview) -> list[memoryview]:
-    """The encodings of a TrajectoryGroup's members, from the msgpack body of its one frame (views)."""
-    return [memoryview(m) for m in _raw_group.decode(body).trajectories]
+def member_bodies(body: bytes | memoryview) -> list[msgspec.Raw]:
+    """The encodings of a TrajectoryGroup's members, from the msgpack body of its one frame (`Raw`
+    objects: buffers that refer into `body`, not copies; cheaper to make than memoryviews)."""
+    return _raw_group.decode(body).trajectories
 
 
 def sample_of(body: bytes | memoryview) -> Any:
@@ -227,9 +228,9 @@ class Store:
         self.consumed_ids = RecentIds(dedupe_window)
         self.consumed_batches = RecentIds(200_000)
         self.next_batch_seq = 0
-        # live trajectory id -> its msgpack encoding (no preamble), served raw: a view into the message it
-        # arrived in, so a group's members share its buffer
-        self.frames: dict[str, bytes | memoryview] = {}
+        # live trajectory id -> its msgpack encoding (no preamble), served raw: a view (memoryview or
+        # msgspec.Raw) into the message it arrived in, so a group's members share its buffer
+        self.frames: dict[str, bytes | memoryview | msgspec.Raw] = {}
         self.live_bytes = 0
         self.stats = {"accepted": 0, "consumed": 0, "served": 0, "dropped": 0, "duplicates": 0}
         self.drops: dict[str, int] = {}
