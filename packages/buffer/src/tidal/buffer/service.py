@@ -8,13 +8,18 @@ BatchRequest / batch Acks / Control("status" | "stop"); PUB `publish` for acks (
 and Metrics (topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group
 commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
 
-A `TrajectoryGroup` is admitted as one WAL record (`PutGroup`) and acknowledged as one
+A `TrajectoryGroup` is admitted as one WAL record (`PutMessage`, the message as it came, when every member
+is admitted unchanged; else `PutGroup` of the admitted members) and acknowledged as one
 (``Ack(kind="group", ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
 member: known ids are acknowledged again without a second copy, the admission policy refuses stale
 members one by one (named in ``Ack.refused``; the others are kept), so a group and the same trajectories
 sent singly end in the same state. A group that is malformed as a whole — no members, a member of
 another group, an id twice, or a member that fails `validate` — is refused whole (``ok=False``, the reason
 naming the member): it comes from a broken producer, and half of it would skew the group's advantages.
+
+Nothing is copied on the way through: a one-frame message is read as `Sample`s whose arrays are views
+into the received frame (`validate` checks their byte counts), the WAL writes that frame, the store keeps
+members' encodings as views into it, and a Batch splices them in as they are.
 """
 
 from __future__ import annotations
