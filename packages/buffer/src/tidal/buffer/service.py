@@ -88,7 +88,7 @@ INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests w
 SHARES_AHEAD = 3
 # An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
 # it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
-# are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
+# are copied: libzmq may receive them into a shared 8 KiB batch, which a view would keep alive whole.
 INGEST_VIEW_BYTES = VIEW_AT_LEAST
 _GROUPS = (*GROUP_TYPES, TrajectoryGroup)
 

@@ -114,7 +114,9 @@ Sample, SampleGroup = _sample_type("Sample", ArrayView)
 SmallSample, SmallSampleGroup = _sample_type("SmallSample", ArrayBytes)
 GROUP_TYPES = (SampleGroup, SmallSampleGroup)
 assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
-VIEW_AT_LEAST = 16 * 1024  # a message at least this large is read as Samples (views), a smaller one copied
+# a message at least this large is read as Samples (views), a smaller one copied: above libzmq's 8 KiB
+# receive batch a message has a buffer of its own (a 16 KiB trajectory encodes to a little under 16 KiB)
+VIEW_AT_LEAST = 12 * 1024
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):

@@ -85,7 +85,7 @@ Record = Put | PutGroup | PutMessage | Serve | Consume | Drop | Release | Snapsh
 _encoder = msgspec.msgpack.Encoder()
 _PENDING_LIMIT = 1 << 20  # appended bytes held before they are written to the file
 _IOV_MAX = 1024  # pieces per writev (Linux's limit)
-_JOIN_LIMIT = 16 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
+_JOIN_LIMIT = 8 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
