@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "transport.py": ["--small", "2000", "--large", "2", "--trials", "1"],
     "algos.py": ["--batch", "4", "--tokens", "64", "--reps", "1"],
-    "buffer.py": ["--n", "1024", "--mib", "4", "--trials", "1"],
+    "buffer.py": ["--n", "1024", "--mib", "4", "--trials", "1", "--relay"],
     "weight_sync.py": ["--big-gib", "0.02", "--small", "60", "--trials", "1", "--bucket-mib", "4"],
     "engine.py": ["--requests", "16", "--concurrency", "4", "--max-tokens", "16", "--reps", "1", "--shape", "both",
                   "--rounds", "2", "--groups", "2"],

@@ -4,7 +4,7 @@ size (1, 16, 64 KiB: 64 KiB is ~4k completion tokens of ids, logprobs and versio
 (a `Trajectory` per message, or a `TrajectoryGroup` of 8 per message).
 
     uv run python tools/bench/buffer.py [--n 40000] [--mib 256] [--sizes 1,16,64] [--units trajectory,group]
-                                        [--fsync batch] [--trials 3]
+                                        [--fsync batch] [--trials 3] [--relay]
 
 Path measured: a producer process pushes N trajectories through AckedPusher (resend until acked), the
 buffer process acknowledges each message once durable, and a learner (this process) pulls 256-sample
@@ -12,6 +12,12 @@ batch shares, acknowledging each with the next request; the rate is N / (first s
 received). Baseline: a sender pushes the same messages through tidal.core push -> pull to a receiver
 process that decodes them; N / (first send -> last message decoded). Goals: ratio >= 0.5 for groups at
 1 KiB; >= 0.8 at 16 and 64 KiB for both units. N is `--n` at 1 KiB and `--mib` worth at larger sizes.
+
+`--relay` adds a column for what any durable buffer must do at least, with nothing of its own: the same
+messages from a sender through a relay process that writes each drained batch of them to a file, fsyncs
+it (on a thread, group commit like the buffer's) and only then forwards them (zero-copy, as received) to a
+receiver process that decodes them. Three processes and two hops, like the buffer's path; its ratio to
+raw is a ceiling for the buffer's on this machine. The relay ends when the bench terminates it.
 """
 
 from __future__ import annotations
@@ -104,6 +110,81 @@ def run_raw(size_kib: int, unit: str, n: int) -> float:
     return n / (t_end - t0)
 
 
+# ----------------------------------------------------------------------------- durable relay (a bound)
+
+
+def relay(out_endpoint: str, wal_dir: str, conn) -> None:
+    """PULL -> writev of each drained batch -> fsync (on a thread, covering every batch written while the
+    last one ran, as the buffer's group commit does) -> PUSH the same frames on: a buffer's least work."""
+    import queue
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.rcvhwm = outbox.sndhwm = 10_000
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    outbox.connect(out_endpoint)
+    conn.send(f"tcp://127.0.0.1:{port}")
+    fd = os.open(Path(wal_dir) / "relay.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    written: queue.Queue = queue.Queue()
+
+    def sync_and_forward() -> None:  # the only user of outbox
+        while True:
+            batches = [written.get()]
+            while not written.empty():
+                batches.append(written.get())
+            os.fsync(fd)
+            for batch in batches:
+                for m in batch:
+                    outbox.send_multipart(m, copy=False)
+
+    threading.Thread(target=sync_and_forward, daemon=True).start()
+    while inbox.poll(120_000):
+        batch = []
+        while len(batch) < 512:
+            try:
+                batch.append(inbox.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        pieces = [f.buffer for m in batch for f in m]
+        for i in range(0, len(pieces), 1024):
+            os.writev(fd, pieces[i:i + 1024])
+        written.put(batch)
+
+
+def run_relay(size_kib: int, unit: str, n: int) -> float:
+    msgs = messages(size_kib, unit, n)
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-relay-")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    rparent, rchild = ctx.Pipe()
+    receiver = ctx.Process(target=raw_receiver, args=(len(msgs), child), daemon=True)
+    receiver.start()
+    relayer = None
+    try:
+        relayer = ctx.Process(target=relay, args=(parent.recv(), tmp, rchild), daemon=True)
+        relayer.start()
+        with push(rparent.recv(), hwm=_window(size_kib, unit), linger=60) as out:
+            time.sleep(0.2)  # connected
+            t0 = time.perf_counter()
+            for m in msgs:
+                out.send(m)
+            t_end = parent.recv() if parent.poll(300) else float("nan")
+    finally:
+        if relayer is not None:  # it waits for more otherwise
+            relayer.terminate()
+            relayer.join(10)
+        receiver.join(10)
+        for p in (receiver, relayer):
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return n / (t_end - t0)
+
+
 # ----------------------------------------------------------------------------- through the buffer
 
 
@@ -172,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--units", default="trajectory,group", help="ingest units: trajectory, group")
     ap.add_argument("--fsync", default="batch", choices=["batch", "always", "never"])
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--relay", action="store_true", help="also measure a durable relay (a ceiling; see above)")
     args = ap.parse_args(argv)
     cells = [(int(s), u) for s in args.sizes.split(",") for u in args.units.split(",")]
     if any(u not in UNITS for _, u in cells):
@@ -180,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     for size, unit in cells:
         n = args.n if size == 1 else int(args.mib * 1024 // size)
         n = max(BATCH, n - n % BATCH)
-        raw, buf, ingest, cpu = [], [], [], []
+        raw, buf, ingest, cpu, rel = [], [], [], [], []
         for _ in range(args.trials):  # interleaved, so machine noise hits both alike
             raw.append(run_raw(size, unit, n))
+            if args.relay:
+                rel.append(run_relay(size, unit, n))
             r = run_buffer(size, unit, n, args.fsync)
             buf.append(r["tps"])
             ingest.append(r["ingest_tps"])
@@ -192,15 +276,23 @@ def main(argv: list[str] | None = None) -> int:
                      "buffer_ingest_tps": round(statistics.median(ingest)), "ratio": round(buf_m / raw_m, 3),
                      "goal": GOALS.get((size, unit)),
                      "cpu_us_per_trajectory": {k: round(statistics.median(c[k] for c in cpu), 1) for k in cpu[0]}})
-    print(f"{'size':>6} {'unit':<11}{'raw traj/s':>12}{'ingest':>12}{'end-to-end':>12}{'ratio':>7}{'goal':>6}"
+        if rel:
+            rows[-1]["relay_tps"] = round(statistics.median(rel))
+            rows[-1]["relay_ratio"] = round(statistics.median(rel) / raw_m, 3)
+    relay_head = f"{'relay':>7}" if args.relay else ""
+    print(f"{'size':>6} {'unit':<11}{'raw traj/s':>12}{'ingest':>12}{'end-to-end':>12}{'ratio':>7}{'goal':>6}{relay_head}"
           f"   CPU us/traj: producer buffer learner")
     for r in rows:
         c = r["cpu_us_per_trajectory"]
         goal = f"{r['goal']:.1f}" if r["goal"] else "-"
+        relay_col = f"{r['relay_ratio']:>7.2f}" if "relay_ratio" in r else ""
         print(f"{r['size_kib']:>4}Ki {r['unit']:<11}{r['raw_tps']:>12,}{r['buffer_ingest_tps']:>12,}{r['buffer_tps']:>12,}"
-              f"{r['ratio']:>7.2f}{goal:>6}   {c['producer']:>8.1f} {c['buffer']:>6.1f} {c['learner']:>7.1f}")
+              f"{r['ratio']:>7.2f}{goal:>6}{relay_col}   {c['producer']:>8.1f} {c['buffer']:>6.1f} {c['learner']:>7.1f}")
     print(f"ratio = end-to-end (ingest -> WAL fsync {args.fsync} -> ack; serve -> learner ack) / raw push -> pull "
           f"of the same messages; {os.cpu_count()} cores")
+    if args.relay:
+        print("relay = the same messages through a process that only writev's + fsyncs each drained batch and "
+              "forwards it, / raw: a ceiling for the ratio here")
     met = all(r["ratio"] >= r["goal"] for r in rows if r["goal"])
     print(json.dumps({"bench": "buffer", "fsync": args.fsync, "trials": args.trials, "cells": rows, "goals_met": met}))
     return 0

@@ -84,3 +84,25 @@ def test_malformed_and_invalid_groups_are_refused_and_the_buffer_goes_on(buffer_
     assert s["errors/protocol"] == 1 and s["total/rejected"] == 1 and s["total/accepted"] == 2
     assert "TrajectoryGroup.trajectories[1].logprobs" in buf.log_text()
     assert buf.proc.poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_bytes_do_not_fit_its_shape_is_refused_with_the_array_named(buffer_process):
+    # the buffer reads members without copying their arrays; the byte count an Array checks when it is
+    # decoded is checked at admission instead, so nothing is served that a learner cannot decode
+    buf = buffer_process(group_size=2, batch_samples=2)
+    short = make_group("short", 2, source="w")
+    lp = short.trajectories[1].logprobs
+    lp.data = bytes(lp.buffer)[:-4]  # one float short of its shape (set after the Array checked itself)
+    lone = make_group("lone", 2, source="w").trajectories[0]
+    lone.versions.data = bytes(lone.versions.buffer) + b"\0\0\0\0"
+    with AckedPusher(buf.ingest, buf.publish, "w", resend_after=0.5) as out:
+        out.send(short)
+        out.send(lone)
+        out.send(make_group("ok", 2, source="w"))
+        out.flush(timeout=30)
+        assert set(out.rejected) == {"short:0", "short:1", "lone:0"}
+        assert "trajectories[1] (short:1): logprobs has" in out.rejected["short:0"]
+        assert "versions has" in out.rejected["lone:0"] and "need" in out.rejected["lone:0"]
+    assert [t.id for t in _served(buf, 2)[0]] == ["ok:0", "ok:1"]
+    assert buf.proc.poll() is None

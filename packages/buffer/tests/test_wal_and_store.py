@@ -148,3 +148,31 @@ def test_group_records_are_written_as_msgspec_encodes_them_and_replay_every_memb
         store.apply(recs[0])
         assert list(store.ready) == [f"g{n}"] and store.stats["accepted"] == n
         assert [frame_of(store.frames[f"traj-{i}"]) for i in range(n)] == frames
+
+
+def test_a_group_message_is_logged_as_it_came_and_replays_every_member_as_a_sample(tmp_path):
+    from tidal.buffer.store import VIEW_AT_LEAST, ArrayBytes, ArrayView, body_of, frame_of
+    from tidal.core.codec import Codec
+    from tidal.core.protocol import TrajectoryGroup
+
+    for n in (1, 8, 20):
+        members = [traj(i, group=f"g{n}", n=i % 5 + 1 if n != 8 else 2000) for i in range(n)]  # 8: large ones
+        frame = bytes(Codec(inline_threshold=1 << 62).encode(TrajectoryGroup(id=f"g{n}", trajectories=members))[0])
+        assert wal._message_prefix(len(frame)) + frame == msgspec.msgpack.encode(wal.PutMessage(frame))
+        log = wal.WriteAheadLog(tmp_path / str(n))
+        log.append_message(memoryview(frame))  # a view of the received message, as the service passes it
+        log.close()
+        assert b"".join(p.read_bytes() for p in log.segments()) == wal.encode_record(wal.PutMessage(frame))
+        recs, report = wal.WriteAheadLog(tmp_path / str(n)).replay()
+        assert recs == [wal.PutMessage(frame)] and not report.corrupt_regions
+        store = Store(group_size=n)
+        store.apply(recs[0])
+        assert list(store.ready) == [f"g{n}"] and store.stats["accepted"] == n
+        assert [frame_of(store.frames[t.id]) for t in members] == [encode_trajectory(t) for t in members]
+        held = store.ready[f"g{n}"].members
+        for tid, s in held.items():  # a large member's arrays are views into the record, not copies
+            assert type(s.logprobs) is (ArrayView if len(store.frames[tid]) >= VIEW_AT_LEAST else ArrayBytes)
+        assert (n == 8) == (type(held["traj-0"].logprobs) is ArrayView)
+        assert [s.logprobs.numpy().tolist() for s in held.values()] == [t.logprobs.tolist() for t in members]
+        assert store.ready[f"g{n}"].tokens == sum(num_tokens(t) for t in members)
+        assert body_of(frame_of(store.frames["traj-0"])).tobytes() == bytes(store.frames["traj-0"])

@@ -8,13 +8,18 @@ BatchRequest / batch Acks / Control("status" | "stop"); PUB `publish` for acks (
 and Metrics (topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group
 commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
 
-A `TrajectoryGroup` is admitted as one WAL record (`PutGroup`) and acknowledged as one
+A `TrajectoryGroup` is admitted as one WAL record (`PutMessage`, the message as it came, when every member
+is admitted unchanged; else `PutGroup` of the admitted members) and acknowledged as one
 (``Ack(kind=ACK_GROUP, ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
 member: known ids are acknowledged again without a second copy, the admission policy refuses stale
 members one by one (named in ``Ack.refused``; the others are kept), so a group and the same trajectories
 sent singly end in the same state. A group that is malformed as a whole — no members, a member of
 another group, an id twice, or a member that fails `validate` — is refused whole (``ok=False``, the reason
 naming the member): it comes from a broken producer, and half of it would skew the group's advantages.
+
+Nothing is copied on the way through: a one-frame message is read as `Sample`s whose arrays are views
+into the received frame (`validate` checks their byte counts), the WAL writes that frame, the store keeps
+members' encodings as views into it, and a Batch splices them in as they are.
 """
 
 from __future__ import annotations
@@ -36,11 +41,24 @@ import zmq
 from tidal.buffer import wal
 from tidal.buffer.batching import split_groups
 from tidal.buffer.config import BufferConfig
-from tidal.buffer.store import PREAMBLE, Group, Store, body_of, encode_trajectory, num_tokens
+from tidal.buffer.memory import retain_freed_memory
+from tidal.buffer.store import (
+    GROUP_TYPES,
+    PREAMBLE,
+    VIEW_AT_LEAST,
+    Group,
+    Store,
+    body_of,
+    decode_body,
+    decode_samples,
+    encode_trajectory,
+    member_bodies,
+    sample_of,
+)
 from tidal.buffer.validate import validate, validate_group
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
-from tidal.core.codec import Codec
+from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
@@ -50,6 +68,7 @@ from tidal.core.protocol import (
     ACK_CONTROL,
     ACK_GROUP,
     ACK_TRAJECTORY,
+    PROTOCOL_VERSION,
     TOPIC_METRICS,
     Ack,
     Batch,
@@ -74,18 +93,9 @@ INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests w
 SHARES_AHEAD = 3
 # An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
 # it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
-# are copied: libzmq may receive them into a shared 8 KiB arena, which a view would keep alive whole.
-INGEST_VIEW_BYTES = 16 * 1024
-
-
-class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
-    """A TrajectoryGroup header read for its members' encodings (views into the header, not copies)."""
-
-    id: str
-    trajectories: list[msgspec.Raw]
-
-
-_raw_group = msgspec.msgpack.Decoder(_RawGroup)
+# are copied: libzmq may receive them into a shared 8 KiB batch, which a view would keep alive whole.
+INGEST_VIEW_BYTES = VIEW_AT_LEAST
+_GROUPS = (*GROUP_TYPES, TrajectoryGroup)
 
 
 class BufferService:
@@ -112,6 +122,7 @@ class BufferService:
         common: dict[str, Any] = {"curve": curve, "hwm": cfg.hwm, "linger": 1.0}
         # ingest decodes its two types only (faster than the whole Message union; others get a clear error)
         self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory | TrajectoryGroup), **common)
+        self._max_frame = self.ingest.codec.max_header_bytes + PREAMBLE_BYTES
         self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), **common)
         self.pub = pub(cfg.publish, curve=curve, hwm=100_000, linger=1.0)
         self.learner_version = 0
@@ -180,16 +191,16 @@ class BufferService:
         n = 0
         while n < INGEST_CHUNK and not self.backpressured():
             try:
-                msg, frames = self.ingest.recv_with_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
+                frames = self.ingest.recv_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
             except ChannelTimeout:
                 break
+            try:
+                msg, frame = self._decode(frames)
             except ProtocolError as e:
                 self.protocol_errors += 1
                 log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
                 continue
-            # a single-frame message is already the WAL encoding (every array inline): no re-encode
-            frame = frames[0] if len(frames) == 1 else None
-            if type(msg) is TrajectoryGroup:
+            if type(msg) in _GROUPS:
                 n += len(msg.trajectories)
                 verdict, refused = self.accept_group(msg, frame)
                 if verdict is None:
@@ -212,6 +223,20 @@ class BufferService:
             self._commit_within(self.cfg.commit_interval_s)
         self._ingested_since += n
         self.maybe_compact()
+
+    def _decode(self, frames: list[Any]) -> tuple[Any, bytes | memoryview | None]:
+        """The message and, when it came as one frame (every array inline, already the WAL's encoding),
+        that frame. One frame decodes as Samples: arrays stay views into it, nothing is copied. Anything
+        else, or anything the Sample decoder refuses, goes through the full codec, which names what is
+        wrong (ProtocolError) or yields a Trajectory / TrajectoryGroup with out-of-line arrays."""
+        if len(frames) == 1:
+            f = frames[0]
+            if PREAMBLE_BYTES < len(f) <= self._max_frame and f[:2] == MAGIC and f[2] == PROTOCOL_VERSION[0]:
+                try:
+                    return decode_samples(body_of(f)), f
+                except msgspec.MsgspecError:
+                    pass
+        return self.ingest.codec.decode(frames), None
 
     def commit(self, force: bool = False) -> None:
         """Group commit: make the appended records durable with one fsync, then let their effects out
@@ -274,8 +299,9 @@ class BufferService:
         for peer, batch in replies:
             self._reply(peer, batch)
 
-    def accept(self, t: Trajectory, frame: bytes | memoryview | None = None) -> str | None:
-        """Admit `t` (WAL first). None when accepted or already known; else why it is refused."""
+    def accept(self, t: Any, frame: bytes | memoryview | None = None) -> str | None:
+        """Admit `t`, a Sample decoded from `frame` or a Trajectory (WAL first). None when accepted or
+        already known; else why it is refused."""
         if self.store.known(t.id):
             self.store.stats["duplicates"] += 1
             return None  # durable already: acknowledge again
@@ -283,65 +309,74 @@ class BufferService:
         if why is not None:
             return f"invalid trajectory {t.id}: {why}"
         if self.admission is not None:
-            why, changed = self._admit(t)
+            why, mask = self._admit(t)
             if why is not None:
                 return why
-            if changed:
-                frame = None  # encode again
+            if mask is not None:
+                t, frame = _masked(t, None if frame is None else body_of(frame), mask), None  # encode again
         if frame is None:
             frame = encode_trajectory(t)
+            t = sample_of(body_of(frame))
         self.wal.append_put(frame)
         group = self.store.put(t, body_of(frame))
         if group is not None:
             self.on_group_complete(group)
         return None
 
-    def _admit(self, t: Trajectory) -> tuple[str | None, bool]:
-        """The admission policy's verdict on `t`: why it is refused (or None), and whether its loss mask
-        was narrowed (then its stored encoding must be made again)."""
+    def _admit(self, t: Any) -> tuple[str | None, Any]:
+        """The admission policy's verdict on `t`: why it is refused (or None), and the token mask it keeps
+        (None: all of it; else the stored encoding is made again with the narrowed loss mask)."""
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)
         if not adm.admit:
             self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
-            return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})", False
-        if adm.token_mask is not None:
-            t.loss_mask = _and_mask(t.loss_mask, adm.token_mask)
-            return None, True
-        return None, False
+            return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})", None
+        return None, adm.token_mask
 
-    def accept_group(self, g: TrajectoryGroup, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:
-        """Admit the members of `g` in one WAL record. Returns why the whole group is refused (or None),
-        and the members refused one by one (id -> why); known members are acknowledged again."""
+    def accept_group(self, g: Any, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:
+        """Admit the members of `g` (a SampleGroup decoded from `frame`, or a TrajectoryGroup) in one WAL
+        record. Returns why the whole group is refused (or None), and the members refused one by one
+        (id -> why); known members are acknowledged again."""
         why = validate_group(g)
         if why is not None:
             return f"invalid group {g.id}: {why}", {}
         store = self.store
         # each member's encoding is a slice of the header when every array rode inline in it
-        bodies = _raw_group.decode(body_of(frame)).trajectories if frame is not None else None
-        admitted: list[Trajectory] = []
+        bodies = member_bodies(body_of(frame)) if frame is not None else None
+        admitted: list[Any] = []
         kept: list[Any] = []
         refused: dict[str, str] = {}
         for i, t in enumerate(g.trajectories):
             if store.known(t.id):
                 store.stats["duplicates"] += 1
                 continue
-            changed = bodies is None
+            body = None if bodies is None else bodies[i]
             if self.admission is not None:
-                why, masked = self._admit(t)
+                why, mask = self._admit(t)
                 if why is not None:
                     refused[t.id] = why
                     continue
-                changed = changed or masked
+                if mask is not None:
+                    t, body = _masked(t, body, mask), None
+            if body is None:  # encoded again, every array inline, and held as a Sample of that
+                body = body_of(encode_trajectory(t))
+                t = sample_of(body)
             admitted.append(t)
-            kept.append(body_of(encode_trajectory(t)) if changed else memoryview(bodies[i]))
+            kept.append(body)
         if admitted:
-            self.wal.append_group(kept, PREAMBLE)
+            if len(admitted) == len(bodies or ()) and all(a is b for a, b in zip(kept, bodies, strict=True)):
+                self.wal.append_message(frame)  # the whole group as it came: one piece, not one per member
+            else:
+                self.wal.append_group(kept, PREAMBLE)
             group = store.put_group(admitted, kept)
             if group is not None:
                 self.on_group_complete(group)
         return None, refused
 
     def on_group_complete(self, group: Group) -> None:
-        rewards_group = list(group.members.values())
+        if not self.filters:
+            return
+        frames = self.store.frames  # filters see real Trajectories (the store holds Samples)
+        rewards_group = [decode_body(frames[tid]) for tid in group.members]
         for name, keep in self.filters:
             if not keep(rewards_group):
                 ids = list(group.members)
@@ -414,10 +449,13 @@ class BufferService:
                 return
         served = self.store.outstanding[q[pos]]
         del self.parked[rank]
-        trajs = [self._prepare(t) for t in served.trajectories]
+        if self.admission is None:  # the stored encodings, spliced into the Batch as they are
+            frames, raw = self.store.frames, msgspec.Raw
+            trajs = [raw(frames[t.id]) for t in served.trajectories]
+        else:
+            trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
-                      step=self.learner_version, num_tokens=sum(num_tokens(t) for t in served.trajectories),
-                      ready_at=served.formed_at)
+                      step=self.learner_version, num_tokens=served.tokens, ready_at=served.formed_at)
         if served.batch_id in self._undurable:
             self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
             self._commit_within(0.0)  # a learner waits for it
@@ -439,7 +477,7 @@ class BufferService:
         if adm.admit and adm.token_mask is None:
             return raw
         mask = [False] * (t.completion_ids.shape[0]) if not adm.admit else adm.token_mask
-        return msgspec.structs.replace(t, loss_mask=_and_mask(t.loss_mask, mask))
+        return _masked(t, self.store.frames[t.id], mask)
 
     def form_step(self, world_size: int) -> bool:
         """Take whole ready groups for one learner step and serve a share to every rank."""
@@ -464,7 +502,9 @@ class BufferService:
             self._undurable.add(batch_id)
             self._formed.append(batch_id)
         self.store.next_batch_seq = seq + 1
-        self._commit_within(self.cfg.commit_interval_s)
+        # committed now, not within commit_interval_s: a learner asks for this share about one step from
+        # now, and with an fsync of ~3-4 ms plus the interval it would often wait for the record
+        self._commit_within(0.0)
         return True  # durable with the next commit, before any share is sent
 
     def _step_full(self, samples: int, tokens: int) -> bool:
@@ -578,7 +618,14 @@ def _position_after(q: deque[str] | None, after: str) -> int:
         return 0
 
 
-def _and_mask(existing: Array | None, keep: list[bool]) -> Array:
+def _masked(t: Any, body: bytes | memoryview | None, keep: Any) -> Trajectory:
+    """A real Trajectory of `t` (a Sample, read again from its encoding `body`, or a Trajectory) with its
+    loss mask narrowed to `keep`."""
+    real = decode_body(body) if body is not None and type(t) is not Trajectory else t
+    return msgspec.structs.replace(real, loss_mask=_and_mask(real.loss_mask, keep))
+
+
+def _and_mask(existing: Any, keep: Any) -> Array:
     m = np.asarray(keep, dtype=np.uint8)
     if existing is not None:
         m = m & existing.numpy().astype(np.uint8)
@@ -597,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     cfg = load_config(args.config, BufferConfig, args.overrides)
+    retain_freed_memory()
     BufferService(cfg).run()
     return 0
 

@@ -8,13 +8,18 @@ consumed) is a record, applied here and appended to the log by the service. Noth
 from __future__ import annotations
 
 import time
+import typing
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from tidal.buffer import wal
+from tidal.core.arrays import Array, DType, Shape
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
-from tidal.core.protocol import PROTOCOL_VERSION, Trajectory
+from tidal.core.protocol import PROTOCOL_VERSION, Trajectory, TrajectoryGroup
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 _codec = Codec(inline_threshold=1 << 62)
@@ -41,6 +46,118 @@ def decode_trajectory(frame: bytes) -> Trajectory:
     return msg
 
 
+class ArrayView(msgspec.Struct, array_like=True, gc=False):
+    """An `Array` as the buffer reads it off an inline frame: `data` is a view into the received message,
+    not a copy (the byte count is checked by `validate`, not here: no Python call per array)."""
+
+    dtype: DType  # as Array.dtype
+    shape: Shape  # as Array.shape
+    data: memoryview  # the inline bytes (an out-of-line reference does not decode: the full codec takes it)
+
+    def numpy(self) -> Any:
+        return _numpy(self)
+
+
+class ArrayBytes(msgspec.Struct, array_like=True, gc=False):
+    """`ArrayView` for a small message: its bytes copied (cheaper than a view object when they are few)."""
+
+    dtype: DType  # as Array.dtype
+    shape: Shape  # as Array.shape
+    data: bytes  # the inline bytes
+
+    def numpy(self) -> Any:
+        return _numpy(self)
+
+
+ARRAY_READS = (ArrayView, ArrayBytes)
+
+
+def _numpy(a: Any) -> Any:
+    import numpy as np
+
+    return np.frombuffer(a.data, dtype=np.dtype(a.dtype).newbyteorder("<")).reshape(a.shape)
+
+
+def _read_as(tp: Any, array: type) -> Any:
+    """`tp` with Array replaced by `array` (also inside `Array | None`)."""
+    if tp is Array:
+        return array
+    args = typing.get_args(tp)
+    if Array in args:
+        return typing.Union[tuple(array if a is Array else a for a in args)]  # noqa: UP007
+    return tp
+
+
+def _sample_type(name: str, array: type) -> Any:
+    fields: list[tuple] = []
+    for f in msgspec.structs.fields(Trajectory):
+        tp = _read_as(f.type, array)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, tp, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, tp, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, tp))
+    sample = msgspec.defstruct(name, fields, tag="Trajectory", array_like=True, gc=False, module=__name__)
+    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]), ("source", str, "")],
+                              tag="TrajectoryGroup", array_like=True, gc=False, module=__name__)
+    return sample, group
+
+
+# A Trajectory as the buffer holds it: the same wire layout (tag, fields, order, defaults; made from
+# Trajectory's own fields, so it cannot drift) with every array an ArrayView, a view into the received
+# message. The buffer routes, logs and serves samples without copying their arrays, and serves them as
+# the bytes they arrived in. Group filters and re-masking get a real `Trajectory` (`decode_body`). A
+# small message is read as SmallSamples (arrays as ArrayBytes: for a few hundred bytes, a copy costs
+# less than a view object).
+Sample, SampleGroup = _sample_type("Sample", ArrayView)
+SmallSample, SmallSampleGroup = _sample_type("SmallSample", ArrayBytes)
+GROUP_TYPES = (SampleGroup, SmallSampleGroup)
+assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
+# a message at least this large is read as Samples (views), a smaller one copied: above libzmq's 8 KiB
+# receive batch a message has a buffer of its own (a 16 KiB trajectory encodes to a little under 16 KiB)
+VIEW_AT_LEAST = 12 * 1024
+
+
+class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
+    """A TrajectoryGroup header read for its members' encodings (views into the header, not copies)."""
+
+    id: str
+    trajectories: list[msgspec.Raw]
+
+
+_raw_group = msgspec.msgpack.Decoder(_RawGroup)
+_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
+_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)  # type: ignore[operator]
+_sample = msgspec.msgpack.Decoder(Sample)
+_small_sample = msgspec.msgpack.Decoder(SmallSample)
+
+
+def decode_samples(body: memoryview) -> Any:
+    """A Sample or SampleGroup (SmallSample... below VIEW_AT_LEAST bytes) from the msgpack body of an
+    inline frame. Raises msgspec errors for anything else (the caller asks the full codec why)."""
+    return (_samples if len(body) >= VIEW_AT_LEAST else _small_samples).decode(body)
+
+
+def member_bodies(body: bytes | memoryview) -> list[msgspec.Raw]:
+    """The encodings of a TrajectoryGroup's members, from the msgpack body of its one frame (`Raw`
+    objects: buffers that refer into `body`, not copies; cheaper to make than memoryviews)."""
+    return _raw_group.decode(body).trajectories
+
+
+def sample_of(body: bytes | memoryview) -> Any:
+    """The Sample a stored encoding holds (views into `body`; a SmallSample when it is small)."""
+    return (_sample if len(body) >= VIEW_AT_LEAST else _small_sample).decode(body)
+
+
+def decode_body(body: bytes | memoryview) -> Trajectory:
+    """A real Trajectory (arrays copied out) from a stored encoding, for filters and re-masking."""
+    return decode_trajectory(frame_of(body))
+
+
+assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
+
+
 def num_tokens(t: Trajectory) -> int:
     return (t.prompt_ids.shape[0] if t.prompt_ids.shape else 0) + (
         t.completion_ids.shape[0] if t.completion_ids.shape else 0
@@ -64,6 +181,13 @@ class RecentIds:
         if len(new) >= self.half:
             self.old, self.new = new, set()
 
+    def update(self, ids: Iterable[str]) -> None:
+        """`add` of each of `ids` (the generation turns over after them, not in their midst)."""
+        new = self.new
+        new.update(ids)
+        if len(new) >= self.half:
+            self.old, self.new = new, set()
+
     def __contains__(self, i: object) -> bool:
         return i in self.new or i in self.old
 
@@ -79,7 +203,7 @@ class RecentIds:
 class Group:
     group_id: str
     size: int  # expected number of samples
-    members: dict[str, Trajectory] = field(default_factory=dict)  # trajectory id -> trajectory
+    members: dict[str, Any] = field(default_factory=dict)  # trajectory id -> its Sample (or Trajectory)
     first_seen: float = field(default_factory=time.monotonic)
     tokens: int = 0  # prompt + completion tokens of the members (kept up to date by Store)
 
@@ -89,7 +213,8 @@ class Served:
     batch_id: str
     rank: int
     world_size: int
-    trajectories: list[Trajectory]
+    trajectories: list[Any]  # Samples (or Trajectories), in order
+    tokens: int = 0  # prompt + completion tokens of the trajectories
     formed_at: float = field(default_factory=time.time)  # wall clock (a replayed share: its replay)
 
 
@@ -105,9 +230,9 @@ class Store:
         self.consumed_ids = RecentIds(dedupe_window)
         self.consumed_batches = RecentIds(200_000)
         self.next_batch_seq = 0
-        # live trajectory id -> its msgpack encoding (no preamble), served raw: a view into the message it
-        # arrived in, so a group's members share its buffer
-        self.frames: dict[str, bytes | memoryview] = {}
+        # live trajectory id -> its msgpack encoding (no preamble), served raw: a view (memoryview or
+        # msgspec.Raw) into the message it arrived in, so a group's members share its buffer
+        self.frames: dict[str, bytes | memoryview | msgspec.Raw] = {}
         self.live_bytes = 0
         self.stats = {"accepted": 0, "consumed": 0, "served": 0, "dropped": 0, "duplicates": 0}
         self.drops: dict[str, int] = {}
@@ -173,7 +298,7 @@ class Store:
             where[tid] = gid
             members[tid] = t
             size += len(body)
-            tokens += num_tokens(t)
+            tokens += t.prompt_ids.shape[0] + t.completion_ids.shape[0]  # 1-D: validated
         self.live_bytes += size
         g.tokens += tokens
         self.stats["accepted"] += len(trajs)
@@ -210,18 +335,27 @@ class Store:
 
     def serve(self, batch_id: str, rank: int, world_size: int, ids: list[str]) -> Served:
         trajs = []
+        where, ready = self.where, self.ready
+        before: dict[str, int] = {}  # group id -> its token count before this share took members
         for i in ids:
-            gid = self.where.get(i)
-            g = self.ready.get(gid) if gid is not None else None
+            gid = where.get(i)
+            g = ready.get(gid) if gid is not None else None
             if g is None or i not in g.members:
                 raise KeyError(f"trajectory {i} is not ready to serve")
-            t = g.members.pop(i)
-            g.tokens -= num_tokens(t)
-            trajs.append(t)
-            if not g.members:
-                del self.ready[gid]
-            self.where[i] = batch_id
-        served = Served(batch_id, rank, world_size, trajs)
+            trajs.append(g.members.pop(i))
+            if gid not in before:
+                before[gid] = g.tokens
+            where[i] = batch_id
+        tokens = 0
+        for gid, n in before.items():  # a group taken whole (the usual case) needs no count per member
+            g = ready[gid]
+            if g.members:
+                g.tokens = sum(num_tokens(t) for t in g.members.values())
+                tokens += n - g.tokens
+            else:
+                tokens += n
+                del ready[gid]
+        served = Served(batch_id, rank, world_size, trajs, tokens)
         self.outstanding[batch_id] = served
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
         self.stats["served"] += len(trajs)
@@ -234,11 +368,14 @@ class Store:
         served = self.outstanding.pop(batch_id, None)
         if served is None:
             return False
-        where, frames, consumed = self.where, self.frames, self.consumed_ids
-        for t in served.trajectories:
-            where.pop(t.id, None)
-            self.live_bytes -= len(frames.pop(t.id, b""))
-            consumed.add(t.id)
+        where, frames = self.where, self.frames
+        ids = [t.id for t in served.trajectories]
+        size = 0
+        for i in ids:
+            where.pop(i, None)
+            size += len(frames.pop(i, b""))
+        self.live_bytes -= size
+        self.consumed_ids.update(ids)
         q = self.pending_shares.get(served.rank)
         if q is not None and batch_id in q:
             q.remove(batch_id)
@@ -249,10 +386,15 @@ class Store:
     def apply(self, rec: wal.Record) -> None:
         """Replay one WAL record."""
         if type(rec) is wal.Put:
-            self.put(decode_trajectory(rec.frame), body_of(rec.frame))
+            body = body_of(rec.frame)
+            self.put(sample_of(body), body)
         elif type(rec) is wal.PutGroup:
             for frame in rec.frames:
-                self.put(decode_trajectory(frame), body_of(frame))
+                body = body_of(frame)
+                self.put(sample_of(body), body)
+        elif type(rec) is wal.PutMessage:
+            for body in member_bodies(body_of(rec.frame)):
+                self.put(sample_of(body), body)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
@@ -262,7 +404,7 @@ class Store:
         elif type(rec) is wal.Release:
             self.release(rec.group_id)
         elif type(rec) is wal.Restore:
-            self.restore(rec.batch_id, rec.rank, rec.world_size, [decode_trajectory(f) for f in rec.frames], rec.frames)
+            self.restore(rec.batch_id, rec.rank, rec.world_size, [sample_of(body_of(f)) for f in rec.frames], rec.frames)
         elif type(rec) is wal.Snapshot:
             self.next_batch_seq = rec.next_batch_seq
             self.consumed_ids = RecentIds(self.dedupe_window, rec.consumed_ids)
@@ -273,7 +415,7 @@ class Store:
             self.where[t.id] = batch_id
             self.frames[t.id] = body_of(frame)
             self.live_bytes += len(frame) - PREAMBLE_BYTES
-        self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs)
+        self.outstanding[batch_id] = Served(batch_id, rank, world_size, trajs, sum(num_tokens(t) for t in trajs))
         self.pending_shares.setdefault(rank, deque()).append(batch_id)
 
     def snapshot(self) -> Iterator[wal.Record]:

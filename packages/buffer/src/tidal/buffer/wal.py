@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from xxhash import xxh3_64, xxh3_64_intdigest
@@ -40,6 +41,10 @@ class Put(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class PutGroup(msgspec.Struct, tag=True, array_like=True, gc=False):
     frames: list[bytes]  # the admitted members of one TrajectoryGroup, each encoded like Put.frame
+
+
+class PutMessage(msgspec.Struct, tag=True, array_like=True, gc=False):
+    frame: bytes  # a TrajectoryGroup message as received (one frame, every array inline), every member admitted
 
 
 class Serve(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -75,12 +80,12 @@ class Restore(msgspec.Struct, tag=True, array_like=True, gc=False):
     frames: list[bytes]  # its trajectories, encoded like Put.frame
 
 
-Record = Put | PutGroup | Serve | Consume | Drop | Release | Snapshot | Restore
+Record = Put | PutGroup | PutMessage | Serve | Consume | Drop | Release | Snapshot | Restore
 
 _encoder = msgspec.msgpack.Encoder()
 _PENDING_LIMIT = 1 << 20  # appended bytes held before they are written to the file
 _IOV_MAX = 1024  # pieces per writev (Linux's limit)
-_JOIN_LIMIT = 16 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
+_JOIN_LIMIT = 8 * 1024  # a Put frame smaller than this is joined to its prefix (cheaper than a hash state)
 _decoder = msgspec.msgpack.Decoder(Record)
 
 
@@ -96,6 +101,11 @@ def _put_prefix(n: int) -> bytes:
     """msgpack of ``Put(frame)`` up to the frame's bytes (a 2-array: tag, bin header), as msgspec
     writes it: `append` writes Put records without copying the frame (tested against msgspec)."""
     return b"\x92\xa3Put" + _bin_header(n)
+
+
+def _message_prefix(n: int) -> bytes:
+    """msgpack of ``PutMessage(frame)`` up to the frame's bytes, as `_put_prefix` (tested against msgspec)."""
+    return b"\x92\xaaPutMessage" + _bin_header(n)
 
 
 def _group_prefix(n: int) -> bytes:
@@ -228,14 +238,19 @@ class WriteAheadLog:
         self._pending.append(data)
         self._added(len(data))
 
-    def append_put(self, frame: bytes | memoryview) -> None:
+    def append_message(self, frame: bytes | memoryview) -> None:
+        """`append(PutMessage(frame))`: a whole group as it arrived, one record of two or three pieces
+        (no piece per member, nothing copied when it is large)."""
+        self.append_put(frame, _message_prefix)
+
+    def append_put(self, frame: bytes | memoryview, _prefix: Any = None) -> None:
         """`append(Put(frame))`, the hot path: the msgpack prefix for the frame's length comes from a
         small cache, and the record is written as two pieces (header, prefix + frame)."""
         if self._file is None:
             self._open_new(1)
         n = len(frame)
-        if n >= _JOIN_LIMIT:  # a large frame is not copied: three pieces, checksum streamed over two
-            prefix = _put_prefix(n)
+        if _prefix is not None or n >= _JOIN_LIMIT:  # a large frame is not copied: three pieces, checksum streamed over two
+            prefix = (_prefix or _put_prefix)(n)
             h = xxh3_64(prefix)
             h.update(frame)
             self._pending += (HEADER.pack(len(prefix) + n, h.intdigest() & 0xFFFFFFFF), prefix, frame)

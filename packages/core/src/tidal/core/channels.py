@@ -176,6 +176,11 @@ class PullChannel(Channel):
         """Next message. Raises ChannelTimeout, or ProtocolError for a bad one (the next recv works)."""
         return self.codec.decode(self._recv_frames(timeout))
 
+    def recv_frames(self, timeout: float | None = None, *, view_at_least: int = 0) -> list[Any]:
+        """Next message's frames, not decoded (for a receiver with a decoder of its own; `codec.decode`
+        them for the checked message and its errors). Frame 0 as in `recv_with_frames`."""
+        return self._recv_frames(timeout, view_at_least)
+
     def recv_with_frames(self, timeout: float | None = None, *, view_at_least: int = 0) -> tuple[Message, list[Any]]:
         """Next message and the frames it came in, e.g. to store it without re-encoding. Frame 0 comes as
         bytes, or, when it is at least `view_at_least` (> 0) bytes, as a read-only memoryview of the
