@@ -49,6 +49,8 @@ def rank_inputs(rank: int, force: bool):
 
 def block_loss(block: MoEBlock, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     y = block(x)
+    if isinstance(y, tuple):  # layout gpt_oss: (output, router scores)
+        y = y[0]
     return (y * g).sum() + 0.1 * block.aux_loss + 0.01 * block.z_loss, y
 
 

@@ -48,15 +48,15 @@ def test_gpt_oss_block_matches_transformers_outputs_and_gradients(experts_impl):
         pre = torch.einsum("th,ehf->etf", x.reshape(-1, 16), mlp.experts.gate_up_proj)
         assert (pre[..., ::2] > mlp.experts.limit).any() and (pre[..., 1::2].abs() > mlp.experts.limit).any()
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_ref = holder["mlp"](x_ref)[0]
-    y = block(x_ours)
+    y_ref, scores_ref = holder["mlp"](x_ref)
+    y, scores = block(x_ours)  # the pair transformers' decoder layer unpacks
     g = torch.randn_like(y)
     (y_ref * g).sum().backward()
     (y * g).sum().backward()
     def rel(a, b):
         return ((a - b).abs().max() / b.abs().max()).item()
 
-    diffs = {"y": rel(y, y_ref), "x": rel(x_ours.grad, x_ref.grad)}
+    diffs = {"y": rel(y, y_ref), "x": rel(x_ours.grad, x_ref.grad), "scores": rel(scores, scores_ref)}
     theirs = dict(mlp.named_parameters())
     for name, p in block.named_parameters():
         assert p.shape == theirs[name].shape and theirs[name].grad is not None
@@ -68,7 +68,7 @@ def test_gpt_oss_block_matches_transformers_outputs_and_gradients(experts_impl):
     # replaying the router's own choice changes nothing
     routes = used_routes(ours).clone()
     with replay_routing(ours, routes), torch.no_grad():
-        assert torch.equal(block(x), y.detach())
+        assert torch.equal(block(x)[0], y.detach())
 
 
 def test_gpt_oss_recompute_gives_the_same_gradients():
@@ -77,6 +77,6 @@ def test_gpt_oss_recompute_gives_the_same_gradients():
     convert_hf_moe(b, recompute=True)
     x = torch.randn(2, 5, 16)
     for m in (a, b):
-        m["mlp"](x).square().sum().backward()
+        m["mlp"](x)[0].square().sum().backward()
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=0), name

@@ -40,6 +40,7 @@ from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Metrics
 from tidal.integration.learner.backends import BackendConfig
+from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_reference
 
 log = logging.getLogger("tidal.learner")
@@ -70,6 +71,7 @@ class LearnerConfig(ConfigStruct):
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     moe: MoEOptions = msgspec.field(default_factory=MoEOptions)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
     # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
     # each one, so a learner killed in between is served them again on resume; 0 = only at the end
@@ -105,16 +107,20 @@ class Learner:
         if cfg.train.advantage.name == "gae" and not options.value_head:
             log.info("advantage 'gae' (PPO): adding a critic value head")
             options = msgspec.structs.replace(options, value_head=True)
-        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device)
+        from tidal.integration.learner.parallel import ep_backend_options
+
+        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
+                                       **ep_backend_options(cfg.parallel, cfg.backend, self.world))
         reference = None
         if needs_reference(cfg.train):
             from transformers import AutoModelForCausalLM
 
-            from tidal.integration.learner.backends import pick_attention
+            from tidal.integration.learner.backends import has_sinks, pick_attention
 
+            ref_path = cfg.reference_model or cfg.model
             reference = AutoModelForCausalLM.from_pretrained(
-                cfg.reference_model or cfg.model,
-                attn_implementation=pick_attention(options.attn, torch.device(cfg.device))).to(cfg.device)
+                ref_path, attn_implementation=pick_attention(options.attn, torch.device(cfg.device),
+                                                             sinks=has_sinks(ref_path))).to(cfg.device)
             reference.requires_grad_(False)
         self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay)
         self.step = 0

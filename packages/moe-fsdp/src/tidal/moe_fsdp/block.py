@@ -16,7 +16,8 @@ from tidal.moe_fsdp.router import TopKRouter, load_balancing_loss, router_z_loss
 
 
 class MoEBlock(nn.Module):
-    """`forward(hidden [..., H]) → [..., H]`.
+    """`forward(hidden [..., H]) → [..., H]`; for layout "gpt_oss" `(out [..., H], router scores [T, k])`,
+    the pair transformers' GPT-OSS decoder layer unpacks from its MLP.
 
     Parameters (names and layouts as Hugging Face stores them), with E_local = E / ep_size experts on this
     rank, global experts [ep_rank·E_local, (ep_rank+1)·E_local):
@@ -79,7 +80,7 @@ class MoEBlock(nn.Module):
         routed by the router). `None` returns the choice to the router."""
         self._forced = routes
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # [T, H]
         r = self.top_k_router(x, self._forced)
@@ -93,4 +94,5 @@ class MoEBlock(nn.Module):
         self.aux_loss = load_balancing_loss(probs, r.ids, self.config.num_experts)
         self.z_loss = router_z_loss(r.logits)
         self.routes, self.router_routes = r.ids.detach(), r.chosen.detach()
-        return combine(y_sorted, order, r.weights).reshape(shape)
+        out = combine(y_sorted, order, r.weights).reshape(shape)
+        return (out, r.weights) if self.config.layout == "gpt_oss" else out
