@@ -109,6 +109,9 @@ class Learner:
             options = msgspec.structs.replace(options, value_head=True)
         from tidal.integration.learner.parallel import ep_backend_options
 
+        if cfg.parallel.sp != 1:
+            raise ValueError(f"learner.parallel.sp={cfg.parallel.sp}: sequence parallelism is not implemented in "
+                             "this learner yet (only learner.parallel.ep is); use sp = 1")
         self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
                                        **ep_backend_options(cfg.parallel, cfg.backend, self.world))
         reference = None
