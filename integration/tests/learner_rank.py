@@ -1,5 +1,7 @@
 """One learner rank for the backend tests: a fixed synthetic batch stream, k steps, optional checkpoint
-save/load, final full weights written by rank 0 (safetensors)."""
+save/load, final full weights written by rank 0 (safetensors); optionally expert parallelism (`--ep`),
+recorded MoE routing replayed (`--replay`), and the first step's full gradients and every step's
+metrics written by rank 0 (`--grads`, `--metrics`)."""
 
 from __future__ import annotations
 
@@ -18,17 +20,25 @@ from tidal.integration.learner.data import Sample
 from tidal.integration.learner.trainer import TrainConfig, Trainer
 
 
-def batch(step: int, vocab: int, groups: int = 4, g: int = 4) -> list[Sample]:
+def batch(step: int, vocab: int, groups: int = 4, g: int = 4, routing: tuple[int, int] | None = None
+          ) -> list[Sample]:
+    """`routing` (moe layers, experts): each sample carries recorded top-2 routes (two distinct experts)."""
     rng = np.random.default_rng(1000 + step)
     out = []
     for gi in range(groups):
         prompt = rng.integers(3, vocab, rng.integers(3, 10)).astype(np.int32)
         for k in range(g):
             t = int(rng.integers(2, 20))
+            routes = None
+            if routing is not None:
+                layers, experts = routing
+                first = rng.integers(0, experts, (t, layers))
+                routes = np.stack([first, (first + rng.integers(1, experts, (t, layers))) % experts], -1)
             out.append(Sample(id=f"{step}-{gi}-{k}", group_id=f"{step}-{gi}", prompt=prompt,
                               completion=rng.integers(3, vocab, t).astype(np.int32),
                               logprobs=(-rng.random(t) * 3).astype(np.float32), versions=np.zeros(t, np.int32),
-                              reward=float(rng.integers(0, 2)), loss_mask=np.ones(t, bool)))
+                              reward=float(rng.integers(0, 2)), loss_mask=np.ones(t, bool),
+                              routing=None if routes is None else routes.astype(np.int16)))
     return out
 
 
@@ -46,6 +56,10 @@ def main() -> None:
     ap.add_argument("--die-after-save", action="store_true", help="SIGKILL this rank once the checkpoint is written")
     ap.add_argument("--correction", default="")
     ap.add_argument("--groups", type=int, default=4, help="groups per batch (fewer than ranks leaves some empty)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (fsdp2)")
+    ap.add_argument("--replay", action="store_true", help="samples carry MoE routing; the learner replays it")
+    ap.add_argument("--grads", default="", help="rank 0 writes the first step's full gradients here")
+    ap.add_argument("--metrics", default="", help="rank 0 writes every step's metrics here (JSON lines)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -56,20 +70,40 @@ def main() -> None:
     if args.backend.startswith("deepspeed"):  # deepspeed2 / deepspeed3: the ZeRO stage
         be = registry.create("train_backend", "deepspeed", args.model, cfg, zero_stage=int(args.backend[-1]))
     else:
-        be = registry.create("train_backend", args.backend, args.model, cfg)
+        be = registry.create("train_backend", args.backend, args.model, cfg, **({"ep": args.ep} if args.ep > 1 else {}))
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
-                                      correction=PluginRef(name=args.correction) if args.correction else None))
+                                      correction=PluginRef(name=args.correction) if args.correction else None),
+                      routing_replay=args.replay)
+    grads: dict[str, torch.Tensor] = {}
+    if args.grads:  # after the first step's backward, before the optimizer: the reduced full gradients
+        from tidal.moe_fsdp import iter_full_weights
+
+        def keep_grads() -> None:
+            if not grads:
+                grads.update((n, g.clone()) for n, g in iter_full_weights(be.model, grads=True))
+
+        trainer.before_update = keep_grads
+    routing = None
+    if args.replay:
+        from tidal.moe_fsdp import moe_blocks
+
+        routing = (be.moe_layers, moe_blocks(be.model)[0].config.num_experts)
     step = args.start
     if args.load:
         step = load_checkpoint(args.load, be)["step"]
     vocab = be.model.config.vocab_size
     for _ in range(args.steps):
-        samples = batch(step, vocab, groups=args.groups)
+        samples = batch(step, vocab, groups=args.groups, routing=routing)
         mine = [s for s in samples if int(s.group_id.split("-")[1]) % world == rank]
         metrics = trainer.step(mine)
         step += 1
         if rank == 0:
             print(f"step {step} loss {metrics['loss/total']:.6f} grad_norm {metrics['train/grad_norm']:.6f}", flush=True)
+            if args.metrics:
+                import json
+
+                with open(args.metrics, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
     if args.save:
         save_checkpoint(args.save, be, {"step": step, "version": step})
         if args.die_after_save:
@@ -81,6 +115,8 @@ def main() -> None:
         from safetensors.torch import save_file
 
         save_file(state, args.out)
+        if args.grads:
+            save_file(grads, args.grads)
     if dist.is_initialized():
         dist.destroy_process_group()
 

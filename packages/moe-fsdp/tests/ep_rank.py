@@ -26,18 +26,17 @@ def main() -> int:
         full = full_block(cfg)
         block = MoEBlock(cfg, ep_group=group)
         mine = slice(block.local_experts.start, block.local_experts.stop)
-        with torch.no_grad():
-            block.gate.weight.copy_(full.gate.weight)
-            block.experts.gate_up_proj.copy_(full.experts.gate_up_proj[mine])
-            block.experts.down_proj.copy_(full.experts.down_proj[mine])
+        with torch.no_grad():  # the router whole, this rank's slice of every expert tensor
+            for pname, p in block.named_parameters():
+                src = full.get_parameter(pname)
+                p.copy_(src[mine] if pname.startswith("experts.") else src)
         x, g, routes = rank_inputs(rank, force)
         x.requires_grad_()
         block.force_routes(routes)
         loss, y = block_loss(block, x, g)
         loss.backward()
-        results[name] = {"y": y.detach(), "x_grad": x.grad, "gate_grad": block.gate.weight.grad,
-                         "gate_up_grad": block.experts.gate_up_proj.grad, "down_grad": block.experts.down_proj.grad,
-                         "routes": block.routes, "local": (mine.start, mine.stop)}
+        results[name] = {"y": y.detach(), "x_grad": x.grad, "routes": block.routes, "local": (mine.start, mine.stop),
+                         "grads": {pname: p.grad for pname, p in block.named_parameters()}}
     torch.save(results, out / f"ep_rank{rank}.pt")
     dist.destroy_process_group()
     return 0

@@ -12,6 +12,8 @@ EP_CASES = [  # (name, config overrides, force routes): each exercised on 2 EP r
     ("softmax-norm-recompute", {"score": "softmax", "normalize": True, "recompute": True}, False),
     ("sigmoid-raw", {"score": "sigmoid", "normalize": False}, False),
     ("replay-skewed", {"score": "softmax", "normalize": True, "recompute": True}, True),
+    ("gpt-oss", {"layout": "gpt_oss"}, False),
+    ("gpt-oss-replay-recompute", {"layout": "gpt_oss", "recompute": True}, True),
 ]
 TOKENS = (7, 11)  # tokens on rank 0 and rank 1: uneven, so the all-to-all splits are uneven
 
@@ -22,7 +24,14 @@ def block_config(**overrides) -> MoEConfig:
 
 def full_block(cfg: MoEConfig) -> MoEBlock:
     torch.manual_seed(0)
-    return MoEBlock(cfg)
+    block = MoEBlock(cfg)
+    with torch.no_grad():  # GPT-OSS: biases start at 0; make them matter, and the clamps bite
+        for name, p in block.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+        if cfg.layout == "gpt_oss":
+            block.experts.gate_up_proj.mul_(8.0)
+    return block
 
 
 def rank_inputs(rank: int, force: bool):
@@ -40,6 +49,8 @@ def rank_inputs(rank: int, force: bool):
 
 def block_loss(block: MoEBlock, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     y = block(x)
+    if isinstance(y, tuple):  # layout gpt_oss: (output, router scores)
+        y = y[0]
     return (y * g).sum() + 0.1 * block.aux_loss + 0.01 * block.z_loss, y
 
 

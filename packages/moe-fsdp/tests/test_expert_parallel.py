@@ -9,7 +9,11 @@ import torch
 from moe_tiny import EP_CASES, block_loss, full_block, rank_inputs, run_ranks
 
 HERE = Path(__file__).parent
-TOL = 1e-5
+TOL = 1e-5  # of max(1, the reference's largest entry): the GPT-OSS cases' clamped values reach ~50
+
+
+def diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +38,17 @@ def test_ep2_outputs_and_gradients_equal_one_process(case, ep_results):
         ref.force_routes(routes)
         loss, y = block_loss(ref, x, g)
         loss.backward()  # the reference's weight grads accumulate over both ranks' losses
-        diffs[f"y{rank}"] = (got["y"] - y.detach()).abs().max().item()
-        diffs[f"x_grad{rank}"] = (got["x_grad"] - x.grad).abs().max().item()
+        diffs[f"y{rank}"] = diff(got["y"], y.detach())
+        diffs[f"x_grad{rank}"] = diff(got["x_grad"], x.grad)
         assert torch.equal(got["routes"], ref.routes)
     # a replicated router sums its ranks' gradients; each rank's experts are a slice of the full ones
-    diffs["gate_grad"] = (ep_results[0][name]["gate_grad"] + ep_results[1][name]["gate_grad"]
-                          - ref.gate.weight.grad).abs().max().item()
-    for key, param in (("gate_up_grad", ref.experts.gate_up_proj), ("down_grad", ref.experts.down_proj)):
-        full = torch.cat([ep_results[r][name][key] for r in (0, 1)])
+    for pname, param in ref.named_parameters():
+        parts = [ep_results[r][name]["grads"][pname] for r in (0, 1)]
+        full = torch.cat(parts) if pname.startswith("experts.") else parts[0] + parts[1]
         assert full.shape == param.shape
-        diffs[key] = (full - param.grad).abs().max().item()
-    print(f"\nEP=2 {name}: max |diff| " + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+        diffs[pname] = diff(full, param.grad)
+    print(f"\nEP=2 {name}: max |diff| / max(1, |ref|) " + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
     assert max(diffs.values()) <= TOL, diffs
-    assert ref.gate.weight.grad.abs().max() > 0 and ref.experts.down_proj.grad.abs().max() > 0
+    assert ref.top_k_router.weight.grad.abs().max() > 0 and ref.experts.down_proj.grad.abs().max() > 0
     if force:  # expert 3 received no token on either rank: its gradients are exactly zero, not missing
-        assert torch.count_nonzero(torch.cat([ep_results[r][name]["down_grad"] for r in (0, 1)])[3]) == 0
+        assert torch.count_nonzero(torch.cat([ep_results[r][name]["grads"]["experts.down_proj"] for r in (0, 1)])[3]) == 0

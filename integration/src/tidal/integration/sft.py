@@ -48,7 +48,16 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    from tidal.integration.learner.backends import has_sinks
+
+    extra = {}
+    if has_sinks(str(model_path)):
+        # GPT-OSS: transformers' eager attention (the only one it has on CPU that takes sinks) ignores the
+        # packing in the position ids and would attend across the packed problems; tidal_varlen honours both
+        from tidal.seqpar.hf import register_varlen_attention
+
+        extra["attn_implementation"] = register_varlen_attention()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warmup = min(20, cfg.steps // 10 + 1)

@@ -2,7 +2,8 @@
 
 - ``single``: one process, the model as it is.
 - ``fsdp2``: `torch.distributed.fsdp.fully_shard` on every decoder layer and the root, over the default
-  process group (gloo on CPU, NCCL on GPU), optional mixed precision and activation checkpointing.
+  process group (gloo on CPU, NCCL on GPU), optional mixed precision and activation checkpointing; with
+  `ep > 1` (`learner.parallel.ep`) MoE experts are split over a ("dp", "ep") mesh (see `parallel`).
 - ``deepspeed`` (extra ``tidal[deepspeed]``): ZeRO-2 or ZeRO-3 through `deepspeed.initialize`.
 
 Both take the same `BackendConfig`, build the model from a local Hugging Face folder (or take one),
@@ -50,14 +51,16 @@ class BackendConfig(ConfigStruct):
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
-def pick_attention(requested: str, device: torch.device) -> str:
+def pick_attention(requested: str, device: torch.device, sinks: bool = False) -> str:
+    """`sinks`: the model has GPT-OSS-style attention sinks, which flash_attention_2 does not take; "auto"
+    then picks tidal_varlen (sink-aware, exact backward) on every device."""
     from tidal.seqpar.hf import VARLEN_ATTENTION, register_varlen_attention
 
     if requested == VARLEN_ATTENTION:
         return register_varlen_attention()
     if requested != "auto":
         return requested
-    if device.type == "cuda":
+    if device.type == "cuda" and not sinks:
         try:
             import flash_attn  # noqa: F401
 
@@ -82,9 +85,20 @@ def lr_lambda(cfg: OptimConfig):
     return f
 
 
+def has_sinks(model: str) -> bool:
+    """Whether the model folder's architecture has attention sinks (GPT-OSS)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "gpt_oss"
+
+
 class _Backend:
     name = "base"
     reduces_grads = False  # whether backward/step reduce gradients over the ranks (sharded backends)
+    ep = 1  # expert-parallel degree (fsdp2 only)
+    native_checkpoints = False  # True: checkpoints through save_native / load_native, not torch.distributed.checkpoint
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
         self.cfg = cfg
@@ -97,8 +111,9 @@ class _Backend:
             from transformers import AutoModelForCausalLM
 
             module = AutoModelForCausalLM.from_pretrained(
-                model, dtype=getattr(torch, cfg.dtype), attn_implementation=pick_attention(cfg.attn, self.device))
-        self.moe_layers = _convert_moe(module) if cfg.moe_blocks else 0
+                model, dtype=getattr(torch, cfg.dtype),
+                attn_implementation=pick_attention(cfg.attn, self.device, sinks=has_sinks(model)))
+        self.moe_layers = _convert_moe(module, self._ep_group(module)) if cfg.moe_blocks else 0
         if cfg.value_head:
             module.value_head = torch.nn.Linear(module.config.hidden_size, 1, dtype=getattr(torch, cfg.dtype))
             torch.nn.init.zeros_(module.value_head.weight)
@@ -119,6 +134,10 @@ class _Backend:
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
+
+    def _ep_group(self, module: torch.nn.Module) -> Any:
+        """The process group MoE experts are split over (None: every rank holds all of them)."""
+        return None
 
     def _optim_impl(self) -> dict[str, bool]:
         """One fused kernel for all parameters (CPU and CUDA) instead of a Python loop per tensor: the
@@ -199,13 +218,14 @@ class _Backend:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _convert_moe(module: torch.nn.Module) -> int:
-    """Swap the model's Hugging Face sparse MoE blocks for MoEBlocks; the number of MoE layers."""
+def _convert_moe(module: torch.nn.Module, ep_group: Any = None) -> int:
+    """Swap the model's Hugging Face sparse MoE blocks for MoEBlocks (experts split over `ep_group`, if
+    any); the number of MoE layers."""
     from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
 
     if not any(is_hf_sparse_moe(m) for m in module.modules()):
         return 0
-    return len(convert_hf_moe(module))
+    return len(convert_hf_moe(module, ep_group=ep_group))
 
 
 class SingleBackend(_Backend):
@@ -219,11 +239,28 @@ class FSDP2Backend(_Backend):
     def _optim_impl(self) -> dict[str, bool]:
         return {}  # DTensor parameters: torch picks its implementation
 
-    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
+    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu", ep: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("the fsdp2 backend needs torch.distributed initialised (gloo on CPU, nccl on GPU); "
                                "the learner launcher does this for every rank")
+        self.ep, self.mesh = ep, None
+        if ep > 1:
+            from tidal.integration.learner.parallel import ParallelConfig, ep_backend_options, ep_mesh
+
+            ep_backend_options(ParallelConfig(ep=ep), self.name, dist.get_world_size())  # the config checks
+            if not cfg.moe_blocks:
+                raise ValueError(f"learner.parallel.ep={ep} needs backend_options.moe_blocks = true (expert "
+                                 "parallelism runs in tidal-moe-fsdp's MoEBlocks)")
+            self.mesh = ep_mesh(ep, torch.device(device))
         super().__init__(model, cfg, device)
+
+    def _ep_group(self, module: torch.nn.Module) -> Any:
+        if self.mesh is None:
+            return None
+        from tidal.integration.learner.parallel import check_ep_model
+
+        check_ep_model(module, self.ep, self.world_size)
+        return self.mesh["ep"].get_group()
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -232,6 +269,12 @@ class FSDP2Backend(_Backend):
         if self.cfg.mixed_precision:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.mixed_precision),
                                                        reduce_dtype=torch.float32)
+        if self.mesh is not None:  # experts over "ep" then "dp"; the rest over dp × ep (tidal.moe_fsdp.fsdp)
+            from tidal.moe_fsdp.fsdp import shard_moe_model
+
+            if hasattr(module, "value_head"):
+                fully_shard(module.value_head, mesh=self.mesh._flatten("dp_ep"), **kwargs)
+            return shard_moe_model(module, self.mesh, mp_policy=kwargs.get("mp_policy"))
         layers = getattr(getattr(module, "model", module), "layers", None)
         if layers is None:
             raise ValueError(f"fsdp2: cannot find the decoder layers of {type(module).__name__} (model.layers)")
@@ -243,11 +286,47 @@ class FSDP2Backend(_Backend):
         return module
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors, one at a time (every rank must iterate: the gathers are collective)."""
-        for name, p in self.model.state_dict().items():
-            full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        """Full tensors, one at a time (every rank must iterate: the gathers are collective); under EP the
+        expert slices are gathered over their EP group too."""
+        if self.mesh is not None:
+            from tidal.integration.learner.parallel import ep_named_weights
+
+            weights = ep_named_weights(self.model)
+        else:
+            weights = ((n, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+                       for n, p in self.model.state_dict().items())
+        for name, full in weights:
             if not name.startswith("value_head."):
                 yield name, full
+
+    def clip_and_step(self) -> dict[str, float]:
+        if self.mesh is None:
+            return super().clip_and_step()
+        from tidal.integration.learner.parallel import ep_clip_grad_norm
+
+        clip = self.cfg.optim.grad_clip
+        norm = ep_clip_grad_norm(list(self.model.parameters()), clip if clip > 0 else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": float(norm), "train/lr": float(lr)}
+
+    @property
+    def native_checkpoints(self) -> bool:
+        """Under EP, checkpoints are per rank (`save_native` / `load_native`): the expert slices of one
+        global name live on several ranks, which torch.distributed.checkpoint would take for one tensor."""
+        return self.mesh is not None
+
+    def save_native(self, path: str) -> None:
+        from tidal.integration.learner.parallel import ep_save
+
+        ep_save(path, self.model, self.optimizer, self.scheduler, self.ep)
+
+    def load_native(self, path: str) -> None:
+        from tidal.integration.learner.parallel import ep_load
+
+        ep_load(path, self.model, self.optimizer, self.scheduler, self.ep)
 
 
 class DeepSpeedBackend(_Backend):
@@ -258,6 +337,7 @@ class DeepSpeedBackend(_Backend):
 
     name = "deepspeed"
     reduces_grads = True
+    native_checkpoints = True  # DeepSpeed's own format
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu",
                  zero_stage: int = 3) -> None:

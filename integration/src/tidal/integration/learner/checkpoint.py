@@ -48,7 +48,7 @@ def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any],
         tmp.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    if hasattr(backend, "save_native"):  # deepspeed: its own sharded format
+    if getattr(backend, "native_checkpoints", False):  # deepspeed, expert parallelism: their own format
         backend.save_native(str(tmp / "native"))
     else:
         dcp.save(backend.state_dict() if state is None else state["state"], checkpoint_id=str(tmp))
@@ -76,7 +76,7 @@ def load_checkpoint(path: str | Path, backend: Any) -> dict[str, Any]:
     if not (path / "progress.json").is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (progress.json missing; an interrupted save "
                                 f"leaves {path.name}.tmp, which is never loaded)")
-    if hasattr(backend, "load_native"):
+    if getattr(backend, "native_checkpoints", False):
         backend.load_native(str(path / "native"))
     else:
         state = backend.state_dict()

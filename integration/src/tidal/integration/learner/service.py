@@ -97,7 +97,12 @@ class Learner:
         from tidal.buffer.client import BatchClient
         from tidal.core.channels import pub
         from tidal.core.plugins import registry
-        from tidal.integration.learner.parallel import check_parallel, model_config, setup_sequence_parallel
+        from tidal.integration.learner.parallel import (
+            check_parallel,
+            ep_backend_options,
+            model_config,
+            setup_sequence_parallel,
+        )
         from tidal.integration.learner.trainer import Trainer
 
         if not cfg.model:
@@ -113,7 +118,9 @@ class Learner:
         if needs_critic(cfg.train) and not options.value_head:
             log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
             options = msgspec.structs.replace(options, value_head=True)
-        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device)
+        # ep: the backend splits MoE experts over a (dp, ep) mesh (checked above by check_parallel)
+        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
+                                       **ep_backend_options(cfg.parallel, cfg.backend, self.world))
         self.sp = setup_sequence_parallel(cfg.parallel, self.backend)  # collective; None when sp = 1
         # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
         # requests and acknowledges it and hands it to the others
@@ -126,11 +133,12 @@ class Learner:
         if needs_reference(cfg.train):
             from transformers import AutoModelForCausalLM
 
-            from tidal.integration.learner.backends import pick_attention
+            from tidal.integration.learner.backends import has_sinks, pick_attention
 
+            ref_path = cfg.reference_model or cfg.model
             reference = AutoModelForCausalLM.from_pretrained(
-                cfg.reference_model or cfg.model,
-                attn_implementation=pick_attention(options.attn, torch.device(cfg.device))).to(cfg.device)
+                ref_path, attn_implementation=pick_attention(options.attn, torch.device(cfg.device),
+                                                             sinks=has_sinks(ref_path))).to(cfg.device)
             reference.requires_grad_(False)
         self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp)
         self.step = 0

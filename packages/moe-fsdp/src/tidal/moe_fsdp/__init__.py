@@ -6,7 +6,8 @@ from tidal.moe_fsdp.dispatch import combine, sort_by_expert
 from tidal.moe_fsdp.ep import all_to_all, run_experts_parallel
 from tidal.moe_fsdp.experts import GroupedExperts
 from tidal.moe_fsdp.fsdp import iter_full_weights, moe_mesh, shard_moe_model
-from tidal.moe_fsdp.hf import convert_hf_moe, moe_config_of
+from tidal.moe_fsdp.gpt_oss import GptOssGroupedExperts, clamped_swiglu
+from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe, moe_config_of
 from tidal.moe_fsdp.reference import dense_moe
 from tidal.moe_fsdp.replay import (
     moe_blocks,
@@ -19,15 +20,18 @@ from tidal.moe_fsdp.replay import (
 from tidal.moe_fsdp.router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 
 __all__ = [
+    "GptOssGroupedExperts",
     "GroupedExperts",
     "MoEBlock",
     "MoEConfig",
     "Routing",
     "TopKRouter",
     "all_to_all",
+    "clamped_swiglu",
     "combine",
     "convert_hf_moe",
     "dense_moe",
+    "is_hf_sparse_moe",
     "iter_full_weights",
     "load_balancing_loss",
     "moe_blocks",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SCORES = ("softmax", "sigmoid")
+LAYOUTS = ("mixtral", "gpt_oss")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,6 +21,11 @@ class MoEConfig:
     score: Literal["softmax", "sigmoid"] = "softmax"  # how router logits become probabilities
     normalize: bool = True  # renormalise the top-k probabilities to sum to 1 per token
     recompute: bool = False  # keep no expert activations for backward; recompute them one expert at a time
+    # "mixtral": Mixtral / Qwen3-MoE experts (router `gate`, no biases, SwiGLU); "gpt_oss": GPT-OSS experts
+    # (router `router` with a bias; interleaved gate/up [E, H, 2F] with biases; clamped SwiGLU)
+    layout: Literal["mixtral", "gpt_oss"] = "mixtral"
+    swiglu_alpha: float = 1.702  # gpt_oss: the sigmoid gain of gate · σ(alpha · gate)
+    swiglu_limit: float = 7.0  # gpt_oss: gate clamped above at +limit, up at ±limit
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
@@ -30,3 +36,5 @@ class MoEConfig:
                              "a token cannot visit more experts than exist")
         if self.score not in SCORES:
             raise ValueError(f"MoEConfig.score={self.score!r} is not one of {SCORES}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"MoEConfig.layout={self.layout!r} is not one of {LAYOUTS}")

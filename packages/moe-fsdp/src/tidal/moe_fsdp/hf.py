@@ -1,10 +1,13 @@
 """Swap the sparse MoE blocks of a Hugging Face model for `MoEBlock`s, weights copied.
 
-Recognised structurally, so transformers is never imported here: a module with `gate.weight` [E, H],
-`gate.top_k` and `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F] with a SiLU
-activation — the grouped layout of transformers 5 for Mixtral and Qwen3-MoE. Parameter names do not
-change (`…mlp.gate.weight`, `…mlp.experts.gate_up_proj`, `…mlp.experts.down_proj`), so the converted
-model's state dict still loads into, and syncs to, the original architecture.
+Recognised structurally, so transformers is never imported here:
+- Mixtral / Qwen3-MoE (transformers 5's grouped layout): a module with `gate.weight` [E, H], `gate.top_k`
+  and `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F] with a SiLU activation;
+- GPT-OSS: `router.weight` [E, H], `router.bias` [E], `router.top_k`, and `experts.gate_up_proj` [E, H, 2F],
+  `experts.gate_up_proj_bias`, `experts.down_proj` [E, F, H], `experts.down_proj_bias`, `experts.alpha`,
+  `experts.limit` (the clamped SwiGLU).
+Parameter names do not change (`…mlp.gate.weight` or `…mlp.router.weight`, `…mlp.experts.gate_up_proj`,
+…), so the converted model's state dict still loads into, and syncs to, the original architecture.
 """
 
 from __future__ import annotations
@@ -17,16 +20,36 @@ from tidal.moe_fsdp.block import MoEBlock
 from tidal.moe_fsdp.config import MoEConfig
 
 
+def _tensor(module: object, name: str) -> bool:
+    return isinstance(getattr(module, name, None), torch.Tensor)
+
+
+def is_gpt_oss_moe(module: nn.Module) -> bool:
+    router, experts = getattr(module, "router", None), getattr(module, "experts", None)
+    return (not isinstance(module, MoEBlock) and _tensor(router, "weight") and _tensor(router, "bias")
+            and all(_tensor(experts, n) for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+            and hasattr(experts, "alpha") and hasattr(experts, "limit"))
+
+
 def is_hf_sparse_moe(module: nn.Module) -> bool:
     gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
-    return (not isinstance(module, MoEBlock) and isinstance(getattr(gate, "weight", None), torch.Tensor)
-            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
-            and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
+    mixtral = (not isinstance(module, MoEBlock) and _tensor(gate, "weight") and _tensor(experts, "gate_up_proj")
+               and _tensor(experts, "down_proj"))
+    return mixtral or is_gpt_oss_moe(module)
 
 
 def moe_config_of(module: nn.Module, *, recompute: bool = False) -> MoEConfig:
     """The `MoEConfig` that reproduces a Hugging Face sparse MoE block."""
     name = type(module).__name__
+    if is_gpt_oss_moe(module):
+        e, h, f2 = module.experts.gate_up_proj.shape
+        # GPT-OSS: softmax over the top-k logits = softmax over all, top-k, renormalised
+        return MoEConfig(hidden_size=h, intermediate_size=f2 // 2, num_experts=e, top_k=int(module.router.top_k),
+                         score="softmax", normalize=True, recompute=recompute, layout="gpt_oss",
+                         swiglu_alpha=float(module.experts.alpha), swiglu_limit=float(module.experts.limit))
+    if _tensor(module.experts, "gate_up_proj_bias") or _tensor(module.gate, "bias"):
+        raise ValueError(f"{name} has biased experts or router in a layout MoEBlock does not know; it models "
+                         "Mixtral / Qwen3-MoE (no biases) and GPT-OSS (router.bias, experts.*_bias, alpha, limit)")
     if hasattr(module, "shared_expert") or hasattr(module, "shared_experts"):
         raise ValueError(f"{name} has a shared expert, which MoEBlock does not model yet; "
                          "convert models without shared experts (Mixtral, Qwen3-MoE)")
@@ -52,17 +75,19 @@ def convert_hf_moe(model: nn.Module, *, ep_group: dist.ProcessGroup | None = Non
     for name, module in list(model.named_modules()):
         if not is_hf_sparse_moe(module):
             continue
-        weight = module.gate.weight
-        block = MoEBlock(moe_config_of(module, recompute=recompute), ep_group=ep_group, device=weight.device,
-                         dtype=weight.dtype)
+        config = moe_config_of(module, recompute=recompute)
+        router = module.router if config.layout == "gpt_oss" else module.gate
+        block = MoEBlock(config, ep_group=ep_group, device=router.weight.device, dtype=router.weight.dtype)
         mine = slice(block.local_experts.start, block.local_experts.stop)
         with torch.no_grad():
-            block.gate.weight.copy_(weight)
-            block.experts.gate_up_proj.copy_(module.experts.gate_up_proj[mine])
-            block.experts.down_proj.copy_(module.experts.down_proj[mine])
+            for name_, p in block.top_k_router.named_parameters():
+                p.copy_(getattr(router, name_))
+            for name_, p in block.experts.named_parameters():  # this rank's slice of every expert tensor
+                p.copy_(getattr(module.experts, name_)[mine])
         model.set_submodule(name, block)
         replaced.append(name)
     if not replaced:
         raise ValueError(f"no sparse MoE block found in {type(model).__name__}: expected modules with "
-                         "gate.weight and experts.gate_up_proj / experts.down_proj (transformers >= 5 layout)")
+                         "gate.weight and experts.gate_up_proj / experts.down_proj (transformers >= 5 layout), or "
+                         "GPT-OSS's router.weight / router.bias and biased experts")
     return replaced

@@ -24,7 +24,8 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """`weight` [E, H] (the layout of Hugging Face's `gate.weight`). `forward(x [T, H], forced [T, k] | None)`.
+    """`weight` [E, H] (the layout of Hugging Face's `gate.weight`), and with `bias=True` a `bias` [E] (GPT-OSS's
+    `router.bias`). `forward(x [T, H], forced [T, k] | None)`.
 
     `forced` is routing replay: rows whose ids are all >= 0 use those experts; a row with any id < 0 is
     "not recorded" and the router decides. The combine weights are always read from the current
@@ -32,14 +33,15 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
-                 normalize: bool = True, device=None, dtype=None) -> None:
+                 normalize: bool = True, bias: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score, self.normalize = num_experts, top_k, score, normalize
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> Routing:
-        logits = F.linear(x, self.weight)  # [T, E]
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
         probs = logits.float().softmax(-1) if self.score == "softmax" else logits.float().sigmoid()
         top, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         ids = chosen

@@ -5,6 +5,14 @@ from a plain folder. `build_tiny_model(path)` writes one: a Llama-architecture m
 with `experts > 0`) with random weights, and a `tokenizer.json` whose vocabulary is one token per
 character, so any text of the task alphabet round-trips exactly.
 
+`arch="gpt_oss"` writes a GPT-OSS-like model instead (transformers' `GptOssForCausalLM`): MoE in every
+layer (`experts`, default 4, top-`experts_per_token`) with GPT-OSS's expert layout (router with a bias;
+fused, interleaved gate/up projection with biases; the clamped SwiGLU, alpha 1.702, limit 7.0),
+attention sinks (one learned logit per head, `self_attn.sinks`, drawn N(0, 1) so they matter) and
+biased attention projections. Every layer is `full_attention`: GPT-OSS alternates sliding-window
+layers, which neither the embedded engine nor tidal-seqpar implement (both refuse a sliding window
+rather than silently attending further), so the tiny model has none. Plain RoPE (no YaRN).
+
 The tokenizer is saved with `tokenizer_class = PreTrainedTokenizerFast` and the model type is `llama`:
 in transformers 5.x, `AutoTokenizer` on a `qwen2` folder swaps in a byte-level BPE tokenizer that drops
 spaces, so we never depend on that mapping. Load it with `load_tokenizer(path)`.
@@ -18,6 +26,7 @@ from pathlib import Path
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIALS = (PAD, BOS, EOS)
 # Every character the built-in tasks use; anything else is an error at encode time (no silent UNK).
+ARCHS = ("llama", "gpt_oss")
 ALPHABET = "0123456789+-*/()=?:;,. \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -58,17 +67,20 @@ def build_tiny_model(
     tie_embeddings: bool = False,
     seed: int = 0,
     alphabet: str = ALPHABET,
+    arch: str = "llama",
 ) -> Path:
     """Write a randomly initialised tiny causal LM + char tokenizer to `path` and return it.
 
-    `experts > 0` builds a Mixtral-style MoE (so routing can be recorded and replayed). Deterministic in
-    `seed`. The folder loads with `AutoModelForCausalLM.from_pretrained(path)` and with vLLM, whose CPU
+    `experts > 0` builds a Mixtral-style MoE (so routing can be recorded and replayed); `arch="gpt_oss"`
+    a GPT-OSS-like MoE with attention sinks (see the module docstring). Deterministic in `seed`. The folder loads with `AutoModelForCausalLM.from_pretrained(path)` and with vLLM, whose CPU
     attention wants a head size of 32 or more (hidden / heads).
     """
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must split into heads ({heads}), and heads into kv_heads ({kv_heads})")
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, MixtralConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -88,12 +100,24 @@ def build_tiny_model(
         rms_norm_eps=1e-6,
         dtype="float32",
     )
-    if experts:
+    if arch == "gpt_oss":
+        layer_types = ["full_attention"] * layers  # no sliding window (see the module docstring)
+        config = GptOssConfig(num_local_experts=experts or 4, num_experts_per_tok=experts_per_token,
+                              head_dim=hidden // heads, layer_types=layer_types,
+                              # read only by sliding layers (there are none); transformers insists on a value
+                              sliding_window=max_positions,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              attention_bias=True, router_aux_loss_coef=0.0, **common)
+    elif experts:
         config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=experts_per_token, **common)
     else:
         config = LlamaConfig(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gpt_oss":
+        with torch.no_grad():  # the default init (N(0, 0.02)) leaves the sinks near 0; make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # vLLM and transformers both read the end-of-sequence id from here

@@ -5,6 +5,10 @@ running sequences. The engine sets the step's layout (`_ctx.step`) before each f
 attention function (`attn_implementation="tidal_packed"`) writes the new keys/values into their rows and
 attends each sequence to its own context: decoding sequences batched, fresh prefills batched by length,
 the rest (prefills on top of cached tokens) one by one.
+
+GPT-OSS-style attention sinks (`s_aux`, one logit per query head) join every softmax as one extra key
+whose score is the sink and whose value is 0 (an additive float mask over a zero key column): exactly
+the eager reference's `softmax([scores, sink])[:-1]`. Sliding-window layers are refused, never widened.
 """
 
 from __future__ import annotations
@@ -96,13 +100,41 @@ class _KVCache:
                     t[d, :, :length] = t[s, :, :length]
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, gqa: bool,
+          mask: torch.Tensor | None = None, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA, q [B, Hq, m, D], k/v [B, Hkv, n, D]; `mask` bool [B | 1, 1, m, n] (True = attend) or `causal`
+    (m == n); `sinks` [Hq]: one extra logit per head with value 0 in every row's softmax."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    b, h, m, d = q.shape
+    n = k.shape[2]
+    if gqa:  # the float mask below is per query head: give every query head its KV head
+        rep = h // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if mask is None:
+        mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)[None, None] if causal else \
+            torch.ones(1, 1, m, n, dtype=torch.bool, device=q.device)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    bias = torch.cat([bias.expand(b, h, m, n), sinks.to(q.dtype)[None, :, None, None].expand(b, h, m, 1)], -1)
+    zero = q.new_zeros(b, h, 1, d)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), attn_mask=bias,
+                                          scale=scale)
+
+
 def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     step: _StepLayout | None = getattr(_ctx, "step", None)
     if step is None:
         raise RuntimeError("the tidal_packed attention runs only inside the embedded engine's loop; load the "
                            "model with attn_implementation='sdpa' to use it elsewhere")
+    if sliding_window is not None:
+        raise ValueError(f"layer {module.layer_idx} uses sliding-window attention (window {sliding_window}), "
+                         "which the embedded engine does not implement; use vLLM, or a config whose layer_types "
+                         "are all 'full_attention'")
+    sinks = None if s_aux is None else s_aux.detach()
     kc, vc = step.cache.layer(module.layer_idx, key)
     # query/key/value: [1, heads, N, head_dim] -> write the new keys/values into their rows
     kc[step.slots, :, step.positions] = key[0].transpose(0, 1)
@@ -111,33 +143,33 @@ def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     gqa = heads != key.shape[1]
     d = step.n_decode
     if d and not step.spans:  # pure decode: the common step
-        return _decode_attention(query[0], kc, vc, step, scaling, gqa).unsqueeze(0), None
+        return _decode_attention(query[0], kc, vc, step, scaling, gqa, sinks).unsqueeze(0), None
     out = query.new_empty((1, query.shape[2], heads, head_dim))
     if d:
-        out[0, :d] = _decode_attention(query[0, :, :d], kc, vc, step, scaling, gqa)
+        out[0, :d] = _decode_attention(query[0, :, :d], kc, vc, step, scaling, gqa, sinks)
     for idx in step.batched or ():  # fresh prefills of one length: the keys are this step's own
         n, m = idx.shape
         flat = idx.reshape(-1)
         q = query[0][:, flat].view(heads, n, m, head_dim).transpose(0, 1)
         k = key[0][:, flat].view(key.shape[1], n, m, head_dim).transpose(0, 1)
         v = value[0][:, flat].view(value.shape[1], n, m, head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        o = _sdpa(q, k, v, causal=True, scale=scaling, gqa=gqa, sinks=sinks)
         out[0, flat] = o.permute(0, 2, 1, 3).reshape(n * m, heads, head_dim)
     for start, m, row, past in step.single if step.single is not None else step.spans:
         q = query[:, :, start : start + m]
         k, v = kc[row : row + 1, :, : past + m], vc[row : row + 1, :, : past + m]
         if past == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            o = _sdpa(q, k, v, causal=True, scale=scaling, gqa=gqa, sinks=sinks)
         else:
             pos = past + torch.arange(m, device=q.device)
             mask = torch.arange(past + m, device=q.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+            o = _sdpa(q, k, v, mask=mask, scale=scaling, gqa=gqa, sinks=sinks)
         out[0, start : start + m] = o[0].transpose(0, 1)
     return out, None
 
 
 def _decode_attention(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, step: _StepLayout,
-                      scaling: float | None, gqa: bool) -> torch.Tensor:
+                      scaling: float | None, gqa: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per decoding sequence against its cached context: [heads, d, hd] -> [d, heads, hd]."""
     q = query.transpose(0, 1).unsqueeze(2)  # [d, heads, 1, hd]
     length = step.decode_max
@@ -146,7 +178,7 @@ def _decode_attention(query: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, s
     else:
         k, v = kc[step.decode_rows, :, :length], vc[step.decode_rows, :, :length]
     mask = None if step.decode_mask is None else step.decode_mask[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)[:, :, 0]
+    return _sdpa(q, k, v, mask=mask, scale=scaling, gqa=gqa, sinks=sinks)[:, :, 0]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
