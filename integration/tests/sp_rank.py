@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from tidal.core.config import PluginRef
+from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.backends import BACKENDS, BackendConfig
+from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.data import Sample
 from tidal.integration.learner.parallel import ParallelConfig, setup_sequence_parallel
 from tidal.integration.learner.trainer import TrainConfig, Trainer
@@ -53,7 +54,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
-    be = BACKENDS[args.backend](args.model, BackendConfig(value_head=args.advantage == "gae"))
+    be = registry.create("train_backend", args.backend, args.model, BackendConfig(value_head=args.advantage == "gae"))
     sp = setup_sequence_parallel(ParallelConfig(sp=args.sp, sp_mode=args.sp_mode), be)
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
                                       advantage=PluginRef(name=args.advantage)), sp=sp)
