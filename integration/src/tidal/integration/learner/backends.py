@@ -217,6 +217,14 @@ class _Backend:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
 
+    def save_native(self, path: str) -> None:
+        raise NotImplementedError(f"the {self.name} backend checkpoints through torch.distributed.checkpoint "
+                                  f"(native_checkpoints is False)")
+
+    def load_native(self, path: str) -> None:
+        raise NotImplementedError(f"the {self.name} backend checkpoints through torch.distributed.checkpoint "
+                                  f"(native_checkpoints is False)")
+
 
 def _convert_moe(module: torch.nn.Module, ep_group: Any = None) -> int:
     """Swap the model's Hugging Face sparse MoE blocks for MoEBlocks (experts split over `ep_group`, if

@@ -227,19 +227,59 @@ class WeightTransport(Protocol):
 
 @runtime_checkable
 class TrainBackend(Protocol):
-    """Owns the model's parallelism: forward/backward, optimizer step, checkpoints, weight export."""
+    """Owns the model and its parallelism for the learner's `Trainer` (tidal.integration.learner): packed
+    forward passes, gradient accumulation, the optimizer step, checkpoint state and weight export. Tensors
+    are torch's; tidal-core only describes the seam. Built as ``factory(model, cfg, device, **options)``.
 
-    def forward_backward(self, batch: Any, loss_fn: Callable[..., Any]) -> Mapping[str, float]: ...
+    Attributes the trainer and the learner read: ``cfg`` (its BackendConfig: `value_head`, `attn`, ...),
+    ``model`` (the wrapped module), ``attention`` (transformers' attention name of the policy),
+    ``reduces_grads`` (backward/step reduce gradients over the ranks: sharded backends),
+    ``native_checkpoints`` (checkpoints through `save_native` / `load_native`, not torch.distributed.checkpoint).
+    """
 
-    def optimizer_step(self) -> Mapping[str, float]: ...
+    cfg: Any
+    model: Any
+    reduces_grads: bool
+    native_checkpoints: bool
 
-    def named_weights(self) -> NamedTensors:
-        """Full (unsharded) weights, gathered one tensor at a time, for weight sync."""
+    @property
+    def attention(self) -> str: ...
+
+    def forward(self, input_ids: Any, position_ids: Any, layout: Any = None, keep: Any = None) -> Any:
+        """Logits [1, L, V] of a packed row (positions restart per sequence), or at the row positions `keep`."""
         ...
 
-    def save(self, path: str) -> None: ...
+    def forward_with_values(self, input_ids: Any, position_ids: Any, layout: Any = None) -> tuple[Any, Any]:
+        """(logits, critic values [1, L]) of a packed row; needs the config's value head."""
+        ...
 
-    def load(self, path: str) -> None: ...
+    def layout_kw(self, layout: Any) -> dict[str, Any]:
+        """Forward keyword arguments that carry a packed row's layout to the attention in use."""
+        ...
+
+    def backward(self, loss: Any, last: bool) -> None:
+        """Accumulate one micro-batch's gradient (`last`: the step's final micro-batch)."""
+        ...
+
+    def clip_and_step(self) -> Mapping[str, float]:
+        """Clip gradients, step the optimizer and the LR schedule, zero gradients; metrics (grad norm, lr)."""
+        ...
+
+    def named_weights(self) -> NamedTensors:
+        """Full (unsharded) weights, gathered one tensor at a time, for weight sync (collective)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and scheduler state for torch.distributed.checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_native(self, path: str) -> None:
+        """Write a checkpoint in the backend's own format (when `native_checkpoints`)."""
+        ...
+
+    def load_native(self, path: str) -> None: ...
 
 
 @runtime_checkable
