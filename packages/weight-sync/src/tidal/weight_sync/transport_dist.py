@@ -285,7 +285,10 @@ class DistReceiverTransport:
                         t = self._buffers[index] = torch.empty(size, dtype=torch.uint8, device=self.device)
                     _broadcast(self._pg, t)
                     self._events.put((n, version, index, t))
-                with self._cv:  # the next broadcast writes these buffers: not before this one is applied
+                # the next broadcast writes these buffers: not before this version was applied or given
+                # up (a fetch of any later version drops it). Until then the sender's next broadcast
+                # waits for this receiver, as a collective does
+                with self._cv:
                     while self._released < n and size >= 0 and not self._stop.is_set():
                         self._cv.wait(0.5)
                 n += 1
