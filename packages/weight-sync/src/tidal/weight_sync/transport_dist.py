@@ -68,10 +68,11 @@ def _key(rank: int, n: int) -> str:
     return f"tidal-weight-sync/r{rank}/{n}"
 
 
-def _broadcast(pg: Any, t: torch.Tensor) -> None:
+def _post(pg: Any, t: torch.Tensor) -> Any:
+    """Start a broadcast of `t` from rank 0; returns its work (`.wait()` for it)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([t], opts).wait()
+    return pg.broadcast([t], opts)
 
 
 def _on_device(device: str, verify_on_device: bool | None) -> bool:
@@ -131,6 +132,10 @@ class DistSenderTransport:
         try:
             store, pg = _group(self.address, 0, self.world_size, self.backend, timeout_s)
             _enter(self.device)
+            # Bucket k+1's header goes out while bucket k is still on the wire (receivers have its
+            # receive posted by then), so it arrives right behind it: no round trip between buckets.
+            # Two buckets at most in flight; their buffers stay alive in `flight`.
+            flight: list[tuple[Bucket, Any]] = []
             while True:
                 job = self._jobs.get()
                 if job is None:
@@ -142,11 +147,17 @@ class DistSenderTransport:
                         for r in range(1, self.world_size):
                             store.delete_key(_key(r, n - 1))
                 elif kind == "bucket":
-                    _broadcast(pg, self._header(n, version, item.index, item.nbytes))
+                    _post(pg, self._header(n, version, item.index, item.nbytes))
                     data = item.data if isinstance(item.data, torch.Tensor) else torch.from_numpy(item.data)
-                    _broadcast(pg, data.to(self.device))
+                    flight.append((item, _post(pg, data.to(self.device))))
+                    if len(flight) > 1:
+                        flight.pop(0)[1].wait()
                 else:  # "end": item is the bucket count, -1 for a version given up
-                    _broadcast(pg, self._header(n, version, _END, item))
+                    end = _post(pg, self._header(n, version, _END, item))
+                    for _, work in flight:
+                        work.wait()
+                    flight.clear()
+                    end.wait()
                     with self._cv:
                         self._done = n + 1
                         self._cv.notify_all()
@@ -257,7 +268,6 @@ class DistReceiverTransport:
         """Take every broadcast as it comes, into the buffers, once the one before was released."""
         try:
             _enter(self.device)
-            header = torch.zeros(4, dtype=torch.int64, device=self.device)
             n = 0
             while True:
                 self._waiting = n
@@ -269,8 +279,10 @@ class DistReceiverTransport:
                     continue
                 if self._store.get(_key(self.rank, n)) == _STOP or self._stop.is_set():
                     return
+                header = torch.zeros(4, dtype=torch.int64, device=self.device)
+                header_work = _post(self._pg, header)
                 while True:
-                    _broadcast(self._pg, header)
+                    header_work.wait()
                     got_n, version, index, size = (int(x) for x in header.tolist())
                     if got_n != n:
                         raise WeightSyncError(f"broadcast {got_n} arrived while broadcast {n} was expected: "
@@ -283,7 +295,11 @@ class DistReceiverTransport:
                     t = self._buffers.get(index)
                     if t is None or t.numel() != size:
                         t = self._buffers[index] = torch.empty(size, dtype=torch.uint8, device=self.device)
-                    _broadcast(self._pg, t)
+                    work = _post(self._pg, t)
+                    # the next header's receive is posted now: it arrives right behind this bucket
+                    header = torch.zeros(4, dtype=torch.int64, device=self.device)
+                    header_work = _post(self._pg, header)
+                    work.wait()
                     self._events.put((n, version, index, t))
                 # the next broadcast writes these buffers: not before this version was applied or given
                 # up (a fetch of any later version drops it). Until then the sender's next broadcast
