@@ -9,6 +9,9 @@
 #    one GPU, "Duplicate GPU detected": the attempt is recorded as it fails; with WS_NCCL_DEVICES=0,1 on
 #    a two-GPU machine the receiver takes the second GPU and the NCCL path runs), then gloo carrying CUDA
 #    tensors (device="cuda" on both ends); bit-identical fp32 and bf16, timing for a ${WS_GIB:-1} GiB state.
+#    These pairs run torch_dist's streamed broadcast on the GPU (each bucket broadcast as soon as it is
+#    packed, per-bucket headers in GPU memory, the receiver's taking thread woken through the TCPStore);
+#    the NCCL pairs are the only check of it over NCCL, and the report says whether they ran.
 #    Every torch_dist pair on CUDA must take the device-verify path: buckets packed and checked with
 #    mix64-sum in GPU memory, never copied to the host to be verified (the sender's report names the
 #    checksum and whether the receiver got its buckets as GPU tensors: "device_verify");

@@ -31,31 +31,33 @@ def main() -> int:
     with pull("tcp://127.0.0.1:*") as inbox:
         print(inbox.endpoint, flush=True)  # before the transport: a collective one blocks until all join
         receiver = WeightReceiver(args.transport, **json.loads(args.options))
-        while True:
-            try:
-                msg = inbox.recv(timeout=0.5)
-            except ChannelTimeout:
-                if os.getppid() != parent:
-                    return 1
-                continue
-            if type(msg) is Control and msg.command == "stop":
-                return 0
-            if type(msg) is not WeightsAvailable:
-                continue
+        try:
+            while True:
+                try:
+                    msg = inbox.recv(timeout=0.5)
+                except ChannelTimeout:
+                    if os.getppid() != parent:
+                        return 1
+                    continue
+                if type(msg) is Control and msg.command == "stop":
+                    return 0
+                if type(msg) is not WeightsAvailable:
+                    continue
 
-            def apply(tensors):
-                held.update({n: t.to("cpu", copy=True) for n, t in tensors})  # GPU tensors too (cuda_ipc)
+                def apply(tensors):
+                    held.update({n: t.to("cpu", copy=True) for n, t in tensors})  # GPU tensors too (cuda_ipc)
 
-            try:
-                receiver.receive(msg, apply)
-                save_file(dict(held), str(out / f"v{msg.version}.safetensors"))
-            except WeightSyncError as e:
-                (out / f"v{msg.version}.error").write_text(str(e))
-            # written whole, then renamed: the test polls for the file and reads it at once
-            tmp = out / f"v{msg.version}.done.tmp"
-            tmp.write_text(json.dumps({"held": receiver.version}))
-            tmp.rename(out / f"v{msg.version}.done")
-        receiver.close()
+                try:
+                    receiver.receive(msg, apply)
+                    save_file(dict(held), str(out / f"v{msg.version}.safetensors"))
+                except WeightSyncError as e:
+                    (out / f"v{msg.version}.error").write_text(str(e))
+                # written whole, then renamed: the test polls for the file and reads it at once
+                tmp = out / f"v{msg.version}.done.tmp"
+                tmp.write_text(json.dumps({"held": receiver.version}))
+                tmp.rename(out / f"v{msg.version}.done")
+        finally:  # a collective transport's thread is stopped, not left behind at exit
+            receiver.close()
 
 
 if __name__ == "__main__":

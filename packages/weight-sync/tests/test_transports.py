@@ -264,6 +264,29 @@ def test_torch_distributed_rejected_version_leaves_the_broadcast_in_step(receive
 
 
 @pytest.mark.timeout(180)
+def test_torch_distributed_receiver_stays_in_step_past_a_version_given_up_and_one_never_announced(receiver, tmp_path):
+    """Buckets are broadcast as they are packed, so a send that fails part way has receivers inside its
+    broadcast: it is ended for them, and a receiver that is then announced a later version (the one
+    between never reached it) takes that one."""
+    address = f"127.0.0.1:{free_port()}"
+    r = receiver("torch_dist", address=address, rank=1, world_size=2, timeout_s=120)
+    with WeightSender("torch_dist", bucket_bytes=16 * 1024, address=address, world_size=2, timeout_s=120) as sender:
+        assert r.announce(sender.send(make_state(1), 1))["held"] == 1
+
+        def gather_fails_part_way():
+            yield from list(make_state(2).items())[:60]
+            raise RuntimeError("a shard could not be gathered")
+
+        with pytest.raises(RuntimeError, match="could not be gathered"):
+            sender.send(gather_fails_part_way(), 2)
+        sender.send(make_state(2), 2)  # never announced to the receiver
+        fresh = make_state(3)
+        ann = sender.send(fresh, 3)
+        assert r.announce(ann)["held"] == 3
+        assert_bit_identical(r.held(3), fresh)
+
+
+@pytest.mark.timeout(180)
 def test_torch_distributed_device_path_checks_buckets_where_they_arrived(receiver, tmp_path):
     """The path NCCL takes (packing into the transport's own buffers, two sets in turn, mix64-sum, each
     receive buffer checked in place), selected for host tensors over gloo: bit-identical over versions

