@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tidal.core.channels import push
 from tidal.core.protocol import Control
 from tidal.core.testing import free_port
-from tidal.weight_sync import WeightSender
+from tidal.weight_sync import WeightReceiver, WeightSender
 from tidal.weight_sync.transport_cuda_ipc import decode_location
 
 HERE = Path(__file__).parent
@@ -423,3 +423,25 @@ def test_a_receiver_that_keeps_no_delta_base_gets_dense_buckets():
             assert receiver.receive(sender.send(state, v), lambda named, got=got: got.update((n, t.clone()) for n, t in named)) == v
             assert_bit_identical(got, state)
         assert sender.transport.bytes_sent == sender.transport.bytes_dense  # nothing was sent as a delta
+
+
+def test_every_transport_implements_the_declared_interface_and_others_are_refused():
+    """The sender and receiver call a transport's methods directly (tidal.weight_sync.transport_base): each
+    built-in transport subclasses the declared base, and an object that does not is refused by name."""
+    import importlib
+
+    from tidal.weight_sync import ReceiverTransport, SenderTransport
+    from tidal.weight_sync.plugin import TRANSPORTS
+
+    for module, sender, receiver in TRANSPORTS.values():
+        mod = importlib.import_module(f"tidal.weight_sync.{module}")
+        assert issubclass(getattr(mod, sender), SenderTransport), sender
+        assert issubclass(getattr(mod, receiver), ReceiverTransport), receiver
+
+    class Bare:
+        name = "bare"
+
+    with pytest.raises(TypeError, match="must subclass tidal.weight_sync.SenderTransport"):
+        WeightSender(Bare())
+    with pytest.raises(TypeError, match="must subclass tidal.weight_sync.ReceiverTransport"):
+        WeightReceiver(Bare())

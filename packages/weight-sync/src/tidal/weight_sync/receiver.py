@@ -17,6 +17,7 @@ from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import checksum, copy_and_checksum, unpack
 from tidal.weight_sync.device import checksum_tensor
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -27,7 +28,10 @@ class WeightReceiver:
             from tidal.weight_sync.plugin import receiver_transport
 
             transport = receiver_transport(transport, **transport_options)
-        self.transport = transport
+        if not isinstance(transport, ReceiverTransport):
+            raise TypeError(f"a weight transport object must subclass tidal.weight_sync.ReceiverTransport; got "
+                            f"{type(transport).__name__}")
+        self.transport: ReceiverTransport = transport
         self.keep_for_delta = keep_for_delta
         self.version = -1
         # a bucket is host memory (numpy), or a torch tensor on a GPU (cuda_ipc)
@@ -45,7 +49,7 @@ class WeightReceiver:
         if ann.transport != self.transport.name:
             raise WeightSyncError(f"version {ann.version} was published over {ann.transport!r} but this receiver "
                                   f"uses {self.transport.name!r}; create WeightReceiver({ann.transport!r})")
-        zero_copy = getattr(self.transport, "zero_copy", False)
+        zero_copy = self.transport.zero_copy
         try:
             try:
                 buckets, views = self._fetch_and_verify(ann, zero_copy)
@@ -128,7 +132,7 @@ class WeightReceiver:
         if in_place:
             _check_device_sum(ann, i, payload)
             return payload
-        device = getattr(self.transport, "device", None) or payload.device
+        device = self.transport.device or payload.device
         spare = self._spare[i] if i < len(self._spare) else None
         if isinstance(spare, torch.Tensor) and spare.numel() == size and spare.device == torch.device(device):
             dest = spare  # last-but-one version's memory

@@ -14,6 +14,7 @@ import torch
 
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import CHECKSUM, Alloc, Bucket, plan_buckets
+from tidal.weight_sync.transport_base import SenderTransport
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -68,7 +69,10 @@ class WeightSender:
             elif delta:
                 raise ValueError(f"delta updates need a transport that serves receivers individually (zmq), not {transport!r}")
             transport = sender_transport(transport, **transport_options)
-        self.transport = transport
+        if not isinstance(transport, SenderTransport):
+            raise TypeError(f"a weight transport object must subclass tidal.weight_sync.SenderTransport (what the "
+                            f"sender calls, with defaults for the optional parts); got {type(transport).__name__}")
+        self.transport: SenderTransport = transport
         self.bucket_bytes = bucket_bytes
         self.delta = delta
         self.anchor_every = max(1, anchor_every)
@@ -98,11 +102,11 @@ class WeightSender:
                 buf = pool[index] = np.empty(nbytes, dtype=np.uint8)
             return buf
 
-        if hasattr(self.transport, "allocator"):  # pack straight into the transport's memory (shm, cuda_ipc)
-            alloc = self.transport.allocator()
-        algorithm = getattr(self.transport, "checksum", CHECKSUM)
-        stream = getattr(self.transport, "stage_bucket", None)  # transports that start on a bucket at once
-        plans = plan_buckets(items, self.bucket_bytes, getattr(self.transport, "pack_device", None))
+        transport: SenderTransport = self.transport
+        alloc = transport.allocator() or alloc  # pack straight into the transport's memory (shm, cuda_ipc)
+        algorithm = transport.checksum
+        stream = transport.stage_bucket if transport.streams else None  # transports that start on a bucket at once
+        plans = plan_buckets(items, self.bucket_bytes, transport.pack_device)
         buckets: list[Bucket] = []
         stage_s = 0.0
         try:
@@ -115,8 +119,7 @@ class WeightSender:
             if self.lora_only and not buckets:
                 raise ValueError("lora_only is set but no tensor name contains 'lora_'")
         except BaseException:
-            if hasattr(self.transport, "abort"):
-                self.transport.abort(version)
+            transport.abort(version)
             raise
         buckets.sort(key=lambda b: b.index)
         anchor = version % self.anchor_every == 0 or self.version < 0
@@ -134,8 +137,7 @@ class WeightSender:
             location=location,
             lora_only=self.lora_only,
         )
-        if hasattr(self.transport, "write_manifest"):
-            self.transport.write_manifest(ann)
+        transport.write_manifest(ann)
         self.version = version
         nbytes = sum(b.nbytes for b in buckets)
         # pack_s (packing and checksums, in the worker) and stage_s (handing buckets to the transport)
@@ -147,7 +149,7 @@ class WeightSender:
 
     def reports(self, version: int) -> list[tuple[bool, str]]:
         """What receivers told the sender about `version` (transports with a back channel)."""
-        return list(getattr(self.transport, "reports", {}).get(version, []))
+        return list(self.transport.reports.get(version, []))
 
     def close(self) -> None:
         self.transport.close()

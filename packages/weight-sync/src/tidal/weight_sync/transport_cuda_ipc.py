@@ -30,6 +30,7 @@ from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.device import MIX64, reusing_allocator
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 _PREFIX = "cuda-ipc:"
 
@@ -87,7 +88,7 @@ def _uuid(index: int) -> str:
         return ""
 
 
-class CudaIpcSenderTransport:
+class CudaIpcSenderTransport(SenderTransport):
     name = "cuda_ipc"
     checksum = MIX64  # computed on the GPU
 
@@ -140,7 +141,7 @@ class CudaIpcSenderTransport:
             torch.cuda.ipc_collect()  # frees buffers no receiver maps any more
 
 
-class CudaIpcReceiverTransport:
+class CudaIpcReceiverTransport(ReceiverTransport):
     name = "cuda_ipc"
 
     def __init__(self, *, device: str | None = None) -> None:

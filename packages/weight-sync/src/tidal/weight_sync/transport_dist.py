@@ -40,6 +40,7 @@ from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.device import MIX64, reusing_allocator
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 _END = -1  # the bucket index of a version's end header
 _STOP = b"stop"  # a receiver's key set by its own close()
@@ -103,7 +104,8 @@ def broadcast_number(ann: WeightsAvailable) -> int:
     return int(n)
 
 
-class DistSenderTransport:
+class DistSenderTransport(SenderTransport):
+    streams = True  # stage_bucket starts on each bucket as it is packed
     name = "torch_dist"
 
     def __init__(self, address: str, world_size: int, *, backend: str = "gloo", device: str = "cpu",
@@ -234,7 +236,7 @@ class DistSenderTransport:
         self._thread.join(5)
 
 
-class DistReceiverTransport:
+class DistReceiverTransport(ReceiverTransport):
     name = "torch_dist"
     # a version's buckets stay in their receive buffers until `release`: the receiver verifies and
     # applies them in place

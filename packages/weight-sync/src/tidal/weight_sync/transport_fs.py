@@ -19,6 +19,7 @@ from safetensors.torch import load as st_load
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
 
 
-class FsSenderTransport:
+class FsSenderTransport(SenderTransport):
+    streams = True  # stage_bucket starts on each bucket as it is packed
     name = "fs"
 
     def __init__(self, root: str, *, keep: int = 2, fsync: bool = True) -> None:
@@ -114,7 +116,7 @@ class FsSenderTransport:
         pass
 
 
-class FsReceiverTransport:
+class FsReceiverTransport(ReceiverTransport):
     name = "fs"
 
     def __init__(self, **_: Any) -> None:

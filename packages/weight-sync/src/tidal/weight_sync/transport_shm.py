@@ -27,6 +27,7 @@ import numpy as np
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
@@ -67,7 +68,7 @@ class _Segment:
             graveyard.append(self.shm)
 
 
-class ShmSenderTransport:
+class ShmSenderTransport(SenderTransport):
     name = "shm"
 
     def __init__(self, *, keep: int = 2, prefix: str | None = None) -> None:
@@ -137,7 +138,7 @@ class ShmSenderTransport:
         self._graveyard.clear()
 
 
-class ShmReceiverTransport:
+class ShmReceiverTransport(ReceiverTransport):
     name = "shm"
     zero_copy = True  # fetched bytes stay unchanged until `release`: verified and applied in place
 

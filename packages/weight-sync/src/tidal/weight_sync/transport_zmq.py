@@ -18,11 +18,12 @@ from tidal.core.security import Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
 
 
-class ZmqSenderTransport:
+class ZmqSenderTransport(SenderTransport):
     name = "zmq"
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", *, curve: Curve | None = None, keep: int = 2,
@@ -125,7 +126,7 @@ def _np_width_type(dtype: str) -> type:
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
 
 
-class ZmqReceiverTransport:
+class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
     def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0) -> None:
