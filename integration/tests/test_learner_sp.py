@@ -123,6 +123,7 @@ def test_sp2_step_on_two_ranks_equals_one_rank(model, one_rank, tmp_path, mode, 
     assert_same_step(one_rank(loss, advantage), two)
 
 
+@pytest.mark.slow  # 4 gloo ranks on CI's 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize(("sp", "mode", "dp"), [(2, "ring", 2), (4, "hybrid", 1)])
 def test_four_ranks_equal_one_rank(model, one_rank, tmp_path, sp, mode, dp):
     """dp 2 x sp 2: the batch is split over the two SP groups by GRPO group, each group's rows over its
