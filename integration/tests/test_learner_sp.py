@@ -155,7 +155,8 @@ LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 2}
     (ParallelConfig(sp=2), 2, LLAMA, {"backend": "deepspeed"}, "not 'deepspeed'"),
     (ParallelConfig(sp=2), 2, {**LLAMA, "layer_types": ["sliding_attention", "full_attention"]}, {},
      "sliding-window attention layers"),
-    (ParallelConfig(ep=2), 2, LLAMA, {}, "expert parallelism is not wired"),
+    (ParallelConfig(ep=2), 2, LLAMA, {}, 'needs learner.backend = "fsdp2"'),
+    (ParallelConfig(sp=2, ep=2), 4, LLAMA, {"backend": "fsdp2"}, "together are not supported yet"),
 ])
 def test_parallel_options_that_cannot_work_are_config_errors(par, world, config, kw, says):
     with pytest.raises(ConfigError, match="learner.parallel|backend") as e:
