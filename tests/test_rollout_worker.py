@@ -227,7 +227,6 @@ def test_worker_killed_mid_group_and_restarted_loses_nothing_acknowledged(system
 
 
 def test_weights_announced_in_flight_are_applied(system, tiny):
-    pytest.importorskip("tidal.weight_sync")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -93,7 +93,7 @@ def test_vllm_processed_logprobs_match_a_forward_pass(engine, tiny):
 
 
 def test_vllm_takes_a_weight_update_in_flight_through_weight_sync(engine, tiny):
-    pytest.importorskip("tidal.weight_sync", reason="the update goes through tidal-weight-sync's zmq transport")
+    # tidal-weight-sync is ours and installed in the tier (tools/vllm_env.sh): a broken import fails here
     from transformers import AutoModelForCausalLM
 
     from tidal.weight_sync import WeightSender
