@@ -38,6 +38,7 @@ def main() -> int:
         results[name] = {"y": y.detach(), "x_grad": x.grad, "routes": block.routes, "local": (mine.start, mine.stop),
                          "grads": {pname: p.grad for pname, p in block.named_parameters()}}
     torch.save(results, out / f"ep_rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
     dist.destroy_process_group()
     return 0
 

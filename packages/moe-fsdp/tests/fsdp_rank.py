@@ -22,6 +22,7 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     for ep in map(int, sys.argv[3:]):
         train(rank, out, ep)
+    dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
     dist.destroy_process_group()
     return 0
 
