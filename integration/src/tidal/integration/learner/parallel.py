@@ -341,31 +341,14 @@ def ep_mesh(ep: int, device: torch.device):
     return moe_mesh(ep, device.type)
 
 
-def _expert_names(model: torch.nn.Module) -> dict[str, Any]:
-    """Fully qualified name of every expert parameter → its MoE block."""
-    from tidal.moe_fsdp.replay import moe_blocks
-
-    names = {id(m): n for n, m in model.named_modules()}
-    return {f"{names[id(b)]}.experts.{p}": b for b in moe_blocks(model) for p, _ in b.experts.named_parameters()}
-
-
 def ep_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors with the Hugging Face names, one at a time: FSDP shards gathered over their mesh,
-    expert slices over their EP group (collective: every rank iterates to the end in step; rank 0, which
-    publishes, holds each full tensor only until the next is gathered)."""
-    import torch
-    import torch.distributed as dist
+    expert slices over their EP group (tidal-moe-fsdp's `iter_full_weights` over the state dict;
+    collective: every rank iterates to the end in step; rank 0, which publishes, holds each full tensor
+    only until the next is gathered)."""
+    from tidal.moe_fsdp.fsdp import iter_full_weights
 
-    owner = _expert_names(model)
-    for name, p in model.state_dict().items():
-        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        block = owner.get(name)
-        if block is not None and block.ep_size > 1:
-            parts = [torch.empty_like(full) for _ in range(block.ep_size)]
-            dist.all_gather(parts, full.contiguous(), group=block.ep_group)
-            full = torch.cat(parts)
-            del parts
-        yield name, full
+    return iter_full_weights(model, state=True)
 
 
 def ep_clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -60,17 +60,25 @@ def shard_moe_model(model: nn.Module, mesh: DeviceMesh, *, recompute: bool = Fal
     return model
 
 
-def iter_full_weights(model: nn.Module, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(model: nn.Module, *, grads: bool = False, state: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) for every parameter, one at a time, with the names of the unsharded
     model (for MoE layers: the Hugging Face names). Gathers FSDP shards over their mesh and expert slices
     over the EP group, so every rank must iterate to the end in step; each tensor can be sent and dropped
     before the next is gathered, so at most one full parameter exists at a time. `grads=True` yields the
-    parameters' reduced gradients instead (after backward; a parameter without one gives zeros)."""
-    owner = {id(p): b for b in moe_blocks(model) for p in b.experts.parameters()}
-    for name, p in model.named_parameters():
-        t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+    parameters' reduced gradients instead (after backward; a parameter without one gives zeros).
+    `state=True` walks the model's state dict instead of its parameters (persistent buffers included: what
+    a checkpoint or a weight update carries)."""
+    if state:
+        names = {id(m): n for n, m in model.named_modules()}
+        by_name = {f"{names[id(b)]}.experts.{n}": b for b in moe_blocks(model) for n, _ in b.experts.named_parameters()}
+        items = [(name, t, by_name.get(name)) for name, t in model.state_dict().items()]
+    else:
+        owner = {id(p): b for b in moe_blocks(model) for p in b.experts.parameters()}
+        items = [(name, (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p, owner.get(id(p)))
+                 for name, p in model.named_parameters()]
+    for name, t, block in items:
         full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
-        block = owner.get(id(p))
         if block is not None and block.ep_size > 1:
             parts = [torch.empty_like(full) for _ in range(block.ep_size)]
             dist.all_gather(parts, full.contiguous(), group=block.ep_group)
