@@ -33,7 +33,7 @@ import msgspec.inspect
 from tidal.core.errors import ConfigError
 
 # positional parameters the framework fills in when it builds a plugin of this kind (never user options)
-FRAMEWORK_ARGS: dict[str, int] = {"engine": 1, "train_backend": 3}
+FRAMEWORK_ARGS: dict[str, int] = {"engine": 1, "train_backend": 3, "renderer": 1}
 
 _DECLARED = "__tidal_options__"
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")

@@ -62,6 +62,18 @@ class TidalSpecs:
         """Reward functions usable by any environment (`RewardFn`)."""
 
     @hookspec
+    def tidal_tools(self) -> Mapping[str, Factory]:
+        """Tools an episode may call (`tidal.core.episodes.Tool`): e.g. "calculator", "python"."""
+
+    @hookspec
+    def tidal_tool_parsers(self) -> Mapping[str, Factory]:
+        """Tool-call parsers (`tidal.core.episodes.ToolParser`): e.g. "tags", "json"."""
+
+    @hookspec
+    def tidal_renderers(self) -> Mapping[str, Factory]:
+        """Renderers from messages to tokens (`tidal.core.episodes.Renderer`): e.g. "plain", "chat_template"."""
+
+    @hookspec
     def tidal_advantage_estimators(self) -> Mapping[str, Factory]:
         """Advantage estimators (`AdvantageEstimator`): e.g. "grpo", "rloo", "gae"."""
 
@@ -99,6 +111,9 @@ KINDS: dict[str, str] = {
     "engine": "tidal_engines",
     "env": "tidal_envs",
     "reward": "tidal_rewards",
+    "tool": "tidal_tools",
+    "tool_parser": "tidal_tool_parsers",
+    "renderer": "tidal_renderers",
     "advantage_estimator": "tidal_advantage_estimators",
     "policy_loss": "tidal_policy_losses",
     "admission": "tidal_admissions",
@@ -115,6 +130,9 @@ BUILTIN_PROVIDERS: dict[str, str] = {
     "engine": "tidal-rollout",
     "env": "tidal-rollout",
     "reward": "tidal-rollout",
+    "tool": "tidal-rollout",
+    "tool_parser": "tidal-rollout",
+    "renderer": "tidal-rollout",
     "advantage_estimator": "tidal-algos",
     "policy_loss": "tidal-algos",
     "admission": "tidal-staleness",

@@ -11,15 +11,16 @@ PROTOCOL_MINOR; anything else bumps PROTOCOL_MAJOR, and peers of different major
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 3  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
-#                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol
+PROTOCOL_MINOR = 4  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+#                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol;
+#                     4: EpisodeOpen/EpisodeStep/EpisodeClose/EpisodeReply (environment processes)
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -295,6 +296,68 @@ class WeightsBucket(_Msg):
     base_version: int = -1  # for delta: the version the delta applies to
 
 
+# --------------------------------------------------------------------------- episodes
+# Rollout worker (DEALER) <-> environment process (ROUTER): one episode per sample, stepped in turn.
+
+
+class ChatMessage(_Part):
+    """One message of a conversation, as a renderer shows it to the model."""
+
+    role: str  # "system", "user", "assistant", "tool"
+    content: str  # its text
+    name: str = ""  # for role "tool": the tool that produced it
+
+
+class ToolSpec(_Part):
+    """A tool the model may call, as renderers and chat templates describe it."""
+
+    name: str  # what the model writes to call it
+    description: str = ""  # one line for the model
+    parameters: dict[str, Any] = {}  # JSON-schema-like object: {"type": "object", "properties": {...}}
+
+
+class EpisodeOpen(_Msg):
+    """Worker -> environment process: start an episode of `domain` for this task."""
+
+    episode_id: str  # unique in the run (a trajectory id); replies name it
+    domain: str  # the recipe domain (or environment plugin name) the process was configured with
+    prompt: str  # the task's prompt, as `Task` carries it
+    answer: str = ""  # the task's reference answer (the verifier's)
+    metadata: dict[str, str] = {}  # the task's free data
+
+
+class EpisodeStep(_Msg):
+    """Worker -> environment process: the text the model produced in turn `seq`."""
+
+    episode_id: str  # the episode, as opened
+    seq: int  # 1 for the first action; the reply echoes it (a late reply to an older step is ignored)
+    action: str  # the decoded text of the sampled tokens of this turn
+    role: str = "agent"  # who acted (one role until self-play)
+
+
+class EpisodeClose(_Msg):
+    """Worker -> environment process: forget this episode (finished, dropped or abandoned)."""
+
+    episode_id: str  # the episode to forget
+
+
+class EpisodeReply(_Msg):
+    """Environment process -> worker: the answer to an `EpisodeOpen` (seq 0) or an `EpisodeStep`."""
+
+    episode_id: str  # the episode answered
+    seq: int  # 0: the answer to EpisodeOpen (first observation, tools); else the step it answers
+    messages: list[ChatMessage] = []  # the observation (empty when done)
+    token_ids: list[int] | None = None  # an observation given as tokens instead of messages
+    reward: float = 0.0  # this step's reward
+    done: bool = False  # the episode is over (no more steps)
+    outcome: float | None = None  # the final reward, present when done (None with an error)
+    info: dict[str, float] = {}  # step counters: tool_calls, tool_errors, ...
+    tools: list[ToolSpec] = []  # seq 0: the tools of this episode
+    max_turns: int = 0  # seq 0: actions allowed
+    error: str = ""  # "" = ok; else what failed (the episode is over, and it is not a zero reward)
+    error_kind: str = ""  # "env_error", "verifier_error", "unknown_episode", "bad_request"
+
+
 Message = (
     Hello
     | Error
@@ -311,6 +374,10 @@ Message = (
     | WeightsAvailable
     | WeightsRequest
     | WeightsBucket
+    | EpisodeOpen
+    | EpisodeStep
+    | EpisodeClose
+    | EpisodeReply
 )
 
 MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
@@ -329,6 +396,10 @@ MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     WeightsAvailable,
     WeightsRequest,
     WeightsBucket,
+    EpisodeOpen,
+    EpisodeStep,
+    EpisodeClose,
+    EpisodeReply,
 )
 
 __all__ = [
@@ -349,8 +420,13 @@ __all__ = [
     "Assignment",
     "Batch",
     "BatchRequest",
+    "ChatMessage",
     "Control",
     "ControlCommand",
+    "EpisodeClose",
+    "EpisodeOpen",
+    "EpisodeReply",
+    "EpisodeStep",
     "Error",
     "Heartbeat",
     "Hello",
@@ -358,6 +434,7 @@ __all__ = [
     "Metrics",
     "SamplingParams",
     "TensorSpec",
+    "ToolSpec",
     "Trajectory",
     "TrajectoryGroup",
     "WeightsAvailable",

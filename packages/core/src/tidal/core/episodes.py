@@ -1,0 +1,207 @@
+"""Multi-turn episodes: what an agentic environment, a tool, a tool-call parser and a renderer offer.
+
+An `EpisodicEnvironment` poses tasks like a single-turn `Environment` and hands out single-use
+`Episode`s: ``reset()`` gives the first observation, ``step(action)`` answers each action the model
+took with an observation, a step reward and whether the episode is done, and ``outcome()`` gives the
+final (verified) reward. Episodes run in environment processes (tidal-rollout's pool), so they see text,
+never tokens of the policy; tools (`Tool`) run wherever the episode calls them, outside the rollout
+worker.
+
+The rollout worker owns the token sequence. A `Renderer` turns the first observation into prompt
+tokens and every later observation into the tokens that *extend* what was sampled, never re-rendering
+the history; when it cannot extend exactly it says so (None) and the worker starts a new sample of the
+same episode from a fresh render (counted as a split).
+
+`SingleTurnEpisodes` adapts today's single-turn `Environment`: one action, scored by `score`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from tidal.core.interfaces import Environment, Task
+from tidal.core.protocol import ChatMessage, ToolSpec
+
+AGENT = "agent"  # the role of the policy being trained (the self-play issue adds others)
+
+
+class Observation(msgspec.Struct, kw_only=True):
+    """What the model is shown next: chat messages (user text, tool results), or raw token ids for an
+    environment that speaks tokens (then `messages` is empty and the renderer appends them as they are)."""
+
+    messages: list[ChatMessage] = []
+    token_ids: list[int] | None = None
+
+
+class StepResult(msgspec.Struct, kw_only=True):
+    """An episode's answer to one action."""
+
+    observation: Observation | None = None  # what to show next; None when done
+    reward: float = 0.0  # this step's (process) reward, tied to the token where the action ended
+    done: bool = False  # the episode is over: `outcome()` is its final reward
+    # counters of this step for metrics: "tool_calls", "tool_errors", "invalid_calls", ...
+    info: dict[str, float] = {}
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One attempt at one task: single use, stepped by one driver, never shared between samples."""
+
+    tools: Sequence[ToolSpec]  # the tools the model may call in this episode (shown by the renderer)
+    roles: Sequence[str]  # who acts; (AGENT,) for single-agent episodes
+
+    def reset(self) -> Observation:
+        """The first observation (the task, usually as a user message)."""
+        ...
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        """Answer the text the model produced in its turn (tool calls parsed by the environment)."""
+        ...
+
+    def outcome(self) -> float:
+        """The final reward once done (the verifier). Raises when it cannot verify: the worker counts it
+        as an error, never as a zero reward."""
+        ...
+
+
+@runtime_checkable
+class EpisodicEnvironment(Protocol):
+    """Poses tasks (like `Environment.tasks`) and hands out an episode per sample."""
+
+    max_turns: int  # actions per episode before the worker ends it (done, outcome then read)
+
+    def tasks(self, split: str, seed: int) -> Iterator[Task]: ...
+
+    def episode(self, task: Task) -> Episode: ...
+
+
+def is_episodic(env: Any) -> bool:
+    """Whether an environment plugin hands out episodes (else it is a single-turn `Environment`)."""
+    return callable(getattr(env, "episode", None))
+
+
+# --------------------------------------------------------------------------- tools
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One call the model wrote, as a parser read it."""
+
+    name: str  # the tool's name
+    arguments: dict[str, Any] = {}  # its arguments, JSON-like
+    raw: str = ""  # the text it was parsed from
+
+
+class ToolResult(msgspec.Struct, kw_only=True):
+    """What a tool gave back. A failure is an observation for the model, not an exception."""
+
+    content: str  # the text shown to the model (an error message when `error`)
+    error: str = ""  # "" = success; else a short kind: "timeout", "crash", "output_limit", "bad_arguments", ...
+    elapsed_s: float = 0.0
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A callable tool (plugin kind ``tool``). `run` never raises for the model's mistakes and never
+    hangs: bad arguments, a timeout, a crash or a flood of output come back as a `ToolResult` error."""
+
+    spec: ToolSpec
+
+    def run(self, arguments: Mapping[str, Any]) -> ToolResult: ...
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Finds tool calls in an action's text (plugin kind ``tool_parser``)."""
+
+    stop: Sequence[str]  # strings that end a turn holding a call (the engine stops there, string kept)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        """The calls in `text` ([] = none: a final answer). Raises ValueError for a call it recognises
+        but cannot read (the environment answers with an error observation)."""
+        ...
+
+    def format_result(self, call: ToolCall, result: ToolResult) -> str:
+        """How a result is shown to the model (the content of a ``tool`` message)."""
+        ...
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@runtime_checkable
+class Renderer(Protocol):
+    """Turns messages into tokens for one episode's sample (plugin kind ``renderer``); stateful, one per
+    sample. Built as ``factory(tokenizer, **options)``."""
+
+    stop: Sequence[str]  # strings that end an assistant turn (beside the tokenizer's EOS)
+
+    def start(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[int]:
+        """Prompt tokens of the conversation so far, ending where the assistant's turn begins."""
+        ...
+
+    def extend(self, action_ids: Sequence[int], messages: Sequence[ChatMessage]) -> list[int] | None:
+        """After the assistant sampled `action_ids`, the tokens that append `messages` (observations) and
+        open the next assistant turn. None: this renderer cannot extend the sampled tokens exactly (its
+        template would render the history differently); the worker splits the sample and calls `start`
+        on a new renderer with the whole conversation."""
+        ...
+
+
+# --------------------------------------------------------------------------- the single-turn adapter
+
+
+class _SingleTurnEpisode:
+    roles = (AGENT,)
+    tools: tuple[ToolSpec, ...] = ()
+
+    def __init__(self, env: Environment, task: Task) -> None:
+        self._env, self._task = env, task
+        self._action: str | None = None
+
+    def reset(self) -> Observation:
+        return Observation(messages=[ChatMessage(role="user", content=self._task.prompt)])
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        self._action = action
+        return StepResult(done=True)
+
+    def outcome(self) -> float:
+        if self._action is None:
+            raise RuntimeError("outcome() before the episode's one step")
+        return float(self._env.score(self._task, self._action))
+
+
+class SingleTurnEpisodes:
+    """A single-turn `Environment` as an `EpisodicEnvironment`: one action, scored by `env.score`."""
+
+    max_turns = 1
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    def tasks(self, split: str, seed: int) -> Iterator[Task]:
+        return self.env.tasks(split, seed)
+
+    def episode(self, task: Task) -> Episode:
+        return _SingleTurnEpisode(self.env, task)
+
+
+__all__ = [
+    "AGENT",
+    "ChatMessage",
+    "Episode",
+    "EpisodicEnvironment",
+    "Observation",
+    "Renderer",
+    "SingleTurnEpisodes",
+    "StepResult",
+    "Tool",
+    "ToolCall",
+    "ToolParser",
+    "ToolResult",
+    "ToolSpec",
+    "is_episodic",
+]
