@@ -37,6 +37,8 @@ class Sample:
     sampling: SamplingParams | None = None  # how the sampler processed its logits (None: unknown)
     kept: np.ndarray | None = None  # uint8 [T, ceil(V/8)] packed vocabulary the sampler kept per token
     routing: np.ndarray | None = None  # int [T, moe layers, k] experts the sampler used for each token
+    step_rewards: np.ndarray | None = None  # float32 [S] process rewards of a multi-turn sample's steps
+    step_ends: np.ndarray | None = None  # int32 [S] completion index (exclusive) where each step ended
 
     @property
     def length(self) -> int:
@@ -51,7 +53,9 @@ class Sample:
                    logprobs=t.logprobs.numpy().copy(), versions=t.versions.numpy(), reward=float(t.reward),
                    loss_mask=mask, sampling=t.sampling,
                    kept=None if t.sampling_mask is None else t.sampling_mask.numpy(),
-                   routing=None if t.routing is None else t.routing.numpy())
+                   routing=None if t.routing is None else t.routing.numpy(),
+                   step_rewards=None if t.step_rewards is None else t.step_rewards.numpy(),
+                   step_ends=None if t.step_ends is None else t.step_ends.numpy())
 
 
 @dataclass

@@ -38,7 +38,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
+from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
@@ -276,7 +276,9 @@ class Learner:
         metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
         if self.sender is not None:
             metrics.update(self.sender.last_stats)  # of the latest completed send
-        lags = np.concatenate([self.version - 1 - s.versions for s in samples]) if samples else np.zeros(0)
+        # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
+        lags = (np.concatenate([self.version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
+                if samples else np.zeros(0))
         metrics.update({
             "train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
             "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9),

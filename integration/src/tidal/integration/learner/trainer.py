@@ -85,6 +85,8 @@ class Trainer:
             self.reference.set_attn_implementation(backend.attention)
         self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self.critic = bool(getattr(self.estimator, "needs_values", False))
+        self.uses_steps = bool(getattr(self.estimator, "uses_step_rewards", False))
+        self._warned_steps = False
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError(f"advantage {cfg.advantage.name!r} reads a critic's values: set "
                              f"backend_options.value_head = true")
@@ -170,10 +172,35 @@ class Trainer:
         mask = pad_rows([torch.from_numpy(s.loss_mask) for s in samples], width, False).bool()
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         v = pad_rows([x.float().cpu() for x in values], width) if values is not None else None
-        out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index, values=v))
+        step_rewards, step_ends = self._steps(samples)
+        out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index, values=v,
+                                             step_rewards=step_rewards, step_ends=step_ends))
         adv = [out.advantages[i, : len(s.completion)] for i, s in enumerate(samples)]
         ret = [out.returns[i, : len(s.completion)] for i, s in enumerate(samples)] if out.returns is not None else None
         return adv, ret
+
+    def _steps(self, samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Process rewards [B, S] and their end positions [B, S] (-1: no step) for an estimator that reads
+        them (`uses_step_rewards`); (None, None) for the others, which train on the outcome alone."""
+        with_steps = [s for s in samples if s.step_ends is not None and len(s.step_ends)]
+        if not with_steps:
+            return None, None
+        if not self.uses_steps:
+            if not self._warned_steps:
+                self._warned_steps = True
+                log.warning("samples carry step (process) rewards, but advantage estimator %r does not read "
+                            "them: training on the outcome reward only (advantage.name = \"grpo_process\" "
+                            "uses both)", self.cfg.advantage.name)
+            return None, None
+        width = max(len(s.step_ends) for s in with_steps)  # type: ignore[arg-type]
+        rewards = torch.zeros((len(samples), width), dtype=torch.float32)
+        ends = torch.full((len(samples), width), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            if s.step_ends is not None and len(s.step_ends):
+                n = len(s.step_ends)
+                rewards[i, :n] = torch.from_numpy(np.asarray(s.step_rewards, np.float32))
+                ends[i, :n] = torch.from_numpy(np.asarray(s.step_ends, np.int64))
+        return rewards, ends
 
     def _shard(self, micro: Any) -> tuple[Any, Shard | None]:
         """(what this rank's forward takes: the micro-batch, or under sequence parallelism its shard of

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from tidal.algos import advantages as adv
@@ -39,8 +40,8 @@ def _need(batch: AdvantageInputs, name: str, who: str) -> Tensor:
 
 
 class GroupEstimator:
-    """GRPO / Dr.GRPO / RLOO / OPO: a sequence advantage from the group, broadcast to tokens.
-    With `step_rewards`, "grpo" uses process supervision instead of the outcome reward."""
+    """GRPO / Dr.GRPO / RLOO / OPO: a sequence advantage from the outcome reward of each sample, normalised
+    in its group, broadcast to tokens. Process (step) rewards are not read: `ProcessEstimator` does."""
 
     def __init__(self, kind: str, eps: float = 1e-6, unbiased_std: bool = True) -> None:
         if kind not in ("grpo", "dr_grpo", "rloo", "opo"):
@@ -49,10 +50,6 @@ class GroupEstimator:
 
     def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
         g = _need(batch, "group_index", self.kind)
-        if self.kind == "grpo" and batch.step_rewards is not None:
-            ends = _need(batch, "step_ends", "grpo (process)")
-            a = adv.grpo_process_advantages(batch.step_rewards, ends, g, batch.mask.shape[-1], eps=self.eps)
-            return AdvantageOutputs(advantages=a * batch.mask.to(a.dtype))
         if self.kind == "grpo":
             seq = adv.grpo_advantages(batch.rewards, g, eps=self.eps, unbiased_std=self.unbiased_std)
         elif self.kind == "dr_grpo":
@@ -62,6 +59,30 @@ class GroupEstimator:
         else:
             seq = adv.opo_advantages(batch.rewards, g, batch.mask.sum(-1))
         return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))
+
+
+class ProcessEstimator:
+    """GRPO with process supervision beside the outcome (registered as "grpo_process"): each step reward is
+    normalised over all step rewards of its group and credited to the tokens of its step and the steps
+    before it (reward-to-go, `grpo_process_advantages`); the outcome reward is normalised in its group as
+    in GRPO. A_t = outcome_weight * A_outcome + step_weight * A_process_t, masked to the trained tokens.
+    Samples without steps (step_ends all -1) get the outcome part only. Outcome and step rewards reach
+    this point separately (Trajectory.reward, .step_rewards at .step_ends)."""
+
+    uses_step_rewards = True  # the learner hands it Trajectory.step_rewards / step_ends
+
+    def __init__(self, outcome_weight: float = 1.0, step_weight: float = 1.0, eps: float = 1e-6) -> None:
+        self.outcome_weight, self.step_weight, self.eps = outcome_weight, step_weight, eps
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", "grpo_process")
+        mask = batch.mask.to(torch.float32)
+        a = self.outcome_weight * adv.to_tokens(adv.grpo_advantages(batch.rewards, g, eps=self.eps), batch.mask)
+        if batch.step_rewards is not None and self.step_weight:
+            ends = _need(batch, "step_ends", "grpo_process")
+            proc = adv.grpo_process_advantages(batch.step_rewards, ends, g, batch.mask.shape[-1], eps=self.eps)
+            a = a + self.step_weight * proc * mask
+        return AdvantageOutputs(advantages=a)
 
 
 class ReinforcePPEstimator:

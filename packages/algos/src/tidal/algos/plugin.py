@@ -36,6 +36,7 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
 ESTIMATORS: dict[str, tuple[str, bool]] = {
     "grpo": ("GroupEstimator", True), "dr_grpo": ("GroupEstimator", True), "rloo": ("GroupEstimator", True),
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
+    "grpo_process": ("ProcessEstimator", False),
 }
 
 

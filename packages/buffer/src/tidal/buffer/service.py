@@ -68,6 +68,7 @@ from tidal.core.protocol import (
     ACK_CONTROL,
     ACK_GROUP,
     ACK_TRAJECTORY,
+    NO_VERSION,
     PROTOCOL_VERSION,
     TOPIC_METRICS,
     Ack,
@@ -591,7 +592,7 @@ class BufferService:
         deep unbounded buffer would otherwise spend a fifth of its time here."""
         groups = self.store.ready
         stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
-        lags = [self.learner_version - int(t.versions.numpy().min()) if t.versions.shape[0] else 0
+        lags = [_oldest_lag(t.versions.numpy(), self.learner_version)
                 for g in itertools.islice(groups.values(), 0, None, stride) for t in g.members.values()]
         hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16) * stride
         return hist.astype(np.int64)
@@ -651,3 +652,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(role_main(main, "buffer"))
+
+
+def _oldest_lag(versions: np.ndarray, current: int) -> int:
+    """Lag of a trajectory's oldest sampled token (tokens with NO_VERSION, not sampled, are skipped)."""
+    v = versions[versions > NO_VERSION]
+    return current - int(v.min()) if v.size else 0

@@ -130,7 +130,9 @@ class AdvantageEstimator(Protocol):
     """Per-token advantages [B, T] from rewards; see tidal-algos for the exact inputs.
 
     Optional attribute ``needs_values: bool`` (absent = False): it reads a critic's per-token values, so
-    the learner trains a value head (GAE)."""
+    the learner trains a value head (GAE). Optional ``uses_step_rewards: bool`` (absent = False): it reads
+    the process rewards of multi-turn samples (`Trajectory.step_rewards` at `.step_ends`); the learner
+    hands them to no other estimator (and says once that they are ignored)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
 

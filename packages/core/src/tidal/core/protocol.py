@@ -48,6 +48,12 @@ ACK_ASSIGNMENT: AckKind = "assignment"  # worker -> controller: this group is do
 ACK_CONTROL: AckKind = "control"  # a `Control` command carried out (ids: the command)
 
 
+# The version of a completion token the policy did not sample (an observation, a tool's output, an
+# environment's text inside a multi-turn sample): such a token also has logprob 0 and loss_mask 0, and
+# staleness admission, lag metrics, IS weights, KL and entropy skip it.
+NO_VERSION = -1
+
+
 def group_id(domain: str, n: int) -> str:
     """The id of the `n`-th training group the controller hands out for `domain` (unique in a run)."""
     return f"{domain}-{n:07d}"
@@ -200,7 +206,7 @@ class Trajectory(_Msg):
     prompt_ids: Array  # int32 [prompt_len] prompt token ids
     completion_ids: Array  # int32 [completion_len] generated token ids
     logprobs: Array  # float32 [completion_len] logprob of each token under the sampler's processed distribution
-    versions: Array  # int32 [completion_len] policy version that produced each completion token
+    versions: Array  # int32 [completion_len] policy version that produced each token (NO_VERSION: not sampled)
     reward: float  # scalar reward of the whole completion
     finish_reason: str  # "stop", "length", "abort", ...
     step_rewards: Array | None = None  # float32 [num_steps] per-step (process) rewards, if any
@@ -410,6 +416,7 @@ __all__ = [
     "ACK_TRAJECTORY",
     "ACK_WEIGHTS",
     "MESSAGE_TYPES",
+    "NO_VERSION",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
     "PROTOCOL_VERSION",

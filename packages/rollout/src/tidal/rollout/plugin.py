@@ -58,6 +58,27 @@ def exact_match() -> Any:
     return fn
 
 
+@declare(signature="tidal.rollout.renderers:PlainRenderer")
+def plain(tokenizer: Any, **options: Any) -> Any:
+    """Text as it is (models without a chat template): observations appended after what was sampled."""
+    from tidal.rollout.renderers import PlainRenderer
+
+    return PlainRenderer(tokenizer, **options)
+
+
+@declare(signature="tidal.rollout.renderers:ChatTemplateRenderer")
+def chat_template(tokenizer: Any, **options: Any) -> Any:
+    """The model's Jinja chat template (default ChatML), extended turn by turn; splits where it cannot."""
+    from tidal.rollout.renderers import ChatTemplateRenderer
+
+    return ChatTemplateRenderer(tokenizer, **options)
+
+
+@hookimpl
+def tidal_renderers() -> dict[str, Any]:
+    return {"plain": plain, "chat_template": chat_template}
+
+
 @hookimpl
 def tidal_engines() -> dict[str, Any]:
     return {"embedded": embedded, "vllm": vllm}

@@ -126,3 +126,33 @@ def build_tiny_model(
         "pad_token_id": tokenizer.pad_token_id,
     }))
     return path
+
+
+CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_BPE_CORPUS = (
+    "What is 12*34? Let me compute it with the calculator. The answer is 408.",
+    "You may call one or more functions to assist with the user query. Answer: 11",
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+    "system user assistant tool function parameters properties type object string description",
+)
+
+
+def build_chatml_tokenizer(corpus: tuple[str, ...] | list[str] = _BPE_CORPUS, vocab_size: int = 400):
+    """A byte-level BPE `PreTrainedTokenizerFast`, trained here on `corpus` (no hub), with ChatML's special
+    tokens and chat template (`tidal.rollout.renderers.CHATML`); its EOS is ``<|im_end|>``. Tests use it
+    to check renderers against a real BPE the way a Qwen-style model folder would tokenise."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tidal.rollout.renderers import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]  # tokenizers' setters are untyped
+    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]  # tokenizers' setters are untyped
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(corpus) * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHATML
+    return fast

@@ -12,7 +12,7 @@ import numpy as np
 
 from tidal.core.interfaces import Admission
 from tidal.staleness.config import VersionRejectionConfig
-from tidal.staleness.versions import token_lags
+from tidal.staleness.versions import sampled, token_lags
 
 
 class VersionRejection:
@@ -36,12 +36,12 @@ class VersionRejection:
         return cls(cfg.max_lag, cfg.mode)
 
     def admit(self, versions: Sequence[int] | np.ndarray, current_version: int) -> Admission:
-        lags = token_lags(versions, current_version)
+        lags = token_lags(versions, current_version)  # 0 for tokens not sampled (never stale)
         if lags.size and lags.min() < 0:
             return Admission(admit=False, reason="version_ahead")
         stale = lags > self.max_lag
         if not stale.any():
             return Admission(admit=True)
-        if self.mode == "drop" or stale.all():
+        if self.mode == "drop" or stale[sampled(versions)].all():
             return Admission(admit=False, reason="stale")
         return Admission(admit=True, token_mask=(~stale).tolist(), reason="stale_tokens_masked")

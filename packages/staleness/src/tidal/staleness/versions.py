@@ -2,7 +2,9 @@
 buffer uses it, and the buffer has no torch).
 
 A trajectory generated across a weight update has mixed versions, non-decreasing along the completion:
-older tokens first. Lag of a token = learner's current version - the token's version.
+older tokens first. Lag of a token = learner's current version - the token's version. Tokens the policy
+did not sample (observations inside a multi-turn sample: version `NO_VERSION`, -1) have no lag: they are
+left out of every statistic here and are never the reason a trajectory is trimmed or dropped.
 """
 
 from __future__ import annotations
@@ -20,14 +22,24 @@ class LagStats:
     mean_lag: float  # mean over tokens
 
 
+NO_VERSION = -1  # tidal.core.protocol.NO_VERSION: a token the policy did not sample
+
+
+def sampled(versions: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Boolean mask of the tokens the policy sampled (version >= 0)."""
+    return np.asarray(versions, dtype=np.int64) > NO_VERSION
+
+
 def token_lags(versions: Sequence[int] | np.ndarray, current_version: int) -> np.ndarray:
-    """Per-token lag (int64). Negative lag means a token claims a version the learner has not reached."""
-    return current_version - np.asarray(versions, dtype=np.int64)
+    """Per-token lag (int64), 0 for tokens the policy did not sample. Negative lag means a token claims a
+    version the learner has not reached."""
+    v = np.asarray(versions, dtype=np.int64)
+    return np.where(v > NO_VERSION, current_version - v, 0)
 
 
 def lag_stats(versions: Sequence[int] | np.ndarray, current_version: int) -> LagStats:
-    """Min/max/mean lag of one trajectory; a trajectory without completion tokens has lag 0."""
-    lags = token_lags(versions, current_version)
+    """Min/max/mean lag of one trajectory's sampled tokens; none sampled: lag 0."""
+    lags = token_lags(versions, current_version)[sampled(versions)]
     if lags.size == 0:
         return LagStats(0, 0, 0.0)
     return LagStats(int(lags.min()), int(lags.max()), float(lags.mean()))
