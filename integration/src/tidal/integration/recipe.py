@@ -174,6 +174,23 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
     check_plugins(cfg)
+    _check_episodic(cfg)
+
+
+def _check_episodic(cfg: RunConfig) -> None:
+    """Multi-turn domains record no routing and no sampling masks yet (a sample's observation tokens are
+    never sampled, so they have neither): a recipe asking for them with such a domain is refused."""
+    from tidal.core.episodes import is_episodic
+    from tidal.core.plugins import registry
+
+    asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
+    if not asks:
+        return
+    for i, d in enumerate(cfg.domains):
+        if is_episodic(registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")):
+            raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn, and multi-turn samples record no "
+                              f"{' or '.join(asks)} yet: set sampling.{asks[0]} = false, or train this domain "
+                              f"in a recipe of its own", field=f"sampling.{asks[0]}")
 
 
 def check_plugins(cfg: RunConfig) -> None:
@@ -193,6 +210,7 @@ def check_plugins(cfg: RunConfig) -> None:
         ("policy_loss", t.loss, "learner.train.loss"), ("advantage_estimator", t.advantage, "learner.train.advantage"),
         ("correction", t.correction, "learner.train.correction"), ("admission", cfg.buffer.admission, "buffer.admission"),
         *(("group_filter", f, f"buffer.filters[{i}]") for i, f in enumerate(cfg.buffer.filters)),
+        ("renderer", cfg.rollout.episodes.renderer, "rollout.episodes.renderer"),
     ]
     for kind, ref, field in refs:
         if ref is not None:

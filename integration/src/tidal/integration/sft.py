@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,10 +37,29 @@ class SFTConfig:
     carry_slip: float = 0.0
 
 
+# A demonstrator shows one task as text segments, each marked trained (written by the model) or not
+# (the prompt, an environment's or a tool's answer): the loss covers the trained segments only.
+Demonstrator = Callable[[Any, random.Random], list[tuple[str, bool]]]
+
+
+def _answer_demonstrator(cfg: SFTConfig) -> Demonstrator:
+    """Single-turn: the prompt, then the reference answer and a newline (with the carry slip, if set)."""
+
+    def show(task: Any, rng: random.Random) -> list[tuple[str, bool]]:
+        shown = task.answer
+        if cfg.carry_slip and task.metadata.get("carry") == "1" and rng.random() < cfg.carry_slip:
+            shown = str(int(task.answer) - 10)
+        return [(task.prompt, False), (shown + "\n", True)]
+
+    return show
+
+
 def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
-        progress: Callable[[int, float], None] | None = None) -> dict[str, float]:
+        progress: Callable[[int, float], None] | None = None,
+        demonstrate: Demonstrator | None = None) -> dict[str, float]:
     """Fit `model_path` on `env`'s train split and save the result (model + tokenizer) to `out`.
-    Returns {"loss": final loss, "seconds": wall time, "examples": problems seen}."""
+    `demonstrate(task, rng)` gives each task's text segments (trained or not); default: the prompt, then
+    the reference answer. Returns {"loss": final loss, "seconds": wall time, "examples": problems seen}."""
     from transformers import AutoModelForCausalLM
 
     from tidal.rollout.tiny import load_tokenizer
@@ -70,19 +90,20 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     tasks = env.tasks("train", cfg.seed)
-    slips = random.Random(cfg.seed + 1)
+    rng = random.Random(cfg.seed + 1)
+    show = demonstrate or _answer_demonstrator(cfg)
     t0, loss_value = time.perf_counter(), float("nan")
     for step in range(cfg.steps):
         ids, pos, labels = [], [], []
         for task in itertools.islice(tasks, cfg.batch):
-            shown = task.answer
-            if cfg.carry_slip and task.metadata.get("carry") == "1" and slips.random() < cfg.carry_slip:
-                shown = str(int(task.answer) - 10)
-            prompt, answer = tok.encode(task.prompt), tok.encode(shown + "\n")
-            seq = prompt + answer
+            seq, target = [], []
+            for text, trained in show(task, rng):
+                piece = tok.encode(text, add_special_tokens=False)
+                seq += piece
+                target += piece if trained else [-100] * len(piece)
             ids += seq
             pos += range(len(seq))
-            labels += [-100] * len(prompt) + answer
+            labels += target
         input_ids = torch.tensor([ids])
         # labels are shifted by one: token t predicts t + 1; sequence boundaries never predict across
         target = torch.tensor([*labels[1:], -100])

@@ -52,6 +52,7 @@ class Episode(Protocol):
 
     tools: Sequence[ToolSpec]  # the tools the model may call in this episode (shown by the renderer)
     roles: Sequence[str]  # who acts; (AGENT,) for single-agent episodes
+    stop: Sequence[str]  # strings that end a turn holding a tool call (its parser's); the sample keeps them
 
     def reset(self) -> Observation:
         """The first observation (the task, usually as a user message)."""
@@ -156,6 +157,7 @@ class Renderer(Protocol):
 class _SingleTurnEpisode:
     roles = (AGENT,)
     tools: tuple[ToolSpec, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __init__(self, env: Environment, task: Task) -> None:
         self._env, self._task = env, task

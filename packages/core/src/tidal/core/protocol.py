@@ -69,6 +69,11 @@ def trajectory_id(group_id: str, index: int) -> str:
     return f"{group_id}:{index}"
 
 
+def segment_id(trajectory_id: str, k: int) -> str:
+    """The id of segment `k` of a multi-turn sample that had to be split (segment 0 keeps the sample's id)."""
+    return trajectory_id if k == 0 else f"{trajectory_id}.{k}"
+
+
 def group_of(trajectory_id: str) -> str:
     """The group id a trajectory id was built from (`trajectory_id`'s inverse)."""
     return trajectory_id.rsplit(":", 1)[0]
@@ -360,6 +365,7 @@ class EpisodeReply(_Msg):
     info: dict[str, float] = {}  # step counters: tool_calls, tool_errors, ...
     tools: list[ToolSpec] = []  # seq 0: the tools of this episode
     max_turns: int = 0  # seq 0: actions allowed
+    stop: list[str] = []  # seq 0: strings that end a turn holding a tool call (kept in the sampled text)
     error: str = ""  # "" = ok; else what failed (the episode is over, and it is not a zero reward)
     error_kind: str = ""  # "env_error", "verifier_error", "unknown_episode", "bad_request"
 
@@ -451,5 +457,6 @@ __all__ = [
     "eval_group_id",
     "group_id",
     "group_of",
+    "segment_id",
     "trajectory_id",
 ]

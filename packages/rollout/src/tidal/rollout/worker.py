@@ -44,6 +44,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.channels import dealer, make_hello, poll, sub
 from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.episodes import is_episodic
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
@@ -67,6 +68,7 @@ from tidal.core.protocol import (
 )
 from tidal.core.reliable import AckedPusher
 from tidal.rollout.engines.common import submit_all
+from tidal.rollout.multiturn import EpisodeFailed, EpisodesConfig, MultiTurn
 
 log = logging.getLogger("tidal.rollout.worker")
 
@@ -113,6 +115,7 @@ class WorkerConfig(ConfigStruct):
     resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
     stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
     connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
+    episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
     # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
     # (audits and fault tests: the producer's own record of what the buffer promised to keep);
     # "{name}" is replaced by the worker's name; "" = no record
@@ -128,6 +131,7 @@ class _Group:
     sent: bool = False
     started: float = field(default_factory=time.monotonic)
     eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
+    episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
 
 
 class SampleError(Exception):
@@ -184,6 +188,7 @@ class RolloutWorker:
         self._parent_pid = os.getppid()
         self._acked_log = (open(cfg.acked_log.replace("{name}", cfg.name), "a", encoding="utf-8")
                            if cfg.acked_log else None)
+        self.multiturn: MultiTurn | None = None  # started with the first episodic group
 
     # ------------------------------------------------------------------ helpers
 
@@ -264,6 +269,7 @@ class RolloutWorker:
                                                                      f"{source}: {e}"))
                 for res in self.engine.poll(timeout=0):
                     self._on_result(res)
+                self._poll_episodes()
                 self.pusher.poll(timeout=0)
                 self._settle_rejections()
                 now = time.monotonic()
@@ -311,12 +317,59 @@ class RolloutWorker:
         task = Task(prompt=a.prompt, answer=a.answer, domain=a.domain or a.task, metadata=dict(a.metadata))
         group = _Group(a, task, eval=EVAL_KEY in a.metadata)
         self.groups[a.group_id] = group
+        try:
+            group.episodic = is_episodic(self.env(a.task))
+        except Exception as e:  # a bad env plugin or options: this group is dropped, counted, logged once
+            self._drop(group, "env_error", f"environment of domain {a.task!r} could not be built", e)
+            return
+        if group.episodic:
+            self._multiturn().start(a, task)
+            return
         requests = list(iter_requests(a))
         for i, r in enumerate(requests):
             self.by_request[r.request_id] = (a.group_id, i)
         submit_all(self.engine, requests)  # one submission: the group's samples share one prefill
 
+    def _multiturn(self) -> MultiTurn:
+        if self.multiturn is None:
+            from tidal.rollout.envpool import EnvPool
+
+            specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in self.cfg.domains.items()}
+            specs.update({name: {"env": name, "options": dict(opts)} for name, opts in self.cfg.envs.items()
+                          if name not in specs})
+            ep = self.cfg.episodes
+            pool = EnvPool(specs=specs, processes=ep.processes, step_timeout_s=ep.step_timeout_s, plugins=ep.plugins)
+            pool.start()
+            make = lambda: registry.build("renderer", ep.renderer.name, ep.renderer.options, self.tokenizer,  # noqa: E731
+                                          field="episodes.renderer")
+            self.multiturn = MultiTurn(ep, pool, self.engine, self.tokenizer, make)
+        return self.multiturn
+
+    def _poll_episodes(self) -> None:
+        mt = self.multiturn
+        if mt is None:
+            return
+        for reply in mt.pool.poll(timeout=0):
+            try:
+                gid = mt.on_reply(reply)
+            except EpisodeFailed as e:
+                self._episode_failed(e)
+                continue
+            if gid is not None and gid in self.groups:
+                self._deliver(self.groups[gid], [])
+
+    def _episode_failed(self, e: EpisodeFailed) -> None:
+        group = self.groups.get(e.group_id)
+        if group is not None:
+            self._drop(group, e.reason, str(e))
+
     def _on_result(self, res: GenerationResult) -> None:
+        if self.multiturn is not None and self.multiturn.owns(res.request_id):
+            try:
+                self.multiturn.on_result(res)
+            except EpisodeFailed as e:
+                self._episode_failed(e)
+            return
         key = self.by_request.pop(res.request_id, None)
         if key is None:
             return
@@ -356,6 +409,14 @@ class RolloutWorker:
     def _drop(self, group: _Group, reason: str, why: str, cause: BaseException | None = None) -> None:
         gid = group.assignment.group_id
         self.groups.pop(gid, None)
+        if group.episodic and self.multiturn is not None:
+            self.multiturn.dropped(reason)
+            self.multiturn.forget(gid)
+            if (reason, "episode") not in self._logged_kinds:
+                self._logged_kinds.add((reason, "episode"))
+                log.error("%s: group %s of domain %r dropped (%s: %s); later drops of this kind are only counted "
+                          "(rollout/episodes/dropped/%s)", self.cfg.name, gid, group.assignment.task, reason, why,
+                          reason)
         self.counters["groups_dropped"] += 1
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         if cause is not None:
@@ -367,6 +428,9 @@ class RolloutWorker:
         self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], ok=False, detail=why, reason=reason))
 
     def _deliver(self, group: _Group, rewards: list[float]) -> None:
+        if group.episodic:
+            self._deliver_episodes(group)
+            return
         a = group.assignment
         members: list[Trajectory] = []
         for i in range(a.num_samples):
@@ -398,6 +462,26 @@ class RolloutWorker:
         group.sent = True
         if group.eval:
             del self.groups[a.group_id]
+
+    def _deliver_episodes(self, group: _Group) -> None:
+        assert self.multiturn is not None
+        gid = group.assignment.group_id
+        members = self.multiturn.trajectories(gid, self.cfg.name)
+        self.multiturn.forget(gid)
+        group.sent = True
+        if group.eval:  # the episode's last segment carries its outcome
+            last = {t.sample_index: t for t in members}
+            for t in last.values():
+                self._send_ctl(t)
+            del self.groups[gid]
+            return
+        for t in members:
+            group.unacked.add(t.id)
+            self.counters["samples"] += 1
+            self.counters["tokens"] += int(t.loss_mask.numpy().sum()) if t.loss_mask is not None else 0
+            self._window_tokens += t.completion_ids.shape[0]
+        self.counters["reward_sum"] += sum(t.reward for t in members)
+        self.pusher.send(TrajectoryGroup(id=gid, trajectories=members, source=self.cfg.name))
 
     def _on_ack(self, ids: list[str]) -> None:
         if self._acked_log is not None:  # one write per ack, straight to the OS (a kill -9 keeps it)
@@ -485,6 +569,7 @@ class RolloutWorker:
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
             **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
+            **(self.multiturn.metrics() if self.multiturn is not None else {}),
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
         self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
@@ -511,6 +596,8 @@ class RolloutWorker:
         self._close(ctl_linger=0.5)
 
     def _close(self, ctl_linger: float | None = None) -> None:
+        if self.multiturn is not None:
+            self.multiturn.pool.close()
         self.engine.close()
         self.pusher.close()
         self.ctl.close(linger=ctl_linger)

@@ -1,0 +1,330 @@
+"""Multi-turn samples: the rollout worker's side of an episode, token-in/token-out.
+
+Each sample of an episodic group is one episode, run in an environment process (`tidal.rollout.envpool`).
+The worker owns the sample's tokens: the prompt its renderer made from the first observation, then for
+each turn the tokens the engine sampled (trained: loss mask 1, the sampler's logprobs and versions) and
+the tokens the renderer appended for the environment's answer (not trained: loss mask 0, logprob 0,
+version `NO_VERSION`). The next turn is generated from exactly that sequence; nothing is re-tokenised.
+
+When a renderer cannot extend what was sampled (its template renders the history differently), the
+sample closes there and a new segment of the same episode starts from a fresh render (counted as a
+split): segment k > 0 has the id ``segment_id(<sample id>, k)`` and the episode's reward, like segment 0.
+
+Each step's reward sits at the completion index where that step's action ended (`Trajectory.step_ends`,
+exclusive), and the outcome is `Trajectory.reward`: the two meet only in the advantage estimator
+(``grpo_process``). An episode that errs (environment died, timed out, raised; verifier raised) drops its
+group, counted by kind; it never becomes a zero reward. An episode that runs out of its token budget is
+truncated: it ends with reward 0 (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tidal.core.arrays import Array
+from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
+from tidal.core.protocol import (
+    NO_VERSION,
+    Assignment,
+    ChatMessage,
+    EpisodeReply,
+    ToolSpec,
+    Trajectory,
+    segment_id,
+    trajectory_id,
+)
+
+log = logging.getLogger("tidal.rollout.multiturn")
+
+COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "invalid_calls", "step_reward_sum", "splits",
+            "truncated", "episodes_dropped")
+
+
+class EpisodesConfig(ConfigStruct):
+    """How the worker runs multi-turn (episodic) domains."""
+
+    renderer: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="plain"))  # `tidal plugins renderer`
+    processes: int = 2  # environment processes episodes run in
+    step_timeout_s: float = 30.0  # an environment step (a tool call included) that takes longer fails its episode
+    max_tokens: int = 256  # tokens of one sample after its prompt (actions + observations); then truncated
+    plugins: list[str] = []  # extra plugin modules the environment processes import (local, uninstalled plugins)
+
+
+@dataclass
+class Segment:
+    """One trajectory's worth of an episode: a prompt and the completion tokens after it."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    step_rewards: list[float] = field(default_factory=list)
+    step_ends: list[int] = field(default_factory=list)
+    finish: str = ""
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
+        """Append sampled tokens (with their logprobs and versions) or, without them, rendered ones."""
+        self.ids.extend(ids)
+        if logprobs is None:
+            self.logprobs.extend([0.0] * len(ids))
+            self.versions.extend([NO_VERSION] * len(ids))
+            self.mask.extend([0] * len(ids))
+        else:
+            self.logprobs.extend(logprobs)
+            self.versions.extend(versions or [])
+            self.mask.extend([1] * len(ids))
+
+
+@dataclass
+class EpisodeRun:
+    """One sample's episode as the worker drives it."""
+
+    group_id: str
+    index: int
+    id: str  # the sample's trajectory id, also the episode id the environment process knows
+    renderer: Any = None
+    segments: list[Segment] = field(default_factory=list)
+    conversation: list[ChatMessage] = field(default_factory=list)
+    tools: list[ToolSpec] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    max_turns: int = 1
+    turns: int = 0  # actions taken (EpisodeStep seq of the last one)
+    last_action: list[int] = field(default_factory=list)
+    outcome: float | None = None  # set when done
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+class EpisodeFailed(Exception):
+    """An episode could not finish: its group is dropped with `reason` (counted), the worker goes on."""
+
+    def __init__(self, group_id: str, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.group_id, self.reason = group_id, reason
+
+
+class MultiTurn:
+    """Runs the episodes of a worker's episodic groups: opens them in the pool, submits each turn to the
+    engine, steps the environment with what was sampled, extends the tokens with what it answered."""
+
+    def __init__(self, cfg: EpisodesConfig, pool: Any, engine: Any, tokenizer: Any,
+                 make_renderer: Callable[[], Any]) -> None:
+        self.cfg, self.pool, self.engine, self.tokenizer = cfg, pool, engine, tokenizer
+        self.make_renderer = make_renderer
+        self.runs: dict[str, EpisodeRun] = {}  # episode id -> run
+        self.by_request: dict[str, str] = {}  # engine request id -> episode id
+        self.assignments: dict[str, Assignment] = {}  # group id -> its assignment
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.dropped_by_reason: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ starting
+
+    def start(self, a: Assignment, task: Task) -> None:
+        self.assignments[a.group_id] = a
+        for i in range(a.num_samples):
+            eid = trajectory_id(a.group_id, i)
+            self.runs[eid] = EpisodeRun(group_id=a.group_id, index=i, id=eid)
+            self.pool.open(eid, a.task, task)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.by_request
+
+    # ------------------------------------------------------------------ events
+
+    def on_reply(self, r: EpisodeReply) -> str | None:
+        """Handle one environment reply; returns the group id when that group's episodes are all done.
+        Raises EpisodeFailed (with the group id in `.group_id`) when the episode failed."""
+        run = self.runs.get(r.episode_id)
+        if run is None or (r.seq != run.turns):
+            return None  # an episode already dropped, or a late answer to an older step
+        if r.error or r.error_kind:
+            self._fail(run, r.error_kind or "env_error", r.error or "the environment process reported an error")
+        if r.seq == 0:
+            run.tools, run.max_turns, run.stop = list(r.tools), max(1, r.max_turns or 1), list(r.stop)
+            run.conversation = list(r.messages)
+            run.renderer = self.make_renderer()
+            prompt = (list(r.token_ids) if r.token_ids is not None
+                      else run.renderer.start(run.conversation, run.tools))
+            run.segments.append(Segment(prompt=prompt))
+            self._generate(run)
+            return None
+        seg = run.segments[-1]
+        for k, v in r.info.items():
+            if k in self.counters:
+                self.counters[k] += float(v)
+            run.info[k] = run.info.get(k, 0.0) + float(v)
+        seg.step_rewards.append(float(r.reward))
+        seg.step_ends.append(len(seg.ids))  # the step ended where its action's tokens end
+        self.counters["step_reward_sum"] += float(r.reward)
+        if r.done:
+            if r.outcome is None:
+                self._fail(run, "verifier_error", "the episode ended without an outcome reward")
+            run.outcome = float(r.outcome)  # type: ignore[arg-type]  # checked just above
+            return self._finished(run)
+        if run.turns >= run.max_turns:
+            return self._truncate(run, f"{run.turns} turns (max_turns) without the episode ending")
+        self._observe(run, r)
+        if run.tokens >= self.cfg.max_tokens:
+            return self._truncate(run, f"{run.tokens} tokens (episodes.max_tokens={self.cfg.max_tokens})")
+        self._generate(run)
+        return None
+
+    def on_result(self, res: GenerationResult) -> None:
+        """A turn's generation finished: its tokens join the sample, its text goes to the environment."""
+        eid = self.by_request.pop(res.request_id, None)
+        run = self.runs.get(eid) if eid is not None else None
+        if run is None:
+            return
+        if res.finish_reason == "abort":
+            self._fail(run, "abort", "a turn was aborted (partial_mode=drop drops groups caught by a weight update)")
+        seg = run.segments[-1]
+        seg.add(res.completion_ids, res.logprobs, res.versions)
+        seg.finish = res.finish_reason
+        run.last_action = list(res.completion_ids)
+        run.turns += 1
+        self.counters["turns"] += 1
+        try:
+            text = self.tokenizer.decode(res.completion_ids, skip_special_tokens=True)
+        except Exception as e:
+            self._fail(run, "decode_error", f"{type(e).__name__}: {e}")
+        run.conversation.append(ChatMessage(role="assistant", content=text))
+        self.pool.step(run.id, run.turns, text)
+
+    # ------------------------------------------------------------------ turns
+
+    def _observe(self, run: EpisodeRun, r: EpisodeReply) -> None:
+        """Extend the sample with the environment's answer, or split it where the renderer cannot."""
+        seg = run.segments[-1]
+        run.conversation.extend(r.messages)
+        if r.token_ids is not None:
+            ext: list[int] | None = list(r.token_ids)
+        else:
+            ext = run.renderer.extend(run.last_action, r.messages)
+        if ext is not None:
+            seg.add(ext)
+            return
+        self.counters["splits"] += 1
+        run.renderer = self.make_renderer()
+        run.segments.append(Segment(prompt=run.renderer.start(run.conversation, run.tools)))
+
+    def _generate(self, run: EpisodeRun) -> None:
+        a = self.assignments[run.group_id]
+        seg = run.segments[-1]
+        budget = self.cfg.max_tokens - run.tokens
+        p = a.sampling
+        stops = [*p.stop, *run.renderer.stop, *run.stop] if run.renderer is not None else list(p.stop)
+        stop_ids, stop_strings = self._split_stops(stops)
+        # each turn's seed from the sample's (as single-turn samples have) and the turn: reproducible
+        base = p.seed + run.index if p.seed is not None else zlib.crc32(run.id.encode())
+        sampling = msgspec.structs.replace(
+            p, max_tokens=max(1, min(p.max_tokens, budget)), stop=stop_strings,
+            stop_token_ids=sorted({*p.stop_token_ids, *stop_ids}), seed=(base + 7919 * run.turns) & 0x7FFFFFFF)
+        request_id = f"{run.id}/{run.turns}"
+        self.by_request[request_id] = run.id
+        self.engine.submit(GenerationRequest(request_id=request_id, prompt_ids=[*seg.prompt, *seg.ids],
+                                             sampling=sampling))
+
+    def _split_stops(self, stops: list[str]) -> tuple[list[int], list[str]]:
+        from tidal.rollout.stops import split_stops
+
+        return split_stops(self.tokenizer, dict.fromkeys(stops))
+
+    # ------------------------------------------------------------------ endings
+
+    def _finished(self, run: EpisodeRun) -> str | None:
+        self.pool.close_episode(run.id)
+        self.counters["episodes"] += 1
+        a = self.assignments[run.group_id]
+        runs = [self.runs.get(trajectory_id(a.group_id, i)) for i in range(a.num_samples)]
+        return a.group_id if all(r is not None and r.done for r in runs) else None
+
+    def _truncate(self, run: EpisodeRun, why: str) -> str | None:
+        self.counters["truncated"] += 1
+        run.segments[-1].finish = "truncated"
+        run.outcome = 0.0
+        log.debug("episode %s truncated after %s", run.id, why)
+        return self._finished(run)
+
+    def _fail(self, run: EpisodeRun, reason: str, detail: str) -> None:
+        raise EpisodeFailed(run.group_id, reason, f"episode {run.id}: {detail}")
+
+    def forget(self, group_id: str) -> None:
+        """Drop a group's episodes (failed, delivered or abandoned): close the live ones in the pool."""
+        a = self.assignments.pop(group_id, None)
+        if a is None:
+            return
+        for i in range(a.num_samples):
+            run = self.runs.pop(trajectory_id(group_id, i), None)
+            if run is not None and not run.done:
+                self.pool.close_episode(run.id)
+        for rid in [rid for rid, eid in self.by_request.items() if eid.startswith(group_id + ":")]:
+            del self.by_request[rid]
+            self.engine.abort([rid])
+
+    def dropped(self, reason: str) -> None:
+        self.counters["episodes_dropped"] += 1
+        self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
+
+    # ------------------------------------------------------------------ delivery
+
+    def trajectories(self, group_id: str, source: str) -> list[Trajectory]:
+        """Every segment of every episode of a finished group, as trajectories (group_size = their count)."""
+        a = self.assignments[group_id]
+        out: list[Trajectory] = []
+        for i in range(a.num_samples):
+            run = self.runs[trajectory_id(group_id, i)]
+            for k, seg in enumerate(run.segments):
+                out.append(_trajectory(a, run, k, seg, source))
+        for t in out:
+            t.group_size = len(out)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        c, n = self.counters, max(self.counters["episodes"], 1.0)
+        out = {f"rollout/episodes/{k}": v for k, v in c.items()}
+        out.update({
+            "rollout/episodes/turns_per_episode": c["turns"] / n,
+            "rollout/episodes/tool_calls_per_episode": c["tool_calls"] / n,
+            "rollout/episodes/tool_error_rate": c["tool_errors"] / max(c["tool_calls"], 1.0),
+            "rollout/episodes/step_reward_mean": c["step_reward_sum"] / max(c["turns"], 1.0),
+            **{f"rollout/episodes/dropped/{r}": float(v) for r, v in self.dropped_by_reason.items()},
+        })
+        out.update({f"rollout/envpool/{k}": float(v) for k, v in self.pool.counters.items()})
+        return out
+
+
+def _arr(values: Sequence[Any], dtype: Any) -> Array:
+    return Array.from_numpy(np.asarray(values, dtype))
+
+
+def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: str) -> Trajectory:
+    info = {f"tidal.episode.{name}": f"{v:g}" for name, v in run.info.items()}
+    return Trajectory(
+        id=segment_id(run.id, k), group_id=a.group_id, sample_index=run.index, task=a.task,
+        prompt_ids=_arr(seg.prompt, np.int32), completion_ids=_arr(seg.ids, np.int32),
+        logprobs=_arr(seg.logprobs, np.float32), versions=_arr(seg.versions, np.int32),
+        reward=float(run.outcome or 0.0), finish_reason=seg.finish or "stop",
+        step_rewards=_arr(seg.step_rewards, np.float32), step_ends=_arr(seg.step_ends, np.int32),
+        loss_mask=_arr(seg.mask, np.uint8),
+        metadata={**a.metadata, **info, "tidal.episode.turns": str(run.turns), "tidal.episode.segment": str(k)},
+        source=source, sampling=a.sampling,
+    )
+
+
+__all__ = ["EpisodeFailed", "EpisodeRun", "EpisodesConfig", "MultiTurn", "Segment"]
