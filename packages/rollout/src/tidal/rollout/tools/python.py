@@ -10,9 +10,11 @@ No network, in two layers:
 - a network namespace of its own (``unshare -rn``: a user namespace, so no privilege is needed) with no
   interface up, when the machine allows it (probed once per process; `network="namespace"` insists);
 - always, a bootstrap that installs an audit hook (`sys.addaudithook`, which code cannot remove) before
-  the model's code runs, refusing socket connect/bind/send and name look-ups, and starting programs
-  (exec, spawn, system, Popen), since a new program would not carry the hook. ctypes can still reach
-  libc directly, which is why the namespace comes first when it is available.
+  the model's code runs, refusing socket connect/bind/send and name look-ups; starting programs (exec,
+  spawn, system, Popen), since a new program would not carry the hook; and ctypes' look-ups of C
+  functions (``dlsym``), which would call libc's connect() past the socket events. A hook in the
+  process it guards is a fence, not a wall (Python's own docs say as much), which is why the
+  namespace comes first wherever it is available.
 
 The parent reads stdout and stderr as they come, up to `output_bytes` together: past that it kills the
 process group and answers ``output_limit`` with the first part, so a flood never lands in its memory.
@@ -52,10 +54,12 @@ _DENIED = frozenset({
     "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
     "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
     "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
+    "ctypes.dlsym", "ctypes.dlsym/handle",
 })
 def _refuse(event, args, _denied=_DENIED):
     if event in _denied:
-        raise PermissionError(f"{event} is not allowed here: the sandbox has no network and starts no programs")
+        raise PermissionError(f"{event} is not allowed here: the sandbox has no network, starts no programs "
+                              "and looks up no C functions")
 sys.addaudithook(_refuse)
 _code = sys.argv.pop(1)
 sys.argv[0] = "main.py"
@@ -164,7 +168,8 @@ class PythonTool:
         return self._result(proc.returncode, usage.ru_utime + usage.ru_stime, stopped, out, err)
 
     def _read(self, proc: subprocess.Popen, out: bytearray, err: bytearray, deadline: float) -> str:
-        """Collect output until both pipes close; "timeout" or "output_limit" when the child had to be
+        """Collect output until both pipes close or the program exits (what its leftover processes
+        write after that is not waited for); "timeout" or "output_limit" when the child had to be
         stopped first (it is killed here)."""
         assert proc.stdout is not None and proc.stderr is not None
         buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
@@ -176,7 +181,13 @@ class PythonTool:
                 if remaining <= 0:
                     _kill_group(proc.pid)
                     return "timeout"
-                for key, _ in selector.select(remaining):
+                exited = _has_exited(proc.pid)
+                # while it runs, wake now and then to notice an exit that left the pipes open (a child
+                # it started holds them); once it is gone, only drain what is already there
+                ready = selector.select(0 if exited else min(remaining, 0.05))
+                if exited and not ready:
+                    return ""
+                for key, _ in ready:
                     room = self.output_bytes + 1 - len(out) - len(err)
                     chunk = os.read(key.fd, max(1, min(65536, room)))
                     if not chunk:
@@ -229,17 +240,21 @@ def _kill_group(pgid: int) -> None:
         pass  # the group is gone already
 
 
+def _has_exited(pid: int) -> bool:
+    """Whether `pid` has exited, without reaping it (so its process group id cannot be reused yet)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 def _exited_by(pid: int, deadline: float) -> bool:
-    """Wait, without reaping (the group id stays ours), until `pid` exits or the deadline passes."""
-    while True:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-        except ChildProcessError:
-            return True
+    """Wait, without reaping, until `pid` exits or the deadline passes."""
+    while not _has_exited(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)
+    return True
 
 
 def _remove(folder: str) -> None:
