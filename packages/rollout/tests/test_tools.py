@@ -81,16 +81,22 @@ def test_python_returns_what_the_program_prints(python: PythonTool) -> None:
     assert result.error == "" and result.content == "42\nnote\n" and result.elapsed_s > 0
 
 
+def test_python_numpy_works_under_the_default_limits() -> None:
+    result = PythonTool().run({"code": "import numpy as np; print(int(np.arange(10).sum()))"})
+    assert (result.error, result.content) == ("", "45\n"), result
+
+
 def test_python_refuses_arguments_that_are_not_code(python: PythonTool) -> None:
     assert python.run({}).error == "bad_arguments"
     assert python.run({"code": 3}).error == "bad_arguments"
     assert python.run({"code": "x" * 70_000}).error == "bad_arguments"
 
 
-def test_python_busy_loop_is_stopped_by_the_cpu_limit(python: PythonTool) -> None:
-    result, took = run_timed(python, "while True: pass")
-    assert result.error == "timeout" and "CPU time limit" in result.content
-    assert took < 1.9  # the 1 s CPU limit, before the 2 s wall clock
+def test_python_busy_loop_is_stopped_by_the_cpu_limit() -> None:
+    # a wall clock far away, so that the CPU limit (1 s) is what stops it even on a loaded machine
+    result, took = run_timed(PythonTool(timeout_s=20.0, cpu_seconds=1), "while True: pass")
+    assert result.error == "timeout" and "CPU time limit of 1 s" in result.content
+    assert took < 10.0
 
 
 def test_python_sleep_is_stopped_by_the_wall_clock(python: PythonTool) -> None:
@@ -107,7 +113,7 @@ def test_python_output_flood_is_cut_at_the_cap_and_never_buffered(python: Python
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert result.error == "output_limit" and took < 1.5
+    assert result.error == "output_limit" and took < 1.5  # far before the 2 s wall clock
     assert result.content[:16384].strip("xy\n") == "" and "stopped at 16384 bytes" in result.content
     assert len(result.content) < 17_000
     assert peak < 4 * 1024 * 1024  # the parent held about the cap, never the 100 MB
@@ -124,7 +130,7 @@ def test_python_crash_reports_the_signal_and_the_traceback(python: PythonTool) -
 def test_python_memory_hog_hits_the_address_space_limit(python: PythonTool) -> None:
     result, took = run_timed(python, "x = bytearray(1024**3)\nprint('allocated')")
     assert result.error == "crash" and "MemoryError" in result.content and "allocated" not in result.content
-    assert took < 1.0
+    assert took < 1.5
 
 
 @pytest.fixture
@@ -180,7 +186,7 @@ def test_python_folder_is_fresh_and_removed_after_success_and_timeout(python: Py
     result, _ = run_timed(python, "import os; open('f', 'w').write('x'); print(os.getcwd()); print(os.listdir('.'))")
     folder, listing = result.content.splitlines()
     assert listing == "['f']" and not Path(folder).exists()
-    result, _ = run_timed(python, "import os, time; print(os.getcwd(), flush=True); time.sleep(100)")
+    result, _ = run_timed(PythonTool(timeout_s=0.5), "import os, time; print(os.getcwd(), flush=True); time.sleep(100)")
     assert result.error == "timeout" and not Path(result.content.splitlines()[0]).exists()
 
 
@@ -193,7 +199,7 @@ def test_python_environment_is_minimal(python: PythonTool, monkeypatch: pytest.M
 
 def test_python_background_children_are_killed_and_not_waited_for(python: PythonTool) -> None:
     result, took = run_timed(python, "import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(100)\nprint(pid)")
-    assert result.error == "" and took < 1.0, result
+    assert result.error == "" and took < 1.5, result  # not held to the 2 s wall clock by the child
     pid = int(result.content)
     for _ in range(100):  # killed with the group; reaped by whoever inherited it
         try:

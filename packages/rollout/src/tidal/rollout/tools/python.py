@@ -143,8 +143,11 @@ class PythonTool:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort leaves no core file behind
 
     def _execute(self, code: str, folder: str, start: float) -> ToolResult:
+        # one BLAS thread: each would reserve its own buffers inside the address-space limit, and the
+        # CPU limit counts all threads together anyway
         env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8"}
+               "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}
         try:
             proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=folder, env=env, start_new_session=True,
