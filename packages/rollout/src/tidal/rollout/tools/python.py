@@ -20,8 +20,9 @@ The parent reads stdout and stderr as they come, up to `output_bytes` together: 
 process group and answers ``output_limit`` with the first part, so a flood never lands in its memory.
 A wall-clock timeout kills the process group too. Failures are results, never exceptions: ``timeout``
 (wall clock or CPU), ``output_limit``, ``crash`` (nonzero exit or a signal; the tail of stderr),
-``bad_arguments``. A process that escapes the group (``os.setsid``) is not waited for: the call returns
-at the deadline all the same, and its CPU limit still ends it.
+``bad_arguments``. Once the program exits, the processes it left behind are killed with its group and
+not waited for; one that left the group (``os.setsid``) escapes that kill but not its rlimits (nor,
+with the namespace, its lack of network), and the call returns all the same.
 """
 
 from __future__ import annotations
@@ -69,17 +70,25 @@ exec(compile(_code, "main.py", "exec"), {"__name__": "__main__", "__builtins__":
 
 
 @functools.cache
-def network_namespace_works(executable: str = sys.executable) -> bool:
-    """Whether ``unshare -rn`` can start `executable` here (user namespaces may be off, or no unshare)."""
+def network_namespace(executable: str = sys.executable) -> str | None:
+    """The ``unshare`` program when ``unshare -rn`` can start `executable` here; None when it cannot
+    (no unshare, or user namespaces are off)."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        return False
+        return None
     try:
         done = subprocess.run([unshare, "-rn", executable, "-I", "-c", "pass"], stdin=subprocess.DEVNULL,
                               capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+        return None
+    return unshare if done.returncode == 0 else None
+
+
+def _within_hard_limit(which: int, value: int) -> tuple[int, int]:
+    """(soft, hard) = `value`, lowered to this process's hard limit (a child may not raise it)."""
+    hard = resource.getrlimit(which)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    return value, value
 
 
 class PythonTool:
@@ -98,7 +107,16 @@ class PythonTool:
         self.timeout_s, self.cpu_seconds, self.memory_mb = timeout_s, cpu_seconds, memory_mb
         self.output_bytes, self.file_mb, self.open_files = output_bytes, file_mb, open_files
         self.max_code_bytes = max_code_bytes
-        self.namespace = network != "audit" and network_namespace_works(sys.executable)
+        self.unshare = None if network == "audit" else network_namespace(sys.executable)
+        self.namespace = self.unshare is not None
+        mb = 1024 * 1024
+        cpu_soft = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds)[0]
+        cpu_hard = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds + 1)[1]  # SIGXCPU, then SIGKILL
+        self._rlimits = [(resource.RLIMIT_AS, _within_hard_limit(resource.RLIMIT_AS, memory_mb * mb)),
+                         (resource.RLIMIT_CPU, (cpu_soft, cpu_hard)),
+                         (resource.RLIMIT_FSIZE, _within_hard_limit(resource.RLIMIT_FSIZE, file_mb * mb)),
+                         (resource.RLIMIT_NOFILE, _within_hard_limit(resource.RLIMIT_NOFILE, open_files)),
+                         (resource.RLIMIT_CORE, (0, 0))]  # an abort leaves no core file behind
         if network == "namespace" and not self.namespace:
             raise ValueError("network='namespace' but `unshare -rn` does not work on this machine "
                              "(no unshare, or user namespaces are off); use network='auto' or 'audit'")
@@ -129,18 +147,13 @@ class PythonTool:
 
     def _command(self, code: str) -> list[str]:
         cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, code]
-        return ["unshare", "-rn", *cmd] if self.namespace else cmd
+        return [self.unshare, "-rn", *cmd] if self.unshare else cmd
 
     def _limits(self) -> None:
-        """In the child between fork and exec: only setrlimit calls (no imports, no locks)."""
-        memory = self.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        # soft: SIGXCPU; one more second and the kernel's SIGKILL
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds + 1))
-        files = self.file_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_FSIZE, (files, files))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort leaves no core file behind
+        """In the child between fork and exec: only setrlimit calls, of values computed beforehand (no
+        imports, no locks)."""
+        for which, limits in self._rlimits:
+            resource.setrlimit(which, limits)
 
     def _execute(self, code: str, folder: str, start: float) -> ToolResult:
         # one BLAS thread: each would reserve its own buffers inside the address-space limit, and the
@@ -152,7 +165,7 @@ class PythonTool:
             proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=folder, env=env, start_new_session=True,
                                     preexec_fn=self._limits, close_fds=True)
-        except OSError as e:  # the machine's fault (no fds, no memory), not the model's: say so plainly
+        except (OSError, subprocess.SubprocessError) as e:  # the machine's fault, not the model's: say so
             return ToolResult(content=f"could not start the sandbox: {e}", error="crash")
         deadline = start + self.timeout_s
         out, err = bytearray(), bytearray()
