@@ -1,6 +1,7 @@
 """tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
-engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``) and reward functions
-(``exact_match``). Factories import their modules only when called, so scanning plugins imports no torch; each declares
+engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``; the episodic
+``multiply``), reward functions (``exact_match``), tools (``calculator``, ``python``) and tool-call parsers
+(``tags``, ``json``). Factories import their modules only when called, so scanning plugins imports no torch; each declares
 the signature its options are checked against (`tidal.core.plugin_options`).
 """
 
@@ -51,6 +52,46 @@ def reverse(**options: Any) -> Any:
     return Reverse(**options)
 
 
+@declare(signature="tidal.rollout.multiply:Multiply")
+def multiply(**options: Any) -> Any:
+    """Multi-digit multiplication episodes with the calculator (``tools=False``: without it)."""
+    from tidal.rollout.multiply import Multiply
+
+    return Multiply(**options)
+
+
+@declare(signature="tidal.rollout.tools.calculator:Calculator")
+def calculator(**options: Any) -> Any:
+    """Arithmetic expressions through an AST walker (never eval), bounded."""
+    from tidal.rollout.tools.calculator import Calculator
+
+    return Calculator(**options)
+
+
+@declare(signature="tidal.rollout.tools.python:PythonTool")
+def python_tool(**options: Any) -> Any:
+    """Python code in a sandboxed subprocess: rlimits, wall timeout, output cap, no network."""
+    from tidal.rollout.tools.python import PythonTool
+
+    return PythonTool(**options)
+
+
+@declare(signature="tidal.rollout.tools.parsers:TagParser")
+def tags(**options: Any) -> Any:
+    """``<calc>347*58</calc>`` tool calls (a format a char-level model learns)."""
+    from tidal.rollout.tools.parsers import TagParser
+
+    return TagParser(**options)
+
+
+@declare(signature="tidal.rollout.tools.parsers:JsonParser")
+def json_calls(**options: Any) -> Any:
+    """Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` tool calls."""
+    from tidal.rollout.tools.parsers import JsonParser
+
+    return JsonParser(**options)
+
+
 def exact_match() -> Any:
     """Reward 1 when the completion's first line equals the task's answer."""
     from tidal.rollout.tasks import exact_match as fn
@@ -86,9 +127,19 @@ def tidal_engines() -> dict[str, Any]:
 
 @hookimpl
 def tidal_envs() -> dict[str, Any]:
-    return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse}
+    return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse, "multiply": multiply}
 
 
 @hookimpl
 def tidal_rewards() -> dict[str, Any]:
     return {"exact_match": exact_match}
+
+
+@hookimpl
+def tidal_tools() -> dict[str, Any]:
+    return {"calculator": calculator, "python": python_tool}
+
+
+@hookimpl
+def tidal_tool_parsers() -> dict[str, Any]:
+    return {"tags": tags, "json": json_calls}

@@ -28,6 +28,8 @@ SPECIALS = (PAD, BOS, EOS)
 # Every character the built-in tasks use; anything else is an error at encode time (no silent UNK).
 ARCHS = ("llama", "gpt_oss")
 ALPHABET = "0123456789+-*/()=?:;,. \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# The tool tasks' alphabet: the tags parser's `<calc>...</calc>`, `<result>`, `<error>` and `tool_call`.
+TOOL_ALPHABET = ALPHABET + "<>_"
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET):

@@ -1,0 +1,11 @@
+"""Tools an episode may call (plugin kind ``tool``) and the parsers that find calls in the model's text
+(plugin kind ``tool_parser``).
+
+- `calculator` (`tools.calculator`): arithmetic through an AST walker (never `eval`), bounded.
+- `python` (`tools.python`): code in a sandboxed subprocess (rlimits, wall timeout, output cap, no network).
+- `tags` and `json` (`tools.parsers`): ``<calc>1+2</calc>`` for the tiny char model; Hermes/Qwen's
+  ``<tool_call>{...}</tool_call>`` for real chat models.
+
+Tools run in the environment process that steps the episode (`tidal.rollout.toolenv`), never in the
+rollout worker. None of these modules imports torch.
+"""
