@@ -66,6 +66,7 @@ class ToolEpisode:
     def __init__(self, env: ToolEnvironment, task: Task) -> None:
         self.env, self.task = env, task
         self.tools: list[ToolSpec] = [tool.spec for tool in env.tools.values()]
+        self.stop: list[str] = list(env.parser.stop) if env.tools else []  # a turn ends on a call's closing tag
         self.turns = 0
         self.done = False
         self.final_text: str | None = None
