@@ -436,8 +436,8 @@ class EnvPool:
                 f"{slot.failures_in_a_row} failures in a row with no answer in between" + (f"; {refused}" if refused else ""))
             raise EnvPoolError(f"{detail}: {reason}; domains {sorted(self.specs)}; see its log "
                                f"{slot.log_path}{_tail(slot.log_path)}")
-        self._note("env_died", f"{detail}; restarting it{f' ({refused})' if refused else ''}; log "
-                               f"{slot.log_path}{_tail(slot.log_path)}", f"restarts {self._counts['restarts'] + 1:g}")
+        self._note("env_died", f"{detail}; restarting it{f' ({refused})' if refused else ''}; log {slot.log_path}",
+                   f"restarts {self._counts['restarts'] + 1:g}", _tail(slot.log_path))
         self._counts["restarts"] += 1
         self._spawn(slot)
 
@@ -445,13 +445,15 @@ class EnvPool:
         self._episodes.pop(ep.id, None)
         ep.slot.episodes.discard(ep.id)
 
-    def _note(self, kind: str, detail: str, count: str) -> None:
-        """The first failure of each kind with its detail; later ones in one line with the count."""
+    def _note(self, kind: str, detail: str, count: str, tail: str = "") -> None:
+        """The first failure of each kind with its detail (and the process's last log lines); later ones
+        in one line with the count."""
         if kind not in self._logged:
             self._logged.add(kind)
-            log.error("%s: %s (later %s failures are logged in one line each)", self.name, detail, kind)
+            log.error("%s: %s (later %s failures: one line each)%s", self.name, detail, kind,
+                      f"; its log ends with:{tail}" if tail else "")
         else:
-            log.warning("%s: %s (%s)", self.name, detail.split("\n", 1)[0], count)
+            log.warning("%s: %s (%s)", self.name, detail, count)
 
 
 __all__ = ["COUNTERS", "EnvPool", "EnvPoolError"]
