@@ -2,7 +2,8 @@
 (``EnvPool(plugins=["envpool_plugins"])`` with this folder on PYTHONPATH).
 
 - ``counting``: multi-turn; the model must say 1, 2, ... `turns` in turn; step reward 1 per right number,
-  outcome the fraction right. Its first observation names the pid serving it (for kill drills).
+  outcome the fraction right; each step takes `delay_s`. Its first observation names the pid serving it
+  (for kill drills).
 - ``sleepy``: its step never returns (the pool's timeout).
 - ``raising_step``: its step raises.
 - ``raising_verifier``: done after one step, then `outcome()` raises.
@@ -43,14 +44,15 @@ class _Episode:
 class CountingEpisode(_Episode):
     tools = (ToolSpec(name="say", description="say a number", parameters={"type": "object", "properties": {}}),)
 
-    def __init__(self, task: Task, turns: int) -> None:
+    def __init__(self, task: Task, turns: int, delay_s: float) -> None:
         super().__init__(task)
-        self.turns, self.turn, self.right = turns, 0, 0
+        self.turns, self.delay_s, self.turn, self.right = turns, delay_s, 0, 0
 
     def reset(self) -> Observation:
         return _user(f"{self.task.prompt}: count from 1 to {self.turns} (served by pid {os.getpid()})")
 
     def step(self, action: str, role: str = AGENT) -> StepResult:
+        time.sleep(self.delay_s)
         self.turn += 1
         ok = action.strip() == str(self.turn)
         self.right += ok
@@ -70,11 +72,11 @@ class _Env:
 
 
 class Counting(_Env):
-    def __init__(self, turns: int = 3) -> None:
-        self.turns = turns
+    def __init__(self, turns: int = 3, delay_s: float = 0.0) -> None:
+        self.turns, self.delay_s = turns, delay_s
 
     def episode(self, task: Task) -> CountingEpisode:
-        return CountingEpisode(task, self.turns)
+        return CountingEpisode(task, self.turns, self.delay_s)
 
 
 class SleepyEpisode(_Episode):

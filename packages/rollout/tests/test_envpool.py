@@ -33,7 +33,7 @@ def make_pool(tmp_path):
 
     def make(specs, **kw) -> EnvPool:
         kw.setdefault("plugins", ["envpool_plugins"])
-        pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", env={"PYTHONPATH": PYTHONPATH}, **kw)
+        pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
         pools.append(pool)
         pool.start()
         return pool
@@ -155,13 +155,27 @@ def test_a_step_that_hangs_times_out_and_its_process_is_killed_and_replaced(make
     pool.step("stuck", 1, "anything")
     replies = {r.episode_id: r for r in wait_for(pool, 2, timeout=5)}
     assert time.monotonic() - t0 < 1.0 + 1.5
-    assert replies["stuck"].error_kind == "timeout" and "no answer to step 1 within 1 s" in replies["stuck"].error
-    assert replies["bystander"].error_kind == "env_died" and "was killed" in replies["bystander"].error
+    assert replies["stuck"].error_kind == "timeout" and "no answer to step 1 of episode stuck within 1 s" in replies["stuck"].error
+    assert replies["bystander"].error_kind == "env_died" and "was killed: stuck on episode stuck" in replies["bystander"].error
     assert pool.counters["timeouts"] == 1 and pool.counters["restarts"] == 1
     assert gone(pid)
     pool.open("later", "count", Task(prompt="p"))
     r = one(pool)
     assert not r.error_kind and pid_of(r) != pid
+
+
+def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
+    pool = make_pool({"count": {"env": "counting", "options": {"delay_s": 0.3}}}, processes=1, step_timeout_s=1.0)
+    for i in range(5):
+        pool.open(f"e{i}", "count", Task(prompt="p"))
+    wait_for(pool, 5)
+    t0 = time.monotonic()
+    for i in range(5):
+        pool.step(f"e{i}", 1, "1")
+    replies = wait_for(pool, 5)
+    assert time.monotonic() - t0 > 1.0, "the last step waited longer than step_timeout_s in all"
+    assert all(r.reward == 1.0 and not r.error_kind for r in replies)
+    assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
 
 
 def test_a_verifier_that_raises_is_a_verifier_error_with_its_message_not_a_zero(make_pool):
@@ -205,7 +219,7 @@ def test_environment_processes_exit_when_the_pool_process_is_killed(tmp_path):
     code = (
         "import sys, time; from tidal.rollout.envpool import EnvPool\n"
         f"pool = EnvPool({{'c': {{'env': 'counting'}}}}, processes=2, plugins=['envpool_plugins'], "
-        f"log_dir={str(tmp_path)!r}, env={{'PYTHONPATH': {PYTHONPATH!r}}})\n"
+        f"log_dir={str(tmp_path)!r}, environ={{'PYTHONPATH': {PYTHONPATH!r}}})\n"
         "pool.start(); print(*pool.pids.values(), flush=True); time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -231,10 +245,12 @@ def test_a_process_that_dies_on_every_episode_makes_poll_raise_naming_its_log(ma
     pool.open("e1", "d", Task(prompt="p"))
     with pytest.raises(EnvPoolError, match=r"env-0 .* 2 failures in a row .* see its log .*env-0\.log"):
         wait_for(pool, 1)
+    with pytest.raises(EnvPoolError, match="2 failures in a row"):  # the pool stays broken
+        pool.open("e2", "d", Task(prompt="p"))
 
 
 def test_an_unknown_env_fails_start_with_the_registry_message_and_the_log(tmp_path):
-    pool = EnvPool({"x": {"env": "no_such_env"}}, log_dir=tmp_path, env={"PYTHONPATH": PYTHONPATH})
+    pool = EnvPool({"x": {"env": "no_such_env"}}, log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH})
     with pytest.raises(EnvPoolError, match=r"no env named 'no_such_env'.*see its log .*env-0\.log"):
         pool.start()
     assert pool.pids == {}

@@ -297,7 +297,8 @@ class WeightsBucket(_Msg):
 
 
 # --------------------------------------------------------------------------- episodes
-# Rollout worker (DEALER) <-> environment process (ROUTER): one episode per sample, stepped in turn.
+# Rollout worker's environment pool (ROUTER) <-> environment processes (DEALER, one identity per start):
+# one episode per sample, stepped in turn.
 
 
 class ChatMessage(_Part):
@@ -355,7 +356,9 @@ class EpisodeReply(_Msg):
     tools: list[ToolSpec] = []  # seq 0: the tools of this episode
     max_turns: int = 0  # seq 0: actions allowed
     error: str = ""  # "" = ok; else what failed (the episode is over, and it is not a zero reward)
-    error_kind: str = ""  # "env_error", "verifier_error", "unknown_episode", "bad_request"
+    # "env_error", "verifier_error", "unknown_episode", "bad_request"; the pool synthesizes "env_died" and
+    # "timeout" for a process that died or was stuck
+    error_kind: str = ""
 
 
 Message = (

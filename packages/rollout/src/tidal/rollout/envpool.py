@@ -19,8 +19,11 @@ episode (later messages about it are ignored; `close_episode` is then a no-op):
 - the process's `EpisodeReply` (``env_error``, ``verifier_error`` and ``bad_request`` come from there);
 - ``env_died``: the process died (kill -9, crash); every episode it held is answered so, then it is
   restarted (counted in ``restarts``);
-- ``timeout``: no answer within `step_timeout_s`; that process may be stuck, so it is killed and
-  restarted, and its other episodes get ``env_died``;
+- ``timeout``: a process that has requests waiting and has answered none of them for `step_timeout_s`
+  (`open_timeout_s` when the oldest is an open: it may build the environment first) is stuck on the
+  oldest (it serves one message at a time, in order, so time queued behind other episodes' steps does
+  not count): that request gets ``timeout``, the process is killed and restarted, and its other
+  episodes get ``env_died``;
 - ``unknown_episode``: `step` of an episode the pool does not hold (already ended or never opened).
 
 A process that fails `max_failures_in_a_row` times (died, timed out, never said Hello) with no answer in
@@ -79,6 +82,11 @@ class _Slot:
     outbox: list[tuple[Message, _Episode | None]] = field(default_factory=list)  # queued until Hello
     episodes: set[str] = field(default_factory=set)
     failures_in_a_row: int = 0  # deaths, timeouts and failed starts with no answer in between
+    progress_at: float = 0.0  # when it last answered, or was given work while it had none
+
+    def waiting(self, episodes: dict[str, _Episode]) -> list[_Episode]:
+        """Its episodes whose request was sent and is not answered yet."""
+        return [e for e in (episodes[i] for i in self.episodes) if e.pending and e.sent_at != float("inf")]
 
 
 @dataclass(eq=False)
@@ -87,7 +95,7 @@ class _Episode:
     slot: _Slot
     seq: int = 0  # the last request sent: 0 = the open
     pending: bool = True  # awaiting the answer to `seq`
-    deadline: float = float("inf")  # when that answer is late (inf while queued for a starting process)
+    sent_at: float = float("inf")  # when the pending request left (inf while queued for a starting process)
 
 
 def _exit_text(rc: int) -> str:
@@ -117,9 +125,10 @@ class EnvPool:
         step_timeout_s: float = 30.0,
         plugins: Sequence[str] = (),
         *,
+        open_timeout_s: float = 120.0,  # an open may build the domain's environment first (data, models)
         name: str = "env",  # processes are <name>-0, <name>-1, ... (logs <log_dir>/<name>-<i>.log)
         log_dir: str | os.PathLike[str] | None = None,  # None: a temporary folder, removed by close()
-        env: Mapping[str, str] | None = None,  # extra environment variables of the processes
+        environ: Mapping[str, str] | None = None,  # extra environment variables of the processes (PYTHONPATH, ...)
         start_timeout_s: float = 60.0,  # how long a process may take to say Hello
         stop_grace_s: float = 5.0,  # SIGTERM, then SIGKILL after this long
         max_failures_in_a_row: int = 3,
@@ -132,11 +141,12 @@ class EnvPool:
                               f"{{'env': plugin name, 'options': {{...}}}}") from None
         if not self.specs:
             raise ValueError("an environment pool needs at least one domain in `specs`")
-        if processes < 1 or step_timeout_s <= 0 or max_failures_in_a_row < 1:
-            raise ValueError(f"need processes >= 1, step_timeout_s > 0 and max_failures_in_a_row >= 1, got "
-                             f"{processes}, {step_timeout_s}, {max_failures_in_a_row}")
+        if processes < 1 or step_timeout_s <= 0 or open_timeout_s <= 0 or max_failures_in_a_row < 1:
+            raise ValueError(f"need processes >= 1, step_timeout_s and open_timeout_s > 0 and max_failures_in_a_row "
+                             f">= 1, got {processes}, {step_timeout_s}, {open_timeout_s}, {max_failures_in_a_row}")
         self.processes, self.step_timeout_s, self.plugins = processes, step_timeout_s, list(plugins)
-        self.name, self.env = name, dict(env or {})
+        self.open_timeout_s = open_timeout_s
+        self.name, self.environ = name, dict(environ or {})
         self.start_timeout_s, self.stop_grace_s = start_timeout_s, stop_grace_s
         self.max_failures_in_a_row = max_failures_in_a_row
         self._bind = endpoint
@@ -150,6 +160,7 @@ class EnvPool:
         self._out: list[EpisodeReply] = []
         self._ch: RouterChannel | None = None
         self._closed = False
+        self._broken: EnvPoolError | None = None  # raised again by every later call
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -192,9 +203,8 @@ class EnvPool:
         for s in alive:
             self._signal(s, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_s
-        for s in self._slots:
-            if s.proc is None:
-                continue
+        for s in alive:  # (a process reaped long ago is left alone: its pid may be another's by now)
+            assert s.proc is not None
             try:
                 s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -294,6 +304,8 @@ class EnvPool:
     # ------------------------------------------------------------------ inside
 
     def _check_running(self) -> None:
+        if self._broken is not None:
+            raise self._broken
         if self._ch is None or self._closed:
             raise RuntimeError("the environment pool is not running: call start() first (and not after close())")
 
@@ -305,7 +317,7 @@ class EnvPool:
         slot.error_path.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "tidal.rollout.envproc", "--config", str(self._config_path),
                 "--name", slot.name, "--identity", slot.identity.decode()]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", ERROR_FILE_ENV: str(slot.error_path), **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", ERROR_FILE_ENV: str(slot.error_path), **self.environ}
         with open(slot.log_path, "ab") as out:  # its own session: a kill reaches what it started too
             slot.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env)
@@ -330,7 +342,10 @@ class EnvPool:
             slot.outbox.append((msg, ep))
             return
         if ep is not None:
-            ep.deadline = time.monotonic() + self.step_timeout_s
+            now = time.monotonic()
+            if not [e for e in slot.waiting(self._episodes) if e is not ep]:
+                slot.progress_at = now  # the clock of a stuck process starts when it has work
+            ep.sent_at = now
         assert self._ch is not None
         try:
             self._ch.send(slot.identity, msg, timeout=0)
@@ -340,7 +355,7 @@ class EnvPool:
     def _service(self, wait: float) -> None:
         assert self._ch is not None
         if wait > 0:
-            due = min((e.deadline for e in self._episodes.values() if e.pending), default=float("inf"))
+            due = min((d for _, d in filter(None, map(self._serving, self._slots))), default=float("inf"))
             wait = max(0.0, min(wait, due - time.monotonic()))
             if wait > 0:
                 poll([self._ch], wait)
@@ -365,6 +380,7 @@ class EnvPool:
                 log.warning("%s: unexpected %s from %s ignored", self.name, type(msg).__name__, slot.name)
             return
         slot.failures_in_a_row = 0  # it answers: whatever it did before, it is not crash-looping
+        slot.progress_at = time.monotonic()
         ep = self._episodes.get(msg.episode_id)
         if ep is None or ep.slot is not slot or not ep.pending or ep.seq != msg.seq:
             self._counts["late_replies"] += 1  # an episode that already failed (or was closed meanwhile)
@@ -394,23 +410,34 @@ class EnvPool:
             elif time.monotonic() - slot.started_at > self.start_timeout_s:
                 self._failed(slot, f"did not say Hello within {self.start_timeout_s:g} s", kill=True)
 
+    def _serving(self, slot: _Slot) -> tuple[_Episode, float] | None:
+        """The request `slot` is serving (the oldest waiting: it serves one at a time, in order) and when
+        it is late; None when it has none."""
+        waiting = slot.waiting(self._episodes)
+        if not waiting:
+            return None
+        ep = min(waiting, key=lambda e: e.sent_at)
+        return ep, slot.progress_at + (self.open_timeout_s if ep.seq == 0 else self.step_timeout_s)
+
     def _check_deadlines(self) -> None:
+        """A process that answered nothing for the timeout of the request it serves is stuck on it: that
+        request times out, the process is killed (and its other episodes are answered env_died)."""
         now = time.monotonic()
-        late = [e for e in self._episodes.values() if e.pending and e.deadline <= now]
-        for slot in dict.fromkeys(e.slot for e in late):
-            mine = [e for e in late if e.slot is slot]
+        for slot in self._slots:
+            serving = self._serving(slot)
+            if serving is None or now <= serving[1]:
+                continue
+            ep = serving[0]
+            limit = self.open_timeout_s if ep.seq == 0 else self.step_timeout_s
             pid = slot.proc.pid if slot.proc else 0
-            for ep in mine:
-                what = "its open" if ep.seq == 0 else f"step {ep.seq}"
-                text = (f"environment process {slot.name} (pid {pid}) gave no answer to {what} within "
-                        f"{self.step_timeout_s:g} s; the process was killed and restarted (log: {slot.log_path})")
-                self._counts["timeouts"] += 1
-                self._note("timeout", f"episode {ep.id}: {text}", f"timeouts {self._counts['timeouts']:g}")
-                self._forget(ep)
-                self._out.append(EpisodeReply(episode_id=ep.id, seq=ep.seq, done=True, error=text,
-                                              error_kind="timeout"))
-            self._failed(slot, f"was killed: episode {mine[0].id} got no answer within {self.step_timeout_s:g} s",
-                         kill=True)
+            what = "the open" if ep.seq == 0 else f"step {ep.seq}"
+            text = (f"environment process {slot.name} (pid {pid}) gave no answer to {what} of episode {ep.id} within "
+                    f"{limit:g} s; the process was killed and restarted (log: {slot.log_path})")
+            self._counts["timeouts"] += 1
+            self._note("timeout", text, f"timeouts {self._counts['timeouts']:g}")
+            self._forget(ep)
+            self._out.append(EpisodeReply(episode_id=ep.id, seq=ep.seq, done=True, error=text, error_kind="timeout"))
+            self._failed(slot, f"was killed: stuck on episode {ep.id} for more than {limit:g} s", kill=True)
 
     def _failed(self, slot: _Slot, why: str, *, rc: int | None = None, kill: bool = False) -> None:
         """`slot`'s process is gone (or is to go): answer its episodes, restart it (or give up)."""
@@ -434,8 +461,9 @@ class EnvPool:
         if rc == EXIT_CONFIG or slot.failures_in_a_row >= self.max_failures_in_a_row:
             reason = (refused or "its configuration was refused") if rc == EXIT_CONFIG else (
                 f"{slot.failures_in_a_row} failures in a row with no answer in between" + (f"; {refused}" if refused else ""))
-            raise EnvPoolError(f"{detail}: {reason}; domains {sorted(self.specs)}; see its log "
-                               f"{slot.log_path}{_tail(slot.log_path)}")
+            self._broken = EnvPoolError(f"{detail}: {reason}; domains {sorted(self.specs)}; see its log "
+                                        f"{slot.log_path}{_tail(slot.log_path)}")
+            raise self._broken
         self._note("env_died", f"{detail}; restarting it{f' ({refused})' if refused else ''}; log {slot.log_path}",
                    f"restarts {self._counts['restarts'] + 1:g}", _tail(slot.log_path))
         self._counts["restarts"] += 1
