@@ -72,8 +72,8 @@ class _Env:
 
 
 class Counting(_Env):
-    def __init__(self, turns: int = 3, delay_s: float = 0.0) -> None:
-        self.turns, self.delay_s = turns, delay_s
+    def __init__(self, turns: int = 3, delay_s: float = 0.0, max_turns: int = 10) -> None:
+        self.turns, self.delay_s, self.max_turns = turns, delay_s, max_turns
 
     def episode(self, task: Task) -> CountingEpisode:
         return CountingEpisode(task, self.turns, self.delay_s)

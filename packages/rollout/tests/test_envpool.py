@@ -99,6 +99,17 @@ def test_an_episodic_env_answers_each_step_in_order_with_rewards_and_its_outcome
     assert one(pool).error_kind == "unknown_episode"
 
 
+def test_an_episode_still_going_at_max_turns_is_ended_there_with_its_outcome(make_pool):
+    pool = make_pool({"count": {"env": "counting", "options": {"turns": 3, "max_turns": 2}}})
+    pool.open("e", "count", Task(prompt="p"))
+    assert one(pool).max_turns == 2
+    pool.step("e", 1, "1")
+    assert not one(pool).done
+    pool.step("e", 2, "2")
+    r = one(pool)
+    assert r.done and r.info == {"right": 1.0, "max_turns_reached": 1.0} and r.outcome == pytest.approx(2 / 3)
+
+
 def test_a_single_turn_env_is_one_action_scored_by_its_score(make_pool):
     pool = make_pool({"arith": {"env": "arithmetic", "options": {"level": 2}}}, plugins=[])
     tasks = list(itertools.islice(Arithmetic(level=2).tasks("train", seed=3), 2))

@@ -9,7 +9,7 @@
     pool.close()
 
 The pool binds one ROUTER (loopback, a port of its own); each environment process
-(`tidal.rollout.envproc`) connects a DEALER whose identity is ``<name>:<start number>``, so a restarted
+(`tidal.rollout.envproc`) connects a DEALER whose identity is ``<name>/<start number>``, so a restarted
 process is a new peer and a late answer of its predecessor is recognised and dropped. An episode lives on
 the process that had the fewest when it was opened, and stays there.
 
@@ -311,7 +311,7 @@ class EnvPool:
 
     def _spawn(self, slot: _Slot) -> None:
         slot.starts += 1
-        slot.identity = f"{slot.name}:{slot.starts}".encode()
+        slot.identity = f"{slot.name}/{slot.starts}".encode()
         slot.ready, slot.started_at = False, time.monotonic()
         self._by_identity[slot.identity] = slot
         slot.error_path.unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """An environment process: the episodes of a rollout worker's samples, stepped outside the worker.
 
-    python -m tidal.rollout.envproc --config envproc.json --name env-0 --identity env-0:1
+    python -m tidal.rollout.envproc --config envproc.json --name env-0 --identity env-0/1
 
 Started by `tidal.rollout.envpool.EnvPool`, never by hand in a run. It connects a DEALER (identity
 ``--identity``) to the pool's ROUTER at `endpoint`, says Hello, and serves one message at a time:
