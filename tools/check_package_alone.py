@@ -25,33 +25,55 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
-def check(folder: Path, work: Path) -> None:
-    name = tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]
-    dist = work / name / "dist"
-    venv = work / name / "venv"
+def build_wheels(sources: list[str | Path], out: Path) -> list[str]:
+    """Wheels of workspace members (by distribution name) and of project folders (paths) into `out`."""
     uv = shutil.which("uv") or "uv"
-    wheels = []
-    for pkg in dict.fromkeys(["tidal-core", name]):
-        run([uv, "build", "--quiet", "--wheel", "--package", pkg, "--out-dir", str(dist)], cwd=ROOT)
-    wheels = sorted(str(p) for p in dist.glob("*.whl"))
+    for src in dict.fromkeys(sources):
+        where = [str(src)] if isinstance(src, Path) else ["--package", src]
+        run([uv, "build", "--quiet", "--wheel", *where, "--out-dir", str(out)], cwd=ROOT)
+    return sorted(str(p) for p in out.glob("*.whl"))
+
+
+def fresh_venv(venv: Path, wheels: list[str]) -> str:
+    """An empty venv on this Python with `wheels` (and their PyPI dependencies) installed; its python."""
+    uv = shutil.which("uv") or "uv"
     run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)])
     py = str(venv / "bin" / "python")
     run([uv, "pip", "install", "--quiet", "--python", py, *wheels])
+    return py
+
+
+def tidal_dists(py: str) -> list[str]:
+    """The tidal* distributions installed for interpreter `py`."""
+    uv = shutil.which("uv") or "uv"
     installed = run([uv, "pip", "list", "--python", py, "--format", "freeze"]).stdout
-    tidal_dists = sorted(line.split("==")[0] for line in installed.splitlines() if line.startswith("tidal"))
-    expected = sorted({"tidal-core", name})
-    if tidal_dists != expected:
-        raise SystemExit(f"{name}: installing it alone pulled in {tidal_dists}, expected only {expected}")
-    blocks = re.findall(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S)
+    return sorted(line.split("==")[0] for line in installed.splitlines() if line.startswith("tidal"))
+
+
+def run_readme(readme: Path, py: str, work: Path, name: str) -> int:
+    """Run every ```python block of `readme` with `py` in `work`; the number of blocks (at least one)."""
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
     if not blocks:
         raise SystemExit(f"{name}: README.md has no ```python example")
     for i, code in enumerate(blocks):
-        script = work / name / f"readme_{i}.py"
+        script = work / f"readme_{i}.py"
         script.write_text(code)
         out = subprocess.run([py, str(script)], capture_output=True, text=True, timeout=600, cwd=work)
         if out.returncode != 0:
             raise SystemExit(f"{name}: README example {i} failed in a fresh venv:\n{out.stdout}\n{out.stderr}")
-    print(f"ok  {name}: installs alone ({', '.join(tidal_dists)}), {len(blocks)} README example(s) ran")
+    return len(blocks)
+
+
+def check(folder: Path, work: Path) -> None:
+    name = tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"]
+    wheels = build_wheels(["tidal-core", name], work / name / "dist")
+    py = fresh_venv(work / name / "venv", wheels)
+    found = tidal_dists(py)
+    expected = sorted({"tidal-core", name})
+    if found != expected:
+        raise SystemExit(f"{name}: installing it alone pulled in {found}, expected only {expected}")
+    n = run_readme(folder / "README.md", py, work / name, name)
+    print(f"ok  {name}: installs alone ({', '.join(found)}), {n} README example(s) ran")
 
 
 def main(argv: list[str] | None = None) -> int:

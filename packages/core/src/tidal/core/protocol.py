@@ -308,7 +308,8 @@ class WeightsBucket(_Msg):
 
 
 # --------------------------------------------------------------------------- episodes
-# Rollout worker (DEALER) <-> environment process (ROUTER): one episode per sample, stepped in turn.
+# Rollout worker's environment pool (ROUTER) <-> environment processes (DEALER, one identity per start):
+# one episode per sample, stepped in turn.
 
 
 class ChatMessage(_Part):
@@ -367,7 +368,9 @@ class EpisodeReply(_Msg):
     max_turns: int = 0  # seq 0: actions allowed
     stop: list[str] = []  # seq 0: strings that end a turn holding a tool call (kept in the sampled text)
     error: str = ""  # "" = ok; else what failed (the episode is over, and it is not a zero reward)
-    error_kind: str = ""  # "env_error", "verifier_error", "unknown_episode", "bad_request"
+    # "env_error", "verifier_error", "unknown_episode", "bad_request"; the pool synthesizes "env_died" and
+    # "timeout" for a process that died or was stuck
+    error_kind: str = ""
 
 
 Message = (

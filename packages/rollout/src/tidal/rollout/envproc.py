@@ -1,0 +1,274 @@
+"""An environment process: the episodes of a rollout worker's samples, stepped outside the worker.
+
+    python -m tidal.rollout.envproc --config envproc.json --name env-0 --identity env-0/1
+
+Started by `tidal.rollout.envpool.EnvPool`, never by hand in a run. It connects a DEALER (identity
+``--identity``) to the pool's ROUTER at `endpoint`, says Hello, and serves one message at a time:
+
+- `EpisodeOpen` -> ``env.episode(Task(...))`` and ``reset()``; the reply (seq 0) carries the first
+  observation, the episode's tools and the environment's `max_turns`. The environment of a domain is
+  built on its first episode through the plugin registry; a single-turn `Environment` is served through
+  `SingleTurnEpisodes`.
+- `EpisodeStep` -> ``step(action)``; the reply carries the step's reward, info and next observation.
+  When the episode is done, or this was its `max_turns`-th action (info ``max_turns_reached``), the
+  reply has ``done`` and ``outcome()``. A step that raises ends the episode with ``env_error``, an
+  outcome that raises (or is NaN) with ``verifier_error``: never a silent zero.
+- `EpisodeClose` forgets an episode (no reply); a finished or failed one is already forgotten.
+- `Control(command="stop")`, SIGTERM, or the death of the process that started it end it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tidal.core.channels import dealer, make_hello
+from tidal.core.config import ConfigStruct, load_config
+from tidal.core.episodes import AGENT, Episode, SingleTurnEpisodes, is_episodic
+from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
+from tidal.core.interfaces import Task
+from tidal.core.plugins import registry
+from tidal.core.process import role_main, setup_role_process
+from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
+
+log = logging.getLogger("tidal.rollout.envproc")
+
+MAX_TURNS_REACHED = "max_turns_reached"  # EpisodeReply.info key: the process ended the episode at max_turns
+
+
+class EnvSpec(ConfigStruct):
+    """The environment of one recipe domain."""
+
+    env: str  # environment plugin name (`tidal plugins env`): episodic, or single-turn (adapted)
+    options: dict[str, Any] = {}  # its factory options
+
+
+class EnvProcConfig(ConfigStruct):
+    endpoint: str  # the pool's ROUTER, e.g. tcp://127.0.0.1:40123
+    domains: dict[str, EnvSpec]  # recipe domain -> its environment
+    plugins: list[str] = []  # importable modules registered as plugins first (tests, users' local envs)
+    name: str = "env-0"  # for logs and the pool's messages
+    identity: str = ""  # the DEALER identity the pool routes by ("" = name); new for every restart
+    connect_timeout_s: float = 60.0  # how long to wait for the pool's answer to our Hello
+    parent_check_s: float = 0.5  # how often the parent's liveness is checked
+
+
+def register_plugins(modules: list[str]) -> None:
+    """Import each module and add it to the registry (its ``@hookimpl`` functions become plugins)."""
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"plugin module {name!r} cannot be imported: {e}; put it on PYTHONPATH or install "
+                              f"its distribution", field="plugins") from e
+        registry.register(module, name=f"envproc:{name}")
+
+
+@dataclass
+class _Open:
+    episode: Episode
+    max_turns: int
+    turns: int = 0
+
+
+class _Failed(Exception):
+    """Ends the message being served with an error reply of `kind`."""
+
+    def __init__(self, kind: str, text: str, reward: float = 0.0) -> None:
+        super().__init__(text)
+        self.kind, self.reward = kind, reward
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class EnvProcess:
+    def __init__(self, cfg: EnvProcConfig) -> None:
+        self.cfg = cfg
+        self.envs: dict[str, Any] = {}
+        self.episodes: dict[str, _Open] = {}
+        self._logged: set[tuple[str, str]] = set()  # (error kind, exception type) logged with a traceback
+        self._stop = False
+        for domain, spec in cfg.domains.items():  # a misspelt name or option fails at start, not per episode
+            registry.check("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+        self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0)
+
+    def env(self, domain: str) -> Any:
+        if domain not in self.envs:
+            spec = self.cfg.domains.get(domain)
+            if spec is None:
+                raise _Failed("bad_request", f"{self.cfg.name} serves domains {sorted(self.cfg.domains)}, "
+                                             f"not {domain!r}")
+            try:
+                env = registry.build("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+            except Exception as e:
+                raise _Failed("env_error", f"building environment {spec.env!r} of domain {domain!r} failed: "
+                                           f"{_describe(e)}") from e
+            if not is_episodic(env):
+                env = SingleTurnEpisodes(env)
+            if not isinstance(getattr(env, "max_turns", None), int) or env.max_turns < 1:
+                raise _Failed("env_error", f"environment {spec.env!r} hands out episodes but its max_turns is "
+                                           f"{getattr(env, 'max_turns', None)!r}; it must be an int >= 1")
+            self.envs[domain] = env
+        return self.envs[domain]
+
+    # ------------------------------------------------------------------ serving
+
+    def run(self) -> int:
+        hello = make_hello("env", self.cfg.name)
+        self.ch.handshake(hello, timeout=self.cfg.connect_timeout_s)
+        log.info("%s: serving domains %s for the pool at %s", self.cfg.name, sorted(self.cfg.domains),
+                 self.cfg.endpoint)
+        try:
+            while not self._stop:
+                try:
+                    msg = self.ch.recv(timeout=self.cfg.parent_check_s)
+                except ChannelTimeout:
+                    continue
+                except ProtocolError as e:
+                    log.error("%s: dropped a bad message: %s", self.cfg.name, e)
+                    continue
+                self.serve(msg)
+        finally:
+            self.ch.close(linger=0)
+        return 0
+
+    def serve(self, msg: Any) -> None:
+        if isinstance(msg, EpisodeOpen):
+            self._answer(msg.episode_id, 0, self._open, msg)
+        elif isinstance(msg, EpisodeStep):
+            self._answer(msg.episode_id, msg.seq, self._step, msg)
+        elif isinstance(msg, EpisodeClose):
+            self.episodes.pop(msg.episode_id, None)
+        elif isinstance(msg, Control) and msg.command == "stop":
+            log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
+            self._stop = True
+        elif not isinstance(msg, Hello):
+            log.warning("%s: unexpected %s ignored", self.cfg.name, type(msg).__name__)
+
+    def _answer(self, episode_id: str, seq: int, handler: Callable[[Any], EpisodeReply], msg: Any) -> None:
+        try:
+            reply = handler(msg)
+        except _Failed as f:
+            self.episodes.pop(episode_id, None)
+            reply = self._error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward)
+        try:
+            self.ch.send(reply, timeout=10)
+        except (TypeError, ValueError, msgspec.EncodeError) as e:  # what the environment returned does not encode
+            self.episodes.pop(episode_id, None)
+            self.ch.send(self._error(episode_id, seq, "env_error", f"the environment's answer cannot be sent: "
+                                                                   f"{_describe(e)}", e), timeout=10)
+
+    def _error(self, episode_id: str, seq: int, kind: str, text: str, cause: BaseException | None,
+               reward: float = 0.0) -> EpisodeReply:
+        key = (kind, type(cause).__name__)
+        if key not in self._logged:  # the traceback once per kind; later ones are counted by the pool
+            self._logged.add(key)
+            log.error("%s: episode %s, seq %d: %s: %s (later %s of this type are not logged here)", self.cfg.name,
+                      episode_id, seq, kind, text, kind, exc_info=cause)
+        return EpisodeReply(episode_id=episode_id, seq=seq, done=True, reward=reward, error=text, error_kind=kind)
+
+    def _open(self, msg: EpisodeOpen) -> EpisodeReply:
+        if msg.episode_id in self.episodes:
+            raise _Failed("bad_request", f"episode {msg.episode_id!r} is already open on {self.cfg.name}")
+        env = self.env(msg.domain)
+        task = Task(prompt=msg.prompt, answer=msg.answer, domain=msg.domain, metadata=dict(msg.metadata))
+        try:
+            episode = env.episode(task)
+            obs = episode.reset()
+        except Exception as e:
+            raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
+        self.episodes[msg.episode_id] = _Open(episode, env.max_turns)
+        return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=list(obs.messages), token_ids=obs.token_ids,
+                            tools=list(episode.tools), max_turns=env.max_turns)
+
+    def _step(self, msg: EpisodeStep) -> EpisodeReply:
+        op = self.episodes.get(msg.episode_id)
+        if op is None:
+            raise _Failed("unknown_episode", f"episode {msg.episode_id!r} is not open on {self.cfg.name} (never "
+                                             f"opened, finished, failed or closed)")
+        if msg.seq != op.turns + 1:
+            raise _Failed("bad_request", f"episode {msg.episode_id!r} expects step {op.turns + 1}, got {msg.seq}")
+        try:
+            result = op.episode.step(msg.action, msg.role or AGENT)
+            reward = float(result.reward)
+        except Exception as e:
+            raise _Failed("env_error", f"step {msg.seq} failed: {_describe(e)}") from e
+        if math.isnan(reward):
+            raise _Failed("env_error", f"step {msg.seq} gave a NaN reward")
+        op.turns += 1
+        info = {k: float(v) for k, v in result.info.items()}
+        done = bool(result.done)
+        if not done and op.turns >= op.max_turns:
+            done, info[MAX_TURNS_REACHED] = True, 1.0
+        obs = result.observation
+        if not done:
+            return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info,
+                                messages=list(obs.messages) if obs else [], token_ids=obs.token_ids if obs else None)
+        try:
+            outcome = float(op.episode.outcome())
+        except Exception as e:
+            raise _Failed("verifier_error", f"outcome() failed: {_describe(e)}", reward) from e
+        if math.isnan(outcome):
+            raise _Failed("verifier_error", "outcome() is NaN", reward)
+        del self.episodes[msg.episode_id]
+        return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,
+                            outcome=outcome)
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def _watch_parent(parent: int, every: float, name: str) -> None:
+    """Ends the process once its parent is gone, even while a step runs (or hangs) in the main thread."""
+    while True:
+        time.sleep(every)
+        if os.getppid() != parent:
+            log.warning("%s: the process that started it (pid %d) is gone; exiting", name, parent)
+            logging.shutdown()
+            os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tidal.rollout.envproc",
+                                 description="Serve the episodes of a rollout worker's environment pool.")
+    ap.add_argument("--config", required=True, help="JSON (or TOML) file of EnvProcConfig")
+    ap.add_argument("--name", help="override `name`")
+    ap.add_argument("--identity", help="override `identity`")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
+    ap.add_argument("--log-level", default=os.environ.get("TIDAL_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+    setup_role_process(args.log_level)
+    parent = os.getppid()
+    cfg = load_config(args.config, EnvProcConfig, args.overrides)
+    if args.name:
+        cfg.name = args.name
+    if args.identity:
+        cfg.identity = args.identity
+    threading.Thread(target=_watch_parent, args=(parent, cfg.parent_check_s, cfg.name), daemon=True,
+                     name="tidal-parent-watch").start()
+    register_plugins(cfg.plugins)
+    proc = EnvProcess(cfg)
+
+    def on_term(*_: object) -> None:  # raised where the main thread is, a hanging step included
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return proc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(role_main(main, "environment process"))

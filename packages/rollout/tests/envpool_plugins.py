@@ -1,0 +1,113 @@
+"""Environments for the environment-pool tests, registered in the environment processes by module name
+(``EnvPool(plugins=["envpool_plugins"])`` with this folder on PYTHONPATH).
+
+- ``counting``: multi-turn; the model must say 1, 2, ... `turns` in turn; step reward 1 per right number,
+  outcome the fraction right; each step takes `delay_s`. Its first observation names the pid serving it
+  (for kill drills).
+- ``sleepy``: its step never returns (the pool's timeout).
+- ``raising_step``: its step raises.
+- ``raising_verifier``: done after one step, then `outcome()` raises.
+- ``dies_on_open``: the process exits as an episode starts (a crash loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+
+from tidal.core.episodes import AGENT, Observation, StepResult
+from tidal.core.interfaces import Task
+from tidal.core.plugins import hookimpl
+from tidal.core.protocol import ChatMessage, ToolSpec
+
+
+def _user(text: str) -> Observation:
+    return Observation(messages=[ChatMessage(role="user", content=text)])
+
+
+class _Episode:
+    roles = (AGENT,)
+    tools: tuple[ToolSpec, ...] = ()
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def reset(self) -> Observation:
+        return _user(self.task.prompt)
+
+    def outcome(self) -> float:
+        return 0.0
+
+
+class CountingEpisode(_Episode):
+    tools = (ToolSpec(name="say", description="say a number", parameters={"type": "object", "properties": {}}),)
+
+    def __init__(self, task: Task, turns: int, delay_s: float) -> None:
+        super().__init__(task)
+        self.turns, self.delay_s, self.turn, self.right = turns, delay_s, 0, 0
+
+    def reset(self) -> Observation:
+        return _user(f"{self.task.prompt}: count from 1 to {self.turns} (served by pid {os.getpid()})")
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        time.sleep(self.delay_s)
+        self.turn += 1
+        ok = action.strip() == str(self.turn)
+        self.right += ok
+        done = self.turn == self.turns
+        return StepResult(reward=float(ok), done=done, info={"right": float(ok)},
+                          observation=None if done else _user(f"said {action.strip()}; next"))
+
+    def outcome(self) -> float:
+        return self.right / self.turns
+
+
+class _Env:
+    max_turns = 10
+
+    def tasks(self, split: str, seed: int) -> Iterator[Task]:
+        return (Task(prompt=f"task {i}", domain=type(self).__name__) for i in itertools.count(seed))
+
+
+class Counting(_Env):
+    def __init__(self, turns: int = 3, delay_s: float = 0.0, max_turns: int = 10) -> None:
+        self.turns, self.delay_s, self.max_turns = turns, delay_s, max_turns
+
+    def episode(self, task: Task) -> CountingEpisode:
+        return CountingEpisode(task, self.turns, self.delay_s)
+
+
+class SleepyEpisode(_Episode):
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        time.sleep(3600)
+        return StepResult(done=True)
+
+
+class RaisingStepEpisode(_Episode):
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        raise ValueError(f"cannot parse action {action!r}")
+
+
+class RaisingVerifierEpisode(_Episode):
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        return StepResult(done=True, reward=0.25)
+
+    def outcome(self) -> float:
+        raise RuntimeError("the judge is unreachable")
+
+
+def _env_of(episode_type: type) -> type:
+    return type(episode_type.__name__.replace("Episode", ""), (_Env,), {"episode": lambda self, task: episode_type(task)})
+
+
+class DiesOnOpen(_Env):
+    def episode(self, task: Task) -> _Episode:
+        os._exit(3)
+
+
+@hookimpl
+def tidal_envs():
+    return {"counting": Counting, "sleepy": _env_of(SleepyEpisode), "raising_step": _env_of(RaisingStepEpisode),
+            "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen}

@@ -1,0 +1,286 @@
+"""The environment pool with real environment processes: episodes stepped in order, single-turn envs
+through the adapter, and every failure answered once (env_died, timeout, env_error, verifier_error),
+with the process restarted and nothing left behind."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.core.interfaces import Task
+from tidal.core.protocol import EpisodeReply
+from tidal.rollout.envpool import EnvPool, EnvPoolError
+from tidal.rollout.tasks import Arithmetic
+
+pytestmark = pytest.mark.timeout(60)
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE_SRC = HERE.parents[2] / "examples" / "tidal-env-guess" / "src"
+PYTHONPATH = os.pathsep.join([str(HERE), str(EXAMPLE_SRC)])
+
+
+@pytest.fixture
+def make_pool(tmp_path):
+    pools: list[EnvPool] = []
+
+    def make(specs, **kw) -> EnvPool:
+        kw.setdefault("plugins", ["envpool_plugins"])
+        pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
+        pools.append(pool)
+        pool.start()
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def wait_for(pool: EnvPool, n: int, timeout: float = 10.0) -> list[EpisodeReply]:
+    """The next `n` answers (fails after `timeout`)."""
+    got: list[EpisodeReply] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(got)} of {n} answers within {timeout} s: {got}"
+        got += pool.poll(timeout=left)
+    assert len(got) == n, got
+    return got
+
+
+def one(pool: EnvPool, timeout: float = 10.0) -> EpisodeReply:
+    return wait_for(pool, 1, timeout)[0]
+
+
+def pid_of(reply: EpisodeReply) -> int:
+    return int(re.search(r"served by pid (\d+)", reply.messages[0].content).group(1))  # type: ignore[union-attr]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_an_episodic_env_answers_each_step_in_order_with_rewards_and_its_outcome_when_done(make_pool):
+    pool = make_pool({"count": {"env": "counting", "options": {"turns": 3}}}, processes=2)
+    for i in range(4):
+        pool.open(f"e{i}", "count", Task(prompt=f"p{i}"))
+    opened = {r.episode_id: r for r in wait_for(pool, 4)}
+    assert all(r.seq == 0 and not r.error_kind and r.max_turns == 10 for r in opened.values())
+    assert [t.name for t in opened["e0"].tools] == ["say"]
+    assert opened["e0"].messages[0].content.startswith("p0: count from 1 to 3")
+    assert len({pid_of(r) for r in opened.values()}) == 2, "the least-loaded placement uses both processes"
+    actions = {"e0": ["1", "2", "3"], "e1": ["1", "5", "3"], "e2": ["1", "2", "3"], "e3": ["0", "0", "0"]}
+    for seq in (1, 2, 3):
+        for eid in actions:
+            pool.step(eid, seq, actions[eid][seq - 1])
+        replies = {r.episode_id: r for r in wait_for(pool, 4)}
+        for eid, r in replies.items():
+            assert r.seq == seq and not r.error_kind, r
+            assert r.reward == float(actions[eid][seq - 1] == str(seq))
+            assert r.done == (seq == 3)
+            assert (r.outcome is None) == (seq < 3)
+            assert bool(r.messages) == (seq < 3)
+    assert replies["e0"].outcome == 1.0 and replies["e1"].outcome == pytest.approx(2 / 3)
+    assert replies["e3"].outcome == 0.0
+    assert pool.counters["episodes_open"] == 0 and pool.counters["episodes_opened"] == 4
+    pool.close_episode("e0")  # already ended: a no-op
+    pool.step("e0", 4, "4")
+    assert one(pool).error_kind == "unknown_episode"
+
+
+def test_an_episode_still_going_at_max_turns_is_ended_there_with_its_outcome(make_pool):
+    pool = make_pool({"count": {"env": "counting", "options": {"turns": 3, "max_turns": 2}}})
+    pool.open("e", "count", Task(prompt="p"))
+    assert one(pool).max_turns == 2
+    pool.step("e", 1, "1")
+    assert not one(pool).done
+    pool.step("e", 2, "2")
+    r = one(pool)
+    assert r.done and r.info == {"right": 1.0, "max_turns_reached": 1.0} and r.outcome == pytest.approx(2 / 3)
+
+
+def test_a_single_turn_env_is_one_action_scored_by_its_score(make_pool):
+    pool = make_pool({"arith": {"env": "arithmetic", "options": {"level": 2}}}, plugins=[])
+    tasks = list(itertools.islice(Arithmetic(level=2).tasks("train", seed=3), 2))
+    for i, task in enumerate(tasks):
+        pool.open(f"a{i}", "arith", task)
+    first = {r.episode_id: r for r in wait_for(pool, 2)}
+    for i, task in enumerate(tasks):
+        r = first[f"a{i}"]
+        assert r.max_turns == 1 and r.tools == [] and [m.role for m in r.messages] == ["user"]
+        assert r.messages[0].content == task.prompt
+    pool.step("a0", 1, tasks[0].answer)
+    pool.step("a1", 1, tasks[1].answer + "7")
+    done = {r.episode_id: r for r in wait_for(pool, 2)}
+    assert done["a0"].done and done["a0"].outcome == 1.0
+    assert done["a1"].done and done["a1"].outcome == 0.0
+
+
+def test_a_process_killed_mid_episode_fails_its_episodes_with_env_died_and_comes_back(make_pool):
+    pool = make_pool({"count": {"env": "counting"}}, processes=2)
+    for i in range(4):
+        pool.open(f"e{i}", "count", Task(prompt="p"))
+    pids = {r.episode_id: pid_of(r) for r in wait_for(pool, 4)}
+    victim = pids["e0"]
+    pool.step("e0", 1, "1")
+    assert one(pool).reward == 1.0
+    os.kill(victim, signal.SIGKILL)  # between two turns of its episodes
+    lost = sorted(e for e, p in pids.items() if p == victim)
+    failed = {r.episode_id: r for r in wait_for(pool, len(lost))}
+    assert sorted(failed) == lost
+    for r in failed.values():
+        assert r.error_kind == "env_died" and r.done and r.outcome is None
+        assert f"(pid {victim}) died with signal SIGKILL; episode dropped" in r.error
+    assert failed["e0"].seq == 1, "a failure between turns names the last request sent"
+    assert pool.counters["restarts"] == 1 and pool.counters["env_died"] == len(lost)
+    survivor = next(e for e, p in pids.items() if p != victim)
+    pool.step(survivor, 1, "1")
+    assert one(pool).reward == 1.0, "the other process's episodes go on"
+    pool.open("after", "count", Task(prompt="p"))
+    r = one(pool)
+    assert not r.error_kind and pid_of(r) not in (victim,)
+    for seq in (1, 2, 3):
+        pool.step("after", seq, str(seq))
+        last = one(pool)
+    assert last.done and last.outcome == 1.0
+    assert gone(victim) and len(pool.pids) == 2
+
+
+def test_a_step_that_hangs_times_out_and_its_process_is_killed_and_replaced(make_pool):
+    pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
+    pool.open("stuck", "sleepy", Task(prompt="p"))
+    pool.open("bystander", "count", Task(prompt="p"))
+    pid = pid_of(next(r for r in wait_for(pool, 2) if r.episode_id == "bystander"))
+    t0 = time.monotonic()
+    pool.step("stuck", 1, "anything")
+    replies = {r.episode_id: r for r in wait_for(pool, 2, timeout=5)}
+    assert time.monotonic() - t0 < 1.0 + 1.5
+    assert replies["stuck"].error_kind == "timeout" and "no answer to step 1 of episode stuck within 1 s" in replies["stuck"].error
+    assert replies["bystander"].error_kind == "env_died" and "was killed: stuck on episode stuck" in replies["bystander"].error
+    assert pool.counters["timeouts"] == 1 and pool.counters["restarts"] == 1
+    assert gone(pid)
+    pool.open("later", "count", Task(prompt="p"))
+    r = one(pool)
+    assert not r.error_kind and pid_of(r) != pid
+
+
+def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
+    pool = make_pool({"count": {"env": "counting", "options": {"delay_s": 0.3}}}, processes=1, step_timeout_s=1.0)
+    for i in range(5):
+        pool.open(f"e{i}", "count", Task(prompt="p"))
+    wait_for(pool, 5)
+    t0 = time.monotonic()
+    for i in range(5):
+        pool.step(f"e{i}", 1, "1")
+    replies = wait_for(pool, 5)
+    assert time.monotonic() - t0 > 1.0, "the last step waited longer than step_timeout_s in all"
+    assert all(r.reward == 1.0 and not r.error_kind for r in replies)
+    assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
+
+
+def test_a_verifier_that_raises_is_a_verifier_error_with_its_message_not_a_zero(make_pool):
+    pool = make_pool({"v": {"env": "raising_verifier"}})
+    pool.open("e", "v", Task(prompt="p"))
+    one(pool)
+    pool.step("e", 1, "x")
+    r = one(pool)
+    assert r.error_kind == "verifier_error" and r.outcome is None and r.done
+    assert "RuntimeError: the judge is unreachable" in r.error and r.reward == 0.25
+    assert pool.counters["verifier_errors"] == 1 and pool.counters["episodes_open"] == 0
+
+
+def test_a_step_that_raises_is_an_env_error_and_the_process_goes_on(make_pool):
+    pool = make_pool({"bad": {"env": "raising_step"}, "count": {"env": "counting"}})
+    pool.open("e", "bad", Task(prompt="p"))
+    one(pool)
+    pool.step("e", 1, "garbage")
+    r = one(pool)
+    assert r.error_kind == "env_error" and "ValueError: cannot parse action 'garbage'" in r.error
+    assert pool.counters["env_errors"] == 1 and pool.counters["restarts"] == 0
+    pool.open("ok", "count", Task(prompt="p"))
+    assert not one(pool).error_kind
+
+
+def test_close_stops_every_process_even_one_stuck_in_a_step(make_pool, tmp_path):
+    pool = make_pool({"sleepy": {"env": "sleepy"}}, processes=2, step_timeout_s=60)
+    pids = list(pool.pids.values())
+    pool.open("e", "sleepy", Task(prompt="p"))
+    one(pool)
+    pool.step("e", 1, "x")
+    time.sleep(0.2)  # the step is sleeping now
+    t0 = time.monotonic()
+    pool.close()
+    assert time.monotonic() - t0 < 3, "SIGTERM ends a hanging step; no wait for the SIGKILL grace"
+    assert len(pids) == 2 and all(gone(p) for p in pids)
+    assert pool.pids == {}
+
+
+def test_environment_processes_exit_when_the_pool_process_is_killed(tmp_path):
+    code = (
+        "import sys, time; from tidal.rollout.envpool import EnvPool\n"
+        f"pool = EnvPool({{'c': {{'env': 'counting'}}}}, processes=2, plugins=['envpool_plugins'], "
+        f"log_dir={str(tmp_path)!r}, environ={{'PYTHONPATH': {PYTHONPATH!r}}})\n"
+        "pool.start(); print(*pool.pids.values(), flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(gone(p) for p in pids), "orphaned environment processes"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_process_that_dies_on_every_episode_makes_poll_raise_naming_its_log(make_pool):
+    pool = make_pool({"d": {"env": "dies_on_open"}}, max_failures_in_a_row=2)
+    pool.open("e0", "d", Task(prompt="p"))
+    r = one(pool)
+    assert r.error_kind == "env_died" and "died with exit code 3" in r.error
+    pool.open("e1", "d", Task(prompt="p"))
+    with pytest.raises(EnvPoolError, match=r"env-0 .* 2 failures in a row .* see its log .*env-0\.log"):
+        wait_for(pool, 1)
+    with pytest.raises(EnvPoolError, match="2 failures in a row"):  # the pool stays broken
+        pool.open("e2", "d", Task(prompt="p"))
+
+
+def test_an_unknown_env_fails_start_with_the_registry_message_and_the_log(tmp_path):
+    pool = EnvPool({"x": {"env": "no_such_env"}}, log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH})
+    with pytest.raises(EnvPoolError, match=r"no env named 'no_such_env'.*see its log .*env-0\.log"):
+        pool.start()
+    assert pool.pids == {}
+
+
+def test_the_example_guess_number_env_plays_in_the_pool(make_pool):
+    pool = make_pool({"guess": {"env": "guess_number", "options": {"high": 16}}}, plugins=["tidal_env_guess.plugin"])
+    pool.open("g", "guess", Task(prompt="", answer="11"))
+    first = one(pool)
+    assert [t.name for t in first.tools] == ["hint"] and first.max_turns >= 4
+    low, high, seq = 1, 16, 0
+    while True:
+        seq += 1
+        guess = (low + high) // 2
+        pool.step("g", seq, f"My guess is {guess}.")
+        r = one(pool)
+        assert not r.error_kind, r
+        if r.done:
+            break
+        text = r.messages[0].content.lower()
+        low, high = (guess + 1, high) if "higher" in text else (low, guess - 1)
+    assert r.outcome == 1.0 and seq <= 4
