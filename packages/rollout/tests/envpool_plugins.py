@@ -30,6 +30,7 @@ def _user(text: str) -> Observation:
 class _Episode:
     roles = (AGENT,)
     tools: tuple[ToolSpec, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __init__(self, task: Task) -> None:
         self.task = task

@@ -41,6 +41,7 @@ class GuessEpisode:
 
     tools = (HINT,)
     roles = (AGENT,)
+    stop = ("</tool_call>",)  # a turn that calls the hint tool ends on its closing tag
 
     def __init__(self, task: Task, low: int, high: int, step_reward: float) -> None:
         self.task, self.low, self.high, self.step_reward = task, low, high, step_reward

@@ -206,9 +206,13 @@ class Registry:
             self._table = None
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object (module or instance with hookimpls) without an entry point."""
+        """Register a plugin object (module or instance with hookimpls) without an entry point. The same
+        object registered again under the same name is a no-op."""
+        entry = (plugin, name or getattr(plugin, "__name__", repr(plugin)))
         with self._lock:
-            self._extra.append((plugin, name or getattr(plugin, "__name__", repr(plugin))))
+            if any(p is entry[0] and n == entry[1] for p, n in self._extra):
+                return
+            self._extra.append(entry)
             self._table = None
 
     # ------------------------------------------------------------------ lookup

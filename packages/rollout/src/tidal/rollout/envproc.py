@@ -95,23 +95,24 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class EnvProcess:
-    def __init__(self, cfg: EnvProcConfig) -> None:
-        self.cfg = cfg
+class EpisodeHost:
+    """The episodes of a set of domains, served message by message, with no socket: the environment
+    process wraps one around its channel, and `LocalEpisodes` runs one in the caller's process (offline
+    evaluation, where no fault isolation is wanted)."""
+
+    def __init__(self, domains: dict[str, EnvSpec], name: str = "env") -> None:
+        self.domains, self.name = domains, name
         self.envs: dict[str, Any] = {}
         self.episodes: dict[str, _Open] = {}
         self._logged: set[tuple[str, str]] = set()  # (error kind, exception type) logged with a traceback
-        self._stop = False
-        for domain, spec in cfg.domains.items():  # a misspelt name or option fails at start, not per episode
+        for domain, spec in domains.items():  # a misspelt name or option fails at start, not per episode
             registry.check("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
-        self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0)
 
     def env(self, domain: str) -> Any:
         if domain not in self.envs:
-            spec = self.cfg.domains.get(domain)
+            spec = self.domains.get(domain)
             if spec is None:
-                raise _Failed("bad_request", f"{self.cfg.name} serves domains {sorted(self.cfg.domains)}, "
-                                             f"not {domain!r}")
+                raise _Failed("bad_request", f"{self.name} serves domains {sorted(self.domains)}, not {domain!r}")
             try:
                 env = registry.build("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
             except Exception as e:
@@ -125,80 +126,53 @@ class EnvProcess:
             self.envs[domain] = env
         return self.envs[domain]
 
-    # ------------------------------------------------------------------ serving
-
-    def run(self) -> int:
-        hello = make_hello("env", self.cfg.name)
-        self.ch.handshake(hello, timeout=self.cfg.connect_timeout_s)
-        log.info("%s: serving domains %s for the pool at %s", self.cfg.name, sorted(self.cfg.domains),
-                 self.cfg.endpoint)
-        try:
-            while not self._stop:
-                try:
-                    msg = self.ch.recv(timeout=self.cfg.parent_check_s)
-                except ChannelTimeout:
-                    continue
-                except ProtocolError as e:
-                    log.error("%s: dropped a bad message: %s", self.cfg.name, e)
-                    continue
-                self.serve(msg)
-        finally:
-            self.ch.close(linger=0)
-        return 0
-
-    def serve(self, msg: Any) -> None:
+    def handle(self, msg: Any) -> EpisodeReply | None:
+        """The reply to an `EpisodeOpen` or `EpisodeStep` (an error reply when it failed); None for the
+        messages that get none (`EpisodeClose`)."""
         if isinstance(msg, EpisodeOpen):
-            self._answer(msg.episode_id, 0, self._open, msg)
-        elif isinstance(msg, EpisodeStep):
-            self._answer(msg.episode_id, msg.seq, self._step, msg)
-        elif isinstance(msg, EpisodeClose):
+            return self._answer(msg.episode_id, 0, self._open, msg)
+        if isinstance(msg, EpisodeStep):
+            return self._answer(msg.episode_id, msg.seq, self._step, msg)
+        if isinstance(msg, EpisodeClose):
             self.episodes.pop(msg.episode_id, None)
-        elif isinstance(msg, Control) and msg.command == "stop":
-            log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
-            self._stop = True
-        elif not isinstance(msg, Hello):
-            log.warning("%s: unexpected %s ignored", self.cfg.name, type(msg).__name__)
+        return None
 
-    def _answer(self, episode_id: str, seq: int, handler: Callable[[Any], EpisodeReply], msg: Any) -> None:
+    def _answer(self, episode_id: str, seq: int, handler: Callable[[Any], EpisodeReply], msg: Any) -> EpisodeReply:
         try:
-            reply = handler(msg)
+            return handler(msg)
         except _Failed as f:
             self.episodes.pop(episode_id, None)
-            reply = self._error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward)
-        try:
-            self.ch.send(reply, timeout=10)
-        except (TypeError, ValueError, msgspec.EncodeError) as e:  # what the environment returned does not encode
-            self.episodes.pop(episode_id, None)
-            self.ch.send(self._error(episode_id, seq, "env_error", f"the environment's answer cannot be sent: "
-                                                                   f"{_describe(e)}", e), timeout=10)
+            return self.error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward)
 
-    def _error(self, episode_id: str, seq: int, kind: str, text: str, cause: BaseException | None,
-               reward: float = 0.0) -> EpisodeReply:
+    def error(self, episode_id: str, seq: int, kind: str, text: str, cause: BaseException | None,
+              reward: float = 0.0) -> EpisodeReply:
+        self.episodes.pop(episode_id, None)
         key = (kind, type(cause).__name__)
         if key not in self._logged:  # the traceback once per kind; later ones are counted by the pool
             self._logged.add(key)
-            log.error("%s: episode %s, seq %d: %s: %s (later %s of this type are not logged here)", self.cfg.name,
+            log.error("%s: episode %s, seq %d: %s: %s (later %s of this type are not logged here)", self.name,
                       episode_id, seq, kind, text, kind, exc_info=cause)
         return EpisodeReply(episode_id=episode_id, seq=seq, done=True, reward=reward, error=text, error_kind=kind)
 
     def _open(self, msg: EpisodeOpen) -> EpisodeReply:
         if msg.episode_id in self.episodes:
-            raise _Failed("bad_request", f"episode {msg.episode_id!r} is already open on {self.cfg.name}")
+            raise _Failed("bad_request", f"episode {msg.episode_id!r} is already open on {self.name}")
         env = self.env(msg.domain)
         task = Task(prompt=msg.prompt, answer=msg.answer, domain=msg.domain, metadata=dict(msg.metadata))
         try:
             episode = env.episode(task)
             obs = episode.reset()
+            tools, stop = list(episode.tools), [str(x) for x in episode.stop]
         except Exception as e:
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
         self.episodes[msg.episode_id] = _Open(episode, env.max_turns)
         return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=list(obs.messages), token_ids=obs.token_ids,
-                            tools=list(episode.tools), max_turns=env.max_turns)
+                            tools=tools, max_turns=env.max_turns, stop=stop)
 
     def _step(self, msg: EpisodeStep) -> EpisodeReply:
         op = self.episodes.get(msg.episode_id)
         if op is None:
-            raise _Failed("unknown_episode", f"episode {msg.episode_id!r} is not open on {self.cfg.name} (never "
+            raise _Failed("unknown_episode", f"episode {msg.episode_id!r} is not open on {self.name} (never "
                                              f"opened, finished, failed or closed)")
         if msg.seq != op.turns + 1:
             raise _Failed("bad_request", f"episode {msg.episode_id!r} expects step {op.turns + 1}, got {msg.seq}")
@@ -227,6 +201,52 @@ class EnvProcess:
         del self.episodes[msg.episode_id]
         return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,
                             outcome=outcome)
+
+
+class EnvProcess:
+    """An `EpisodeHost` behind a DEALER to the pool's ROUTER."""
+
+    def __init__(self, cfg: EnvProcConfig) -> None:
+        self.cfg = cfg
+        self.host = EpisodeHost(cfg.domains, cfg.name)
+        self._stop = False
+        self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0)
+
+    def run(self) -> int:
+        hello = make_hello("env", self.cfg.name)
+        self.ch.handshake(hello, timeout=self.cfg.connect_timeout_s)
+        log.info("%s: serving domains %s for the pool at %s", self.cfg.name, sorted(self.cfg.domains),
+                 self.cfg.endpoint)
+        try:
+            while not self._stop:
+                try:
+                    msg = self.ch.recv(timeout=self.cfg.parent_check_s)
+                except ChannelTimeout:
+                    continue
+                except ProtocolError as e:
+                    log.error("%s: dropped a bad message: %s", self.cfg.name, e)
+                    continue
+                self.serve(msg)
+        finally:
+            self.ch.close(linger=0)
+        return 0
+
+    def serve(self, msg: Any) -> None:
+        if isinstance(msg, Control) and msg.command == "stop":
+            log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
+            self._stop = True
+            return
+        if not isinstance(msg, (EpisodeOpen, EpisodeStep, EpisodeClose, Hello)):
+            log.warning("%s: unexpected %s ignored", self.cfg.name, type(msg).__name__)
+            return
+        reply = self.host.handle(msg)
+        if reply is None:
+            return
+        try:
+            self.ch.send(reply, timeout=10)
+        except (TypeError, ValueError, msgspec.EncodeError) as e:  # what the environment returned does not encode
+            self.ch.send(self.host.error(reply.episode_id, reply.seq, "env_error",
+                                         f"the environment's answer cannot be sent: {_describe(e)}", e), timeout=10)
 
     def stop(self) -> None:
         self._stop = True

@@ -36,6 +36,7 @@ from tidal.core.protocol import (
     Assignment,
     ChatMessage,
     EpisodeReply,
+    SamplingParams,
     ToolSpec,
     Trajectory,
     segment_id,
@@ -151,10 +152,12 @@ class MultiTurn:
         """Handle one environment reply; returns the group id when that group's episodes are all done.
         Raises EpisodeFailed (with the group id in `.group_id`) when the episode failed."""
         run = self.runs.get(r.episode_id)
-        if run is None or (r.seq != run.turns):
-            return None  # an episode already dropped, or a late answer to an older step
-        if r.error or r.error_kind:
+        if run is None:
+            return None  # an episode already dropped
+        if r.error or r.error_kind:  # the pool answers each request once: an error ends the episode
             self._fail(run, r.error_kind or "env_error", r.error or "the environment process reported an error")
+        if r.seq != run.turns:
+            return None  # not the answer to this episode's pending request
         if r.seq == 0:
             run.tools, run.max_turns, run.stop = list(r.tools), max(1, r.max_turns or 1), list(r.stop)
             run.conversation = list(r.messages)
@@ -327,4 +330,36 @@ def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: st
     )
 
 
-__all__ = ["EpisodeFailed", "EpisodeRun", "EpisodesConfig", "MultiTurn", "Segment"]
+def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Sequence[Task], sampling: SamplingParams,
+                 cfg: EpisodesConfig, make_renderer: Callable[[], Any], timeout: float = 600.0) -> list[EpisodeRun | None]:
+    """Play one episode per task to its end (evaluation: the demo's warm-start accuracy); None where the
+    episode failed. The engine and the pool are the caller's; nothing is trained."""
+    import time
+
+    mt = MultiTurn(cfg, pool, engine, tokenizer, make_renderer)
+    groups = [f"local-{i:05d}" for i in range(len(tasks))]
+    for gid, task in zip(groups, tasks, strict=True):
+        mt.start(Assignment(group_id=gid, prompt_ids=_arr([], np.int32), num_samples=1, task=domain,
+                            sampling=sampling, prompt=task.prompt, answer=task.answer), task)
+    pending, failed = set(groups), set()
+    deadline = time.monotonic() + timeout
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pending)} of {len(tasks)} episodes unfinished after {timeout:g} s")
+        for reply in pool.poll(timeout=0):
+            try:
+                gid = mt.on_reply(reply)
+            except EpisodeFailed as e:
+                gid = e.group_id
+                failed.add(gid)
+            pending.discard(gid)  # type: ignore[arg-type]  # None is never in pending
+        for res in engine.poll(timeout=0.01):
+            try:
+                mt.on_result(res)
+            except EpisodeFailed as e:
+                failed.add(e.group_id)
+                pending.discard(e.group_id)
+    return [None if gid in failed else mt.runs[trajectory_id(gid, 0)] for gid in groups]
+
+
+__all__ = ["EpisodeFailed", "EpisodeRun", "EpisodesConfig", "MultiTurn", "Segment", "run_episodes"]

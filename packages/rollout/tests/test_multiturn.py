@@ -1,0 +1,166 @@
+"""Multi-turn samples, token-in/token-out: the worker's episode driver (tidal.rollout.multiturn) with the
+real embedded engine on the tiny model and real episodes (in-process host and environment processes).
+
+For every sample: the engine saw, at each turn, exactly the sample's tokens so far; the segments' tokens
+are the prompt, the sampled actions and the renderer's extensions, nothing re-tokenised; loss_mask is 1
+on exactly the sampled tokens; observation tokens carry NO_VERSION and logprob 0; each step's reward sits
+at the completion index where its action ended."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tidal.core.interfaces import Task
+from tidal.core.protocol import NO_VERSION, SamplingParams, trajectory_id
+from tidal.rollout.envpool import EnvPool, LocalEpisodes
+from tidal.rollout.multiturn import EpisodesConfig, MultiTurn, run_episodes
+from tidal.rollout.renderers import PlainRenderer
+from tidal.rollout.tiny import load_tokenizer
+
+SPECS = {"counting": {"env": "counting", "options": {"turns": 3}}}
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=6, stop=["\n"], seed=7)
+
+
+class Recording:
+    """The real engine, with every request it was given kept (what the engine saw)."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def submit(self, request):
+        self.requests.append(request)
+        self.engine.submit(request)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(autouse=True)
+def _plugins_importable(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # envpool_plugins, for the in-process host
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from tidal.rollout.engines.embedded import EmbeddedEngine
+
+    e = EmbeddedEngine(str(tiny_model), max_num_seqs=16, seed=0)
+    yield Recording(e)
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+def _tasks(n):
+    return [Task(prompt=f"task {i}", domain="counting") for i in range(n)]
+
+
+def _check_sample(run, engine, tok):
+    (seg,) = run.segments
+    seen = [r for r in engine.requests if r.request_id.startswith(run.id + "/")]
+    assert len(seen) == run.turns == 3
+    sequence = [*seg.prompt, *seg.ids]
+    ends = []
+    for k, req in enumerate(seen):  # turn k was generated from exactly the sample's tokens up to there
+        assert list(req.prompt_ids) == sequence[: len(req.prompt_ids)]
+        start = len(req.prompt_ids) - len(seg.prompt)
+        assert all(m == 0 for m in seg.mask[len(ends) and ends[-1]:start]), "only sampled tokens are trained"
+        nxt = len(seen[k + 1].prompt_ids) - len(seg.prompt) if k + 1 < len(seen) else len(seg.ids)
+        action_end = next((i for i in range(start, nxt) if seg.mask[i] == 0), nxt)
+        assert all(m == 1 for m in seg.mask[start:action_end])
+        ends.append(action_end)
+    assert seg.step_ends == ends  # each step's reward where its action's tokens end
+    for i, m in enumerate(seg.mask):
+        if m == 0:
+            assert seg.versions[i] == NO_VERSION and seg.logprobs[i] == 0.0
+        else:
+            assert seg.versions[i] >= 0 and seg.logprobs[i] <= 0.0
+    # the rewards are the environment's: 1 for each turn whose action said the right number
+    starts = [0, *ends[:-1]]
+    actions = [tok.decode([t for t, m in zip(seg.ids[s:e], seg.mask[s:e], strict=True) if m], skip_special_tokens=True)
+               for s, e in zip(starts, ends, strict=True)]
+    assert seg.step_rewards == [float(a.strip() == str(k + 1)) for k, a in enumerate(actions)]
+    assert run.outcome == pytest.approx(sum(seg.step_rewards) / 3)
+
+
+def test_local_episodes_extend_exactly_what_was_sampled(engine, tok):
+    engine.requests.clear()
+    runs = run_episodes(engine, tok, LocalEpisodes(SPECS, plugins=["envpool_plugins"]), "counting", _tasks(6),
+                        SAMPLING, EpisodesConfig(max_tokens=200), lambda: PlainRenderer(tok), timeout=120)
+    assert all(r is not None for r in runs)
+    for run in runs:
+        _check_sample(run, engine, tok)
+        # the plain renderer appended each observation's text and a newline, as text it re-decodes to
+        (seg,) = run.segments
+        text = tok.decode(seg.prompt + seg.ids, skip_special_tokens=True)
+        assert text.startswith("task ") and "said " in text and text.count("; next\n") == 2
+
+
+def test_episodes_in_environment_processes_and_their_trajectories(engine, tok, tmp_path):
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    engine.requests.clear()
+    with EnvPool(SPECS, processes=2, plugins=["envpool_plugins"], log_dir=tmp_path,
+                 environ={"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}) as pool:  # started on entering
+        mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
+        from tidal.core.arrays import Array
+        from tidal.core.protocol import Assignment
+
+        a = Assignment(group_id="counting-0000001", prompt_ids=Array.from_numpy(np.zeros(0, np.int32)),
+                       num_samples=4, task="counting", sampling=SAMPLING, prompt="task 1")
+        mt.start(a, Task(prompt="task 1", domain="counting"))
+        done = None
+        import time
+
+        deadline = time.monotonic() + 120
+        while done is None and time.monotonic() < deadline:
+            for reply in pool.poll(timeout=0.01):
+                done = mt.on_reply(reply) or done
+            for res in engine.poll(timeout=0.01):
+                mt.on_result(res)
+        assert done == a.group_id
+        for i in range(4):
+            _check_sample(mt.runs[trajectory_id(a.group_id, i)], engine, tok)
+        trajs = mt.trajectories(a.group_id, "rollout-0")
+        assert [t.id for t in trajs] == [trajectory_id(a.group_id, i) for i in range(4)]
+        for t in trajs:
+            run = mt.runs[t.id]
+            (seg,) = run.segments
+            assert t.group_size == 4 and t.reward == run.outcome
+            assert t.completion_ids.numpy().tolist() == seg.ids
+            assert t.loss_mask.numpy().tolist() == seg.mask
+            assert t.step_ends.numpy().tolist() == seg.step_ends
+            assert t.step_rewards.numpy().tolist() == seg.step_rewards
+            assert t.metadata["tidal.episode.turns"] == "3"
+        metrics = mt.metrics()
+        assert metrics["rollout/episodes/episodes"] == 4 and metrics["rollout/episodes/turns_per_episode"] == 3
+        assert metrics["rollout/envpool/episodes_opened"] == 4
+
+
+class NoExtend(PlainRenderer):
+    """A renderer whose template cannot extend what was sampled (as one that rewrites history)."""
+
+    def extend(self, action_ids, messages):
+        return None
+
+
+def test_a_renderer_that_cannot_extend_splits_the_sample(engine, tok):
+    engine.requests.clear()
+    pool = LocalEpisodes(SPECS, plugins=["envpool_plugins"])
+    (run,) = run_episodes(engine, tok, pool, "counting", _tasks(1), SAMPLING, EpisodesConfig(max_tokens=200),
+                          lambda: NoExtend(tok), timeout=120)
+    assert run is not None and len(run.segments) == 3  # one segment per turn: each turn a fresh render
+    seen = [r for r in engine.requests if r.request_id.startswith(run.id + "/")]
+    for seg, req in zip(run.segments, seen, strict=True):
+        assert list(req.prompt_ids) == seg.prompt  # each segment starts where the engine started
+        assert seg.mask == [1] * len(seg.ids) and len(seg.step_ends) == 1 and seg.step_ends[0] == len(seg.ids)
+    # a fresh render is the whole conversation so far, as text: the earlier turns are in the prompt
+    assert tok.decode(run.segments[2].prompt).startswith(tok.decode(run.segments[0].prompt))
