@@ -94,7 +94,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     _logging(args.log_level)
     try:
-        return demo(args.out, args.overrides)
+        return demo(args.out if args.out else f"runs/demo{'' if args.task == 'arithmetic' else '-' + args.task}",
+                    args.overrides, task=args.task)
     except (ConfigError, PluginNotFound, PluginError) as e:
         print(f"tidal demo: {e}", file=sys.stderr)
         return 2
@@ -181,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), model_build.* (hidden, "
                "layers, ...) and sft.* (steps, batch, lr).")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
-    p.add_argument("--out", default="runs/demo", help="folder for the model, the warm start and the run")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools"],
+                   help="arithmetic (single turn, the default) or tools: multi-turn episodes where the model learns "
+                        "to call a calculator for 3x2-digit products (~8 min)")
+    p.add_argument("--out", default="", help="folder for the model, the warm start and the run "
+                                             "(default runs/demo, or runs/demo-TASK)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl")

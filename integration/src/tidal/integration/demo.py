@@ -9,6 +9,13 @@
 3. Run async GRPO: 2 rollout workers (embedded engine), the buffer, the learner and the controller, all
    real processes talking over ZeroMQ, weights sent to the workers in flight after every step.
 4. Write the report (PNG + summary.json) and print where it is.
+
+`tidal demo --task tools` runs the agentic variant: multi-digit multiplication (``347*58=``) that the
+tiny model cannot do in its head but can with a calculator (``<calc>347*58</calc>``, answered with
+``<result>20126</result>``). The warm start imitates a demonstrator that calls the calculator only 20 %
+of the time and otherwise guesses a wrong product; async GRPO, rewarded by the exact final answer alone,
+has to learn to call the tool. Episodes run in environment processes beside each rollout worker; the
+report plots the tool-call and tool-error rates.
 """
 
 from __future__ import annotations
@@ -55,13 +62,31 @@ DEMO_MODEL = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermedia
 DEMO_SFT = {"steps": 1000, "batch": 64, "lr": 1e-3, "carry_slip": 0.6}
 
 
+# The agentic variant (`tidal demo --task tools`): the same loop on multi-turn episodes with a calculator.
+TOOLS_DEMO: dict = {
+    **DEMO,
+    "name": "demo-tools",
+    "domains": [{"env": "multiply", "options": {}}],
+    # a turn is a tool call (<calc>347*58</calc>, 19 tokens; it ends on the closing tag) or the answer
+    "sampling": {"temperature": 1.0, "max_tokens": 24, "stop": ["\n"]},
+    "budget": {"versions": 100, "minutes": 7.0},
+    "rollout": {**DEMO["rollout"], "episodes": {"renderer": {"name": "plain"}, "processes": 2, "max_tokens": 96}},
+}
+TOOLS_MODEL = {**DEMO_MODEL, "alphabet": "TOOL_ALPHABET"}  # the char alphabet plus < > _ (tidal.rollout.tiny)
+TOOLS_SFT = {"steps": 600, "batch": 64, "lr": 1e-3, "tool_rate": 0.2}
+TASKS = {"arithmetic": (DEMO, DEMO_MODEL, DEMO_SFT), "tools": (TOOLS_DEMO, TOOLS_MODEL, TOOLS_SFT)}
+
+
 class DemoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: dict = msgspec.field(default_factory=lambda: dict(DEMO_MODEL))
     sft: dict = msgspec.field(default_factory=lambda: dict(DEMO_SFT))
 
 
-def demo_config(out: Path, overrides: list[str]) -> tuple[RunConfig, DemoOptions]:
-    data = {**msgspec.json.decode(msgspec.json.encode(DEMO)), "model_build": dict(DEMO_MODEL), "sft": dict(DEMO_SFT)}
+def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tuple[RunConfig, DemoOptions]:
+    if task not in TASKS:
+        raise ValueError(f"--task {task!r}: the demo has tasks {', '.join(TASKS)}")
+    recipe, model, warm = TASKS[task]
+    data = {**msgspec.json.decode(msgspec.json.encode(recipe)), "model_build": dict(model), "sft": dict(warm)}
     apply_overrides(data, overrides)
     opts = DemoOptions(model=data.pop("model_build"), sft=data.pop("sft"))
     data.setdefault("run_dir", str(out / "run"))
@@ -69,20 +94,26 @@ def demo_config(out: Path, overrides: list[str]) -> tuple[RunConfig, DemoOptions
     return convert(data, RunConfig, source="tidal demo"), opts
 
 
-def demo(out: str | Path, overrides: list[str] = ()) -> int:
+def demo(out: str | Path, overrides: list[str] = (), task: str = "arithmetic") -> int:
+    from tidal.core.plugins import registry
     from tidal.integration.report import report
     from tidal.integration.run import run
-    from tidal.integration.sft import SFTConfig, accuracy, sft
-    from tidal.rollout.tasks import Arithmetic
-    from tidal.rollout.tiny import build_tiny_model
+    from tidal.integration.sft import SFTConfig, sft
+    from tidal.rollout import tiny
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, opts = demo_config(out, list(overrides))
+    cfg, opts = demo_config(out, list(overrides), task)
     t0 = time.monotonic()
-    env = Arithmetic(**cfg.domains[0].options)  # type: ignore[arg-type]
-    sft_cfg = SFTConfig(**{"seed": cfg.seed, **opts.sft})
-    warm = {"model": opts.model, "sft": opts.sft, "domain": to_dict(cfg.domains[0]), "seed": cfg.seed}
+    domain = cfg.domains[0]
+    env = registry.build("env", domain.env, domain.options, field="domains[0]", name_key="env")
+    sft_opts = dict(opts.sft)
+    tool_rate = sft_opts.pop("tool_rate", None)
+    sft_cfg = SFTConfig(**{"seed": cfg.seed, **sft_opts})
+    model_opts = dict(opts.model)
+    if model_opts.get("alphabet") == "TOOL_ALPHABET":
+        model_opts["alphabet"] = tiny.TOOL_ALPHABET
+    warm = {"model": opts.model, "sft": opts.sft, "domain": to_dict(domain), "seed": cfg.seed}
     stamp = out / "model-sft.json"
     if stamp.is_file() and msgspec.json.decode(stamp.read_bytes()).get("warm") == warm and Path(cfg.model).is_dir():
         prior = msgspec.json.decode(stamp.read_bytes())
@@ -90,11 +121,13 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
               f"held-out accuracy {100 * prior['accuracy']:.1f}%); delete it to redo", flush=True)
     else:
         print(f"[1/4] building a tiny model and a character tokenizer in {out / 'model-init'}", flush=True)
-        base = build_tiny_model(out / "model-init", seed=cfg.seed, **opts.model)
-        print(f"[2/4] warm start: {sft_cfg.steps} SFT steps on {cfg.domains[0].env} {cfg.domains[0].options}",
-              flush=True)
-        stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps))
-        start_acc = accuracy(cfg.model, env, n=cfg.eval.size, seed=cfg.seed, max_tokens=cfg.sampling.max_tokens)
+        base = tiny.build_tiny_model(out / "model-init", seed=cfg.seed, **model_opts)
+        print(f"[2/4] warm start: {sft_cfg.steps} SFT steps on {domain.env} {domain.options}"
+              + (f" (the demonstrator calls the tool {100 * tool_rate:.0f}% of the time)" if tool_rate is not None
+                 else ""), flush=True)
+        stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps),
+                    demonstrate=None if tool_rate is None else _tool_demonstrator(tool_rate))
+        start_acc = _warm_accuracy(cfg, env)
         print(f"      SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
               f"{100 * start_acc:.1f}% (greedy)", flush=True)
         stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stats["seconds"]}))
@@ -120,6 +153,35 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
     print(f"      RL phase: {result.samples} samples trained in {result.rl_s:.1f} s = {result.samples_per_s:.0f} "
           f"samples/s", flush=True)
     return 0 if result.status == "completed" else 1
+
+
+def _tool_demonstrator(tool_rate: float):
+    """The multiply demonstrator (tidal.rollout.multiply), its final answer ended by the turn's stop."""
+    from tidal.rollout.multiply import demonstration
+
+    def show(task, rng):
+        segments = demonstration(task, rng, tool_rate=tool_rate)
+        text, trained = segments[-1]
+        return [*segments[:-1], (text + "\n", trained)]
+
+    return show
+
+
+def _warm_accuracy(cfg: RunConfig, env) -> float:
+    """Greedy held-out accuracy of the warm start, as the run's evaluation will measure it."""
+    from tidal.core.episodes import is_episodic
+    from tidal.integration.sft import accuracy, episode_accuracy
+
+    d = cfg.domains[0]
+    if not is_episodic(env):
+        return accuracy(cfg.model, env, n=cfg.eval.size, seed=cfg.seed, max_tokens=cfg.sampling.max_tokens)
+    ep = cfg.rollout.episodes
+    stats = episode_accuracy(cfg.model, d.env, dict(d.options), n=cfg.eval.size, seed=cfg.seed,
+                             max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop),
+                             episode_tokens=ep.max_tokens, renderer=ep.renderer.name)
+    print(f"      warm start: {stats['tool_calls_per_episode']:.2f} tool calls per episode, tool errors "
+          f"{100 * stats['tool_error_rate']:.1f}%, {stats['turns_per_episode']:.2f} turns", flush=True)
+    return stats["accuracy"]
 
 
 def _sft_progress(total: int):

@@ -178,16 +178,21 @@ def check(cfg: RunConfig) -> None:
 
 
 def _check_episodic(cfg: RunConfig) -> None:
-    """Multi-turn domains record no routing and no sampling masks yet (a sample's observation tokens are
-    never sampled, so they have neither): a recipe asking for them with such a domain is refused."""
+    """Multi-turn domains score with their episodes' own verifier (a domain `reward` plugin would be
+    ignored) and record no routing and no sampling masks yet (a sample's observation tokens are never
+    sampled, so they have neither): a recipe asking for any of these with such a domain is refused."""
     from tidal.core.episodes import is_episodic
     from tidal.core.plugins import registry
 
     asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
-    if not asks:
-        return
     for i, d in enumerate(cfg.domains):
-        if is_episodic(registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")):
+        if not is_episodic(registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")):
+            continue
+        if d.reward is not None:
+            raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn: its episodes' outcome is the reward, so "
+                              f"the reward plugin {d.reward.name!r} would never run; remove domains[{i}].reward",
+                              field=f"domains[{i}].reward")
+        if asks:
             raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn, and multi-turn samples record no "
                               f"{' or '.join(asks)} yet: set sampling.{asks[0]} = false, or train this domain "
                               f"in a recipe of its own", field=f"sampling.{asks[0]}")

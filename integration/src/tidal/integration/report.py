@@ -2,7 +2,9 @@
 
 Panels: training reward and held-out accuracy against wall-clock and against samples trained; the lag
 histogram of trained tokens (policy versions between generation and training); mismatch KL between
-the sampler's logprobs and the learner's recomputation, per version.
+the sampler's logprobs and the learner's recomputation, per version. A run with multi-turn domains
+adds a row: tool calls per episode and the tool-error rate, turns per episode, and what episodes cost
+(splits, truncations, drops), each from the rollout workers' counters, per metrics window.
 """
 
 from __future__ import annotations
@@ -40,6 +42,58 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "splits", "truncated", "episodes_dropped")
+
+
+def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
+    """Per-window rates of the rollout workers' episode counters (summed over workers): {"minutes",
+    "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "splits", "truncated", "dropped"};
+    {} when the run has no multi-turn domain."""
+    last: dict[str, dict[str, float]] = {}
+    points: list[tuple[float, dict[str, float]]] = []
+    for r in rows:
+        sc = r["scalars"]
+        if not r["source"].startswith("rollout") or "rollout/episodes/episodes" not in sc:
+            continue
+        now = {k: float(sc.get(f"rollout/episodes/{k}", 0.0)) for k in EPISODE_COUNTERS}
+        before = last.get(r["source"], dict.fromkeys(EPISODE_COUNTERS, 0.0))
+        last[r["source"]] = now
+        points.append((r["elapsed"], {k: now[k] - before[k] for k in EPISODE_COUNTERS}))
+    if not points:
+        return {}
+    points.sort(key=lambda p: p[0])
+    per = max(1, len(last))  # one window = one report of every worker
+    out: dict[str, list[float]] = {k: [] for k in ("minutes", "tool_calls_per_episode", "tool_error_rate",
+                                                   "turns_per_episode", "splits", "truncated", "dropped")}
+    for i in range(0, len(points), per):
+        chunk = points[i:i + per]
+        d = {k: sum(p[1][k] for p in chunk) for k in EPISODE_COUNTERS}
+        if d["episodes"] <= 0:
+            continue
+        out["minutes"].append(chunk[-1][0] / 60)
+        out["tool_calls_per_episode"].append(d["tool_calls"] / d["episodes"])
+        out["tool_error_rate"].append(d["tool_errors"] / d["tool_calls"] if d["tool_calls"] else 0.0)
+        out["turns_per_episode"].append(d["turns"] / d["episodes"])
+        out["splits"].append(d["splits"])
+        out["truncated"].append(d["truncated"])
+        out["dropped"].append(d["episodes_dropped"])
+    return out
+
+
+def _plot_episodes(ax, e: dict[str, list[float]]) -> None:
+    t = e["minutes"]
+    ax[0].plot(t, e["tool_calls_per_episode"], lw=1, color="tab:purple", label="tool calls / episode")
+    ax[0].plot(t, e["tool_error_rate"], lw=1, color="tab:red", label="tool-error rate")
+    ax[0].set(title="tools (training episodes)", xlabel="wall-clock (min)")
+    ax[0].legend()
+    ax[1].plot(t, e["turns_per_episode"], lw=1, color="tab:brown")
+    ax[1].set(title="turns per episode", xlabel="wall-clock (min)", ylabel="turns")
+    for key, color in (("splits", "tab:gray"), ("truncated", "tab:olive"), ("dropped", "tab:red")):
+        ax[2].plot(t, e[key], lw=1, color=color, label=key)
+    ax[2].set(title="episodes split / truncated / dropped (per window)", xlabel="wall-clock (min)", ylabel="count")
+    ax[2].legend()
+
+
 def report(run_dir: str | Path) -> Path:
     """Write <run_dir>/report.png and <run_dir>/summary.json; returns the PNG's path."""
     import matplotlib
@@ -55,7 +109,8 @@ def report(run_dir: str | Path) -> Path:
     version_samples = {int(r["scalars"].get("train/version", 0)): s for r, s in zip(learner, samples, strict=True)}
     version_samples[0] = 0.0
 
-    fig, ax = plt.subplots(2, 3, figsize=(15, 8.5))
+    episodes = episode_rates(rows)
+    fig, ax = plt.subplots(3 if episodes else 2, 3, figsize=(15, 12.5 if episodes else 8.5))
     t = [r["elapsed"] / 60 for r in learner]
     reward = [r["scalars"].get("reward/mean", np.nan) for r in learner]
     et = [r["elapsed"] / 60 for r in evals]
@@ -77,9 +132,13 @@ def report(run_dir: str | Path) -> Path:
     versions = [r["scalars"].get("train/version", 0) for r in learner]
     ax[1, 2].plot(versions, [r["scalars"].get("staleness/mismatch_kl", np.nan) for r in learner], lw=1, color="tab:red")
     ax[1, 2].set(title="mismatch KL (sampler vs learner)", xlabel="policy version", ylabel="KL")
+    if episodes:
+        _plot_episodes(ax[2], episodes)
     for a in ax.flat:
         a.grid(alpha=0.3)
     summary = summarize(rows)
+    if episodes:
+        summary["episodes"] = {k: v[-1] for k, v in episodes.items() if k != "minutes"}
     title = f"{run_dir.name}: {summary['versions']} versions, {summary['samples_trained']:.0f} samples, " \
             f"{summary['wall_s'] / 60:.1f} min"
     if "eval_start" in summary:

@@ -92,6 +92,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
             buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
             domains={**domains, **cfg.rollout.domains},
+            # its environment processes (multi-turn domains) log beside the roles
+            episodes=msgspec.structs.replace(cfg.rollout.episodes,
+                                             log_dir=cfg.rollout.episodes.log_dir or str(run_dir / "logs")),
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
         roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))

@@ -152,3 +152,37 @@ def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0
                for r in generate(engine, requests, timeout=600)]
     engine.close()
     return sum(rewards) / max(1, len(rewards))
+
+
+def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n: int = 200, temperature: float = 0.0,
+                     seed: int = 0, max_tokens: int = 24, stop: tuple[str, ...] = ("\n",),
+                     episode_tokens: int = 128, renderer: str = "plain") -> dict[str, float]:
+    """Held-out accuracy of `model_path` on a multi-turn environment: one episode per eval task, played
+    to its end in this process (embedded engine, the environment in-process: `LocalEpisodes`).
+    Returns {"accuracy", "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "failed"}."""
+    from tidal.core.plugins import registry
+    from tidal.core.protocol import SamplingParams
+    from tidal.rollout.engines.embedded import EmbeddedEngine
+    from tidal.rollout.envpool import LocalEpisodes
+    from tidal.rollout.multiturn import EpisodesConfig, run_episodes
+    from tidal.rollout.tasks import first_tasks
+    from tidal.rollout.tiny import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    env = registry.build("env", env_name, env_options)
+    tasks = first_tasks(env, "eval", seed, n)
+    engine = EmbeddedEngine(model_path, max_num_seqs=len(tasks), seed=seed)
+    pool = LocalEpisodes({env_name: {"env": env_name, "options": env_options}})
+    try:
+        runs = run_episodes(engine, tok, pool, env_name, tasks,
+                            SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=list(stop), seed=seed),
+                            EpisodesConfig(max_tokens=episode_tokens), lambda: registry.build("renderer", renderer, {}, tok))
+    finally:
+        engine.close()
+    done = [r for r in runs if r is not None]
+    calls = sum(r.info.get("tool_calls", 0.0) for r in done)
+    return {"accuracy": sum(r.outcome is not None and r.outcome >= 1.0 for r in done) / max(1, len(runs)),
+            "tool_calls_per_episode": calls / max(1, len(done)),
+            "tool_error_rate": sum(r.info.get("tool_errors", 0.0) for r in done) / max(1.0, calls),
+            "turns_per_episode": sum(r.turns for r in done) / max(1, len(done)),
+            "failed": float(len(runs) - len(done))}

@@ -57,6 +57,7 @@ class EpisodesConfig(ConfigStruct):
     step_timeout_s: float = 30.0  # an environment step (a tool call included) that takes longer fails its episode
     max_tokens: int = 256  # tokens of one sample after its prompt (actions + observations); then truncated
     plugins: list[str] = []  # extra plugin modules the environment processes import (local, uninstalled plugins)
+    log_dir: str = ""  # where environment processes log (<worker>-env-<i>.log); "" = a temporary folder
 
 
 @dataclass

@@ -244,7 +244,8 @@ class RolloutWorker:
                     raise ChannelTimeout(f"no answer from the controller at {self.cfg.controller} within "
                                          f"{self.cfg.connect_timeout_s:g} s") from None
         for name in self.cfg.domains:  # a bad option fails here, once, not on the first sample
-            self.scorer(name)
+            if not is_episodic(self.env(name)):  # an episode's outcome is its own verifier's
+                self.scorer(name)
         self._weights_thread.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
                  self.cfg.max_groups)
@@ -338,8 +339,11 @@ class RolloutWorker:
             specs.update({name: {"env": name, "options": dict(opts)} for name, opts in self.cfg.envs.items()
                           if name not in specs})
             ep = self.cfg.episodes
-            pool = EnvPool(specs=specs, processes=ep.processes, step_timeout_s=ep.step_timeout_s, plugins=ep.plugins)
+            pool = EnvPool(specs=specs, processes=ep.processes, step_timeout_s=ep.step_timeout_s, plugins=ep.plugins,
+                           name=f"{self.cfg.name}-env", log_dir=ep.log_dir or None)
             pool.start()
+            log.info("%s: %d environment processes for multi-turn domains (logs in %s)", self.cfg.name,
+                     ep.processes, pool.log_dir)
             make = lambda: registry.build("renderer", ep.renderer.name, ep.renderer.options, self.tokenizer,  # noqa: E731
                                           field="episodes.renderer")
             self.multiturn = MultiTurn(ep, pool, self.engine, self.tokenizer, make)
