@@ -204,7 +204,11 @@ def check_plugins(cfg: RunConfig) -> None:
     name or option is a `ConfigError` naming its field, not a role that dies minutes in."""
     from tidal.core.plugin_options import fit
     from tidal.core.plugins import registry
+    from tidal.rollout.envproc import register_plugins
 
+    # local plugin modules the recipe names (rollout.episodes.plugins): the driver, its controller, the
+    # workers and their environment processes all import them
+    register_plugins(cfg.rollout.episodes.plugins)
     for i, d in enumerate(cfg.domains):
         registry.check("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
         if d.reward is not None:

@@ -56,7 +56,9 @@ class EpisodesConfig(ConfigStruct):
     processes: int = 2  # environment processes episodes run in
     step_timeout_s: float = 30.0  # an environment step (a tool call included) that takes longer fails its episode
     max_tokens: int = 256  # tokens of one sample after its prompt (actions + observations); then truncated
-    plugins: list[str] = []  # extra plugin modules the environment processes import (local, uninstalled plugins)
+    # local plugin modules (importable, not installed) that the driver, the workers and their environment
+    # processes register before building anything: an env under development, a test env
+    plugins: list[str] = []
     log_dir: str = ""  # where environment processes log (<worker>-env-<i>.log); "" = a temporary folder
 
 

@@ -158,6 +158,10 @@ class RolloutWorker:
             options = {"weight_transport_options": cfg.weight_transport, **cfg.engine.options}
             engine = registry.build("engine", cfg.engine.name, options, cfg.model, field="engine")
         self.engine = engine
+        if cfg.episodes.plugins:  # local plugin modules: this process builds their envs too (is it episodic?)
+            from tidal.rollout.envproc import register_plugins
+
+            register_plugins(cfg.episodes.plugins)
         from tidal.rollout.tiny import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
