@@ -23,7 +23,7 @@ import logging
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -136,6 +136,7 @@ class MultiTurn:
         self.assignments: dict[str, Assignment] = {}  # group id -> its assignment
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.dropped_by_reason: dict[str, int] = {}
+        self.info_sums: dict[str, float] = {}  # step info keys the environment reports beyond COUNTERS
 
     # ------------------------------------------------------------------ starting
 
@@ -164,16 +165,21 @@ class MultiTurn:
         if r.seq == 0:
             run.tools, run.max_turns, run.stop = list(r.tools), max(1, r.max_turns or 1), list(r.stop)
             run.conversation = list(r.messages)
-            run.renderer = self.make_renderer()
-            prompt = (list(r.token_ids) if r.token_ids is not None
-                      else run.renderer.start(run.conversation, run.tools))
+            try:
+                run.renderer = self.make_renderer()
+                prompt = (list(r.token_ids) if r.token_ids is not None
+                          else run.renderer.start(run.conversation, run.tools))
+            except Exception as e:
+                self._fail(run, "render_error", f"rendering the first observation failed: {type(e).__name__}: {e}")
             run.segments.append(Segment(prompt=prompt))
             self._generate(run)
             return None
         seg = run.segments[-1]
-        for k, v in r.info.items():
+        for k, v in r.info.items():  # the environment's step counters: known ones, and its own
             if k in self.counters:
                 self.counters[k] += float(v)
+            else:
+                self.info_sums[k] = self.info_sums.get(k, 0.0) + float(v)
             run.info[k] = run.info.get(k, 0.0) + float(v)
         seg.step_rewards.append(float(r.reward))
         seg.step_ends.append(len(seg.ids))  # the step ended where its action's tokens end
@@ -185,9 +191,9 @@ class MultiTurn:
             return self._finished(run)
         if run.turns >= run.max_turns:
             return self._truncate(run, f"{run.turns} turns (max_turns) without the episode ending")
-        self._observe(run, r)
-        if run.tokens >= self.cfg.max_tokens:
-            return self._truncate(run, f"{run.tokens} tokens (episodes.max_tokens={self.cfg.max_tokens})")
+        if not self._observe(run, r):
+            return self._truncate(run, f"{run.tokens} tokens and an observation that does not fit "
+                                       f"(episodes.max_tokens={self.cfg.max_tokens})")
         self._generate(run)
         return None
 
@@ -214,20 +220,28 @@ class MultiTurn:
 
     # ------------------------------------------------------------------ turns
 
-    def _observe(self, run: EpisodeRun, r: EpisodeReply) -> None:
-        """Extend the sample with the environment's answer, or split it where the renderer cannot."""
+    def _observe(self, run: EpisodeRun, r: EpisodeReply) -> bool:
+        """Extend the sample with the environment's answer, or split it where the renderer cannot. False
+        when the answer and one more token of action would not fit the sample's budget (the answer is
+        then not appended: no action follows it, so nothing would train on it)."""
         seg = run.segments[-1]
         run.conversation.extend(r.messages)
-        if r.token_ids is not None:
-            ext: list[int] | None = list(r.token_ids)
-        else:
-            ext = run.renderer.extend(run.last_action, r.messages)
+        try:
+            ext = list(r.token_ids) if r.token_ids is not None else run.renderer.extend(run.last_action, r.messages)
+            if ext is None:
+                fresh = self.make_renderer()
+                prompt = fresh.start(run.conversation, run.tools)
+        except Exception as e:  # a renderer (or the tokenizer under it) that cannot write this answer
+            self._fail(run, "render_error", f"rendering the environment's answer failed: {type(e).__name__}: {e}")
         if ext is not None:
+            if run.tokens + len(ext) >= self.cfg.max_tokens:
+                return False
             seg.add(ext)
-            return
+            return True
         self.counters["splits"] += 1
-        run.renderer = self.make_renderer()
-        run.segments.append(Segment(prompt=run.renderer.start(run.conversation, run.tools)))
+        run.renderer = fresh
+        run.segments.append(Segment(prompt=prompt))
+        return True
 
     def _generate(self, run: EpisodeRun) -> None:
         a = self.assignments[run.group_id]
@@ -267,7 +281,7 @@ class MultiTurn:
         log.debug("episode %s truncated after %s", run.id, why)
         return self._finished(run)
 
-    def _fail(self, run: EpisodeRun, reason: str, detail: str) -> None:
+    def _fail(self, run: EpisodeRun, reason: str, detail: str) -> NoReturn:
         raise EpisodeFailed(run.group_id, reason, f"episode {run.id}: {detail}")
 
     def forget(self, group_id: str) -> None:
@@ -310,6 +324,7 @@ class MultiTurn:
             "rollout/episodes/tool_error_rate": c["tool_errors"] / max(c["tool_calls"], 1.0),
             "rollout/episodes/step_reward_mean": c["step_reward_sum"] / max(c["turns"], 1.0),
             **{f"rollout/episodes/dropped/{r}": float(v) for r, v in self.dropped_by_reason.items()},
+            **{f"rollout/episodes/info/{k}": v for k, v in self.info_sums.items()},
         })
         out.update({f"rollout/envpool/{k}": float(v) for k, v in self.pool.counters.items()})
         return out

@@ -1,0 +1,149 @@
+"""Agentic runs end to end (`tidal run`, every role a real process, environment processes beside each
+worker): what an outside environment's failures cost a multi-turn run, and how process rewards travel.
+
+One run of `acme-faulty` (a third-party distribution on the roles' path): multiplication episodes with a
+calculator, where by task some episodes kill their environment process with SIGKILL mid-episode, call a
+Python tool that sleeps forever or prints 100 MB, or have a verifier that raises. The run finishes; each
+failure is counted where it happened (environment restarts, tool errors, dropped groups by kind), and
+no failure became a zero reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
+
+RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
+
+ACME = '''
+import os
+import signal
+import zlib
+
+from tidal.core.episodes import Observation, StepResult
+from tidal.core.plugins import hookimpl
+from tidal.core.protocol import ChatMessage
+from tidal.rollout.multiply import Multiply
+from tidal.rollout.toolenv import ToolEpisode
+from tidal.rollout.tools.python import PythonTool
+
+FAULTS = ("kill", "hang", "flood", "verifier")
+
+
+class FaultyEpisode(ToolEpisode):
+    def __init__(self, env, task, fault):
+        super().__init__(env, task)
+        self.fault = fault
+
+    def step(self, action, role="agent"):
+        if self.fault == "kill" and self.turns == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # the environment process dies mid-episode
+        if self.fault in ("hang", "flood") and self.turns == 0:
+            self.turns += 1
+            code = "import time; time.sleep(10**6)" if self.fault == "hang" else "print('x' * 10**8)"
+            result = self.env.python.run({"code": code})
+            shown = self.env.parser.format_result(None, result)[:40]
+            return StepResult(observation=Observation(messages=[ChatMessage(role="tool", name="python", content=shown)]),
+                              info={"tool_calls": 1.0, "tool_errors": float(bool(result.error)),
+                                    f"tool_{result.error or 'ok'}": 1.0})
+        return super().step(action, role)
+
+    def outcome(self):
+        if self.fault == "verifier":
+            raise RuntimeError("acme verifier crashed")
+        return super().outcome()
+
+
+class Faulty(Multiply):
+    """Multiply whose episodes fail, by task, one way each: one task in `one_in` per fault."""
+
+    def __init__(self, one_in=6, **options):
+        super().__init__(**options)
+        self.one_in = one_in
+        self.python = PythonTool(timeout_s=2.0)
+
+    def episode(self, task):
+        k = zlib.crc32(task.prompt.encode()) % (self.one_in * len(FAULTS))
+        return FaultyEpisode(self, task, FAULTS[k] if k < len(FAULTS) else "")
+
+
+@hookimpl
+def tidal_envs():
+    return {"acme-faulty": Faulty}
+'''
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny model with the tool alphabet (no warm start: this run tests failures, not learning) and
+    the acme plugin distribution on a path entry every role, and every environment process, inherits."""
+    from tidal.rollout.tiny import TOOL_ALPHABET, build_tiny_model
+
+    root = tmp_path_factory.mktemp("agentic")
+    model = build_tiny_model(root / "model", seed=0, alphabet=TOOL_ALPHABET)
+    site = root / "site"
+    site.mkdir()
+    (site / "acme_agentic.py").write_text(ACME)
+    info = site / "acme_agentic-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-agentic\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tidal]\nacme_agentic = acme_agentic\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return model, env
+
+
+def tidal_run(world, run_dir: Path, *overrides: str, timeout: float = 420) -> tuple[int, str]:
+    model, env = world
+    args = [sys.executable, "-m", "tidal.integration.cli", "run", str(RECIPE), f'model="{model}"',
+            f'run_dir="{run_dir}"', 'monitor.progress="log"', "monitor.tensorboard=false", *overrides]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"tidal run did not end within {timeout} s:\n{out[-4000:]}{_logs(run_dir)}")
+    return proc.returncode, out
+
+
+def _logs(run_dir: Path) -> str:
+    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                   for p in sorted((run_dir / "logs").glob("*.log")))
+
+
+def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = tidal_run(world, run_dir, 'domains=[{env="acme-faulty", options={one_in=4}}]', "workers=1",
+                        "budget.versions=5", "eval.every=0", "sampling.max_tokens=8", 'sampling.stop=["\\n"]',
+                        "rollout.episodes.max_tokens=64", "rollout.episodes.step_timeout_s=20",
+                        "rollout.episodes.processes=2", "group_size=4", "batch_groups=4")
+    assert rc == 0, out[-4000:] + _logs(run_dir)
+    f = json.loads((run_dir / "final.json").read_text())
+    assert f["status"] == "completed" and f["versions"] == 5, f["status"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    worker = [m["scalars"] for m in metrics if m["source"] == "rollout-0" and "rollout/episodes/episodes" in m["scalars"]]
+    last = worker[-1]
+    # the environment process killed with -9: its episodes dropped (counted), the process restarted
+    assert last["rollout/envpool/env_died"] >= 1 and last["rollout/envpool/restarts"] >= 1, last
+    assert last["rollout/episodes/dropped/env_died"] >= 1, last
+    # the verifier that raises: counted as an error, its group dropped (never a zero reward)
+    assert last["rollout/envpool/verifier_errors"] >= 1 and last["rollout/episodes/dropped/verifier_error"] >= 1
+    # the tool that sleeps forever and the one that floods its output: error observations, counted
+    assert last["rollout/episodes/tool_errors"] >= 2 and last["rollout/episodes/tool_calls"] >= 2, last
+    assert last["rollout/episodes/info/tool_timeout"] >= 1 and last["rollout/episodes/info/tool_output_limit"] >= 1
+    ctl = f["controller"]
+    assert ctl.get("controller/groups_failed/env_died", 0) >= 1 and ctl.get("controller/groups_failed/verifier_error", 0) >= 1
+    assert ctl["controller/groups_done"] >= 20  # 5 steps x 4 groups trained
+    env_logs = sorted((run_dir / "logs").glob("rollout-0-env-*.log"))
+    assert env_logs, sorted(p.name for p in (run_dir / "logs").iterdir())
+    log = "".join(p.read_text(errors="replace") for p in env_logs)
+    assert "acme verifier crashed" in log
