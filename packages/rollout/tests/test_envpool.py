@@ -284,3 +284,17 @@ def test_the_example_guess_number_env_plays_in_the_pool(make_pool):
         text = r.messages[0].content.lower()
         low, high = (guess + 1, high) if "higher" in text else (low, guess - 1)
     assert r.outcome == 1.0 and seq <= 4
+
+
+def test_a_guess_game_of_unreadable_moves_is_lost_at_max_turns_not_a_verifier_error(make_pool):
+    """An untrained policy seldom writes a number: its game ends at max_turns as lost (outcome 0.0), so its
+    group trains, rather than as an outcome() that raises, which drops the group (verifier_error)."""
+    pool = make_pool({"guess": {"env": "guess_number", "options": {"high": 8, "max_turns": 3}}},
+                     plugins=["tidal_env_guess.plugin"])
+    pool.open("g", "guess", Task(prompt="", answer="5"))
+    assert one(pool).max_turns == 3
+    for seq in (1, 2, 3):
+        pool.step("g", seq, "no idea")
+        r = one(pool)
+        assert not r.error_kind and r.info["invalid_guesses"] == 1.0, r
+    assert r.done and r.outcome == 0.0 and r.info["max_turns_reached"] == 1.0

@@ -49,13 +49,15 @@ class GuessEpisode:
         if not low <= self.secret <= high:
             raise ValueError(f"the task's answer {self.secret} is outside [{low}, {high}]")
         self.best = high - low + 1  # distance of the closest guess so far
-        self.guesses = 0
+        self.guesses = 0  # readable guesses (the number of tries a found number took)
+        self.moves = 0  # every step, unreadable ones included: a game whose moves never guessed is lost
         self.hinted = self.found = False
 
     def reset(self) -> Observation:
         return _user(self.task.prompt or prompt(self.low, self.high))
 
     def step(self, action: str, role: str = AGENT) -> StepResult:
+        self.moves += 1
         call = _CALL.search(action)
         if call is not None:
             return self._tool(call.group(1))
@@ -101,7 +103,7 @@ class GuessEpisode:
                           info=info)
 
     def outcome(self) -> float:
-        if self.guesses == 0 and not self.hinted:
+        if self.moves == 0:
             raise RuntimeError("outcome() of a game without a single move")
         return 1.0 if self.found else 0.0
 
