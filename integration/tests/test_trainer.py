@@ -161,3 +161,41 @@ def test_staleness_correction_and_gradient_checkpointing(model):
     assert any(k.startswith("staleness/") and k != "staleness/mismatch_kl" for k in metrics), metrics
     assert metrics["staleness/mismatch_kl"] > 0  # behaviour logprobs (-4) differ from the model's
     assert max((runs[False][k] - runs[True][k]).abs().max().item() for k in runs[False]) < 1e-6
+
+
+def test_step_rewards_reach_the_estimator_at_the_positions_the_environment_gave(model):
+    """A multi-turn sample's process rewards travel on the wire (Trajectory.step_rewards at .step_ends),
+    into the learner's samples, and into `grpo_process` at those completion positions; observation tokens
+    (loss mask 0) get no advantage. `grpo` trains on the outcome alone and says so once."""
+    from tidal.core import codec as _codec
+    from tidal.core.arrays import Array
+    from tidal.core.protocol import NO_VERSION, Trajectory
+
+    def traj(i: int, step_rewards: list[float], outcome: float) -> Trajectory:
+        # 2 turns: action [0, 3), observation [3, 5) (not trained), action [5, 8)
+        mask = np.array([1, 1, 1, 0, 0, 1, 1, 1], np.uint8)
+        return Trajectory(id=f"g:{i}", group_id="g", sample_index=i, task="t",
+                          prompt_ids=Array.from_numpy(np.array([3, 4], np.int32)),
+                          completion_ids=Array.from_numpy(np.arange(5, 13, dtype=np.int32)),
+                          logprobs=Array.from_numpy(np.where(mask, -1.0, 0.0).astype(np.float32)),
+                          versions=Array.from_numpy(np.where(mask, 0, NO_VERSION).astype(np.int32)),
+                          reward=outcome, finish_reason="stop", loss_mask=Array.from_numpy(mask),
+                          step_rewards=Array.from_numpy(np.array(step_rewards, np.float32)),
+                          step_ends=Array.from_numpy(np.array([3, 8], np.int32)))
+
+    codec = _codec.Codec()
+    wire = [traj(0, [1.0, 0.0], 1.0), traj(1, [0.0, 0.0], 0.0), traj(2, [1.0, 1.0], 1.0), traj(3, [0.0, 1.0], 0.0)]
+    samples = [Sample.from_trajectory(codec.decode(codec.encode(t))) for t in wire]  # through the wire format
+    assert [s.step_ends.tolist() for s in samples] == [[3, 8]] * 4
+    be = SingleBackend(str(model), BackendConfig(optim=OptimConfig(lr=1e-3)))
+    trainer = Trainer(be, TrainConfig(advantage=PluginRef(name="grpo_process", options={"outcome_weight": 0.0})))
+    adv, _ = trainer.advantages(samples)
+    adv = torch.stack(adv)
+    assert torch.all(adv[:, 3:5] == 0)  # observation tokens: no advantage
+    # reward-to-go of normalised step rewards: step 1's tokens carry steps 1 and 2, step 2's only step 2
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    norm = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    assert torch.allclose(adv[:, 0], norm.sum(1), atol=1e-5) and torch.allclose(adv[:, 5], norm[:, 1], atol=1e-5)
+    plain = Trainer(be, TrainConfig(advantage=PluginRef(name="grpo")))
+    adv_plain, _ = plain.advantages(samples)  # outcome only: the same advantage on every trained token
+    assert torch.allclose(adv_plain[0][:3], adv_plain[0][5:]) and plain._warned_steps

@@ -42,7 +42,8 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "splits", "truncated", "episodes_dropped")
+EPISODE_COUNTERS = ("episodes", "finished_turns", "tool_calls", "tool_errors", "splits", "truncated",
+                    "episodes_dropped")
 
 
 def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
@@ -73,7 +74,7 @@ def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
         out["minutes"].append(chunk[-1][0] / 60)
         out["tool_calls_per_episode"].append(d["tool_calls"] / d["episodes"])
         out["tool_error_rate"].append(d["tool_errors"] / d["tool_calls"] if d["tool_calls"] else 0.0)
-        out["turns_per_episode"].append(d["turns"] / d["episodes"])
+        out["turns_per_episode"].append(d["finished_turns"] / d["episodes"])
         out["splits"].append(d["splits"])
         out["truncated"].append(d["truncated"])
         out["dropped"].append(d["episodes_dropped"])

@@ -198,8 +198,8 @@ class Trainer:
         for i, s in enumerate(samples):
             if s.step_ends is not None and len(s.step_ends):
                 n = len(s.step_ends)
-                rewards[i, :n] = torch.from_numpy(np.asarray(s.step_rewards, np.float32))
-                ends[i, :n] = torch.from_numpy(np.asarray(s.step_ends, np.int64))
+                rewards[i, :n] = torch.tensor(np.asarray(s.step_rewards, np.float32))
+                ends[i, :n] = torch.tensor(np.asarray(s.step_ends, np.int64))
         return rewards, ends
 
     def _shard(self, micro: Any) -> tuple[Any, Shard | None]:

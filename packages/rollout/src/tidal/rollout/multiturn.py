@@ -46,7 +46,7 @@ from tidal.core.protocol import (
 log = logging.getLogger("tidal.rollout.multiturn")
 
 COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "invalid_calls", "step_reward_sum", "splits",
-            "truncated", "episodes_dropped")
+            "truncated", "episodes_dropped", "finished_turns")
 
 
 class EpisodesConfig(ConfigStruct):
@@ -270,6 +270,7 @@ class MultiTurn:
     def _finished(self, run: EpisodeRun) -> str | None:
         self.pool.close_episode(run.id)
         self.counters["episodes"] += 1
+        self.counters["finished_turns"] += run.turns
         a = self.assignments[run.group_id]
         runs = [self.runs.get(trajectory_id(a.group_id, i)) for i in range(a.num_samples)]
         return a.group_id if all(r is not None and r.done for r in runs) else None
@@ -319,7 +320,7 @@ class MultiTurn:
         c, n = self.counters, max(self.counters["episodes"], 1.0)
         out = {f"rollout/episodes/{k}": v for k, v in c.items()}
         out.update({
-            "rollout/episodes/turns_per_episode": c["turns"] / n,
+            "rollout/episodes/turns_per_episode": c["finished_turns"] / n,  # of the episodes that ended
             "rollout/episodes/tool_calls_per_episode": c["tool_calls"] / n,
             "rollout/episodes/tool_error_rate": c["tool_errors"] / max(c["tool_calls"], 1.0),
             "rollout/episodes/step_reward_mean": c["step_reward_sum"] / max(c["turns"], 1.0),
