@@ -164,3 +164,63 @@ def test_a_renderer_that_cannot_extend_splits_the_sample(engine, tok):
         assert seg.mask == [1] * len(seg.ids) and len(seg.step_ends) == 1 and seg.step_ends[0] == len(seg.ids)
     # a fresh render is the whole conversation so far, as text: the earlier turns are in the prompt
     assert tok.decode(run.segments[2].prompt).startswith(tok.decode(run.segments[0].prompt))
+
+
+@pytest.fixture(scope="module")
+def chatml_model(tmp_path_factory):
+    """A tiny Llama with a byte-level BPE tokenizer and its own ChatML chat template (saved in the folder)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tidal.rollout.tiny import build_chatml_tokenizer
+
+    path = tmp_path_factory.mktemp("chatml") / "model"
+    tok = build_chatml_tokenizer(corpus=["task 0: count from 1 to 3", "said 1; next", "1 2 3 said next"] * 3)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                             "pad_token_id": tok.pad_token_id}))
+    return path
+
+
+def test_a_bpe_model_with_its_own_chat_template_extends_turn_by_turn(chatml_model):
+    from tidal.core.plugins import registry
+    from tidal.rollout.engines.embedded import EmbeddedEngine
+    from tidal.rollout.renderers import CHATML
+
+    tok = load_tokenizer(chatml_model)
+    assert tok.chat_template == CHATML  # the folder's own template, as saved
+    engine = Recording(EmbeddedEngine(str(chatml_model), max_num_seqs=16, seed=0))
+    try:
+        make = lambda: registry.build("renderer", "chat_template", {}, tok)  # noqa: E731
+        runs = run_episodes(engine, tok, LocalEpisodes(SPECS, plugins=["envpool_plugins"]), "counting", _tasks(8),
+                            SAMPLING, EpisodesConfig(max_tokens=400), make, timeout=120)
+    finally:
+        engine.engine.close()
+    unsplit = 0
+    for run in runs:
+        assert run is not None and run.turns == 3
+        seen = iter(r for r in engine.requests if r.request_id.startswith(run.id + "/"))
+        for seg in run.segments:  # every turn was generated from exactly its segment's tokens so far
+            tokens = [*seg.prompt, *seg.ids]
+            for _ in seg.step_ends:
+                req = next(seen)
+                assert list(req.prompt_ids) == tokens[: len(req.prompt_ids)]
+            assert len(seg.mask) == len(seg.ids) and all(
+                (m == 1) == (v >= 0) for m, v in zip(seg.mask, seg.versions, strict=True))
+        if len(run.segments) == 1:
+            unsplit += 1
+            (seg,) = run.segments
+            # up to where the last turn began, the tokens are what the template renders of the conversation
+            history = [{"role": m.role, "content": m.content} for m in run.conversation[:-1]]
+            tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": t.parameters}} for t in run.tools]
+            whole = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=False)
+            assert tok.decode([*seg.prompt, *seg.ids])[: len(whole)] == whole
+    assert unsplit >= 4  # a sample splits only when the model sampled a special token mid-turn
