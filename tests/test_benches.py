@@ -24,6 +24,7 @@ TINY = {
     "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
                   "--block", "64", "--timeout", "200"],
     "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
+    "tool_ceiling.py": ["--steps", "5", "--eval-size", "8"],
     # both workloads, TRL and Tidal async + sync; warm starts go to the test's own folder ({tmp}), not runs/
     "vs_trl.py": ["--workload", "both", "--steps", "4", "--eval-size", "16", "--eval-every", "2", "--sft-steps", "20",
                   "--minutes", "3", "--out", "{tmp}/vs_trl"],
