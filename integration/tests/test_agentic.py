@@ -2,8 +2,9 @@
 worker): what an outside environment's failures cost a multi-turn run, and how process rewards travel.
 
 One run of `acme-faulty` (a third-party distribution on the roles' path): multiplication episodes with a
-calculator, where by task some episodes kill their environment process with SIGKILL mid-episode, call a
-Python tool that sleeps forever or prints 100 MB, or have a verifier that raises. The run finishes; each
+calculator, where four episodes fail one way each: one calls a Python tool that sleeps forever, one a
+Python tool that prints 100 MB, one has a verifier that raises, and then one kills its environment
+process with SIGKILL mid-episode. The run finishes; each
 failure is counted where it happened (environment restarts, tool errors, dropped groups by kind), and
 no failure became a zero reward.
 """
@@ -26,7 +27,6 @@ RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
 ACME = '''
 import os
 import signal
-import zlib
 
 from tidal.core.episodes import Observation, StepResult
 from tidal.core.plugins import hookimpl
@@ -35,21 +35,24 @@ from tidal.rollout.multiply import Multiply
 from tidal.rollout.toolenv import ToolEpisode
 from tidal.rollout.tools.python import PythonTool
 
-FAULTS = ("kill", "hang", "flood", "verifier")
+FAULTS = ("hang", "flood", "verifier", "kill")
 
 
 class FaultyEpisode(ToolEpisode):
-    def __init__(self, env, task, fault):
+    def __init__(self, env, task):
         super().__init__(env, task)
-        self.fault = fault
+        self.fault = ""
 
     def step(self, action, role="agent"):
-        if self.fault == "kill" and self.turns == 0:
+        if self.turns == 0:
+            self.fault = self.env.claim(self.task)
+        if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)  # the environment process dies mid-episode
         if self.fault in ("hang", "flood") and self.turns == 0:
             self.turns += 1
             code = "import time; time.sleep(10**6)" if self.fault == "hang" else "print('x' * 10**8)"
             result = self.env.python.run({"code": code})
+            self.env.mark(self.fault + ".done")
             shown = self.env.parser.format_result(None, result)[:40]
             return StepResult(observation=Observation(messages=[ChatMessage(role="tool", name="python", content=shown)]),
                               info={"tool_calls": 1.0, "tool_errors": float(bool(result.error)),
@@ -58,21 +61,46 @@ class FaultyEpisode(ToolEpisode):
 
     def outcome(self):
         if self.fault == "verifier":
+            self.env.mark("verifier.done")
             raise RuntimeError("acme verifier crashed")
         return super().outcome()
 
 
 class Faulty(Multiply):
-    """Multiply whose episodes fail, by task, one way each: one task in `one_in` per fault."""
+    """Multiply where one episode each, across all its processes, hangs a tool, floods a tool's output,
+    has its verifier raise and, once those three are over, kills its environment process: each fault is
+    claimed once through a marker file in `markers`, so the run sees every one exactly once."""
 
-    def __init__(self, one_in=6, **options):
+    def __init__(self, markers="", **options):
         super().__init__(**options)
-        self.one_in = one_in
+        self.markers = markers
         self.python = PythonTool(timeout_s=2.0)
 
+    def mark(self, name):
+        try:
+            os.close(os.open(os.path.join(self.markers, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def claim(self, task):
+        """The next fault not yet played, for at most one episode of a group (a group whose verifier
+        raised is dropped whole, and what its other episodes did with it)."""
+        if any(os.path.exists(os.path.join(self.markers, f"{f}.task")) and
+               open(os.path.join(self.markers, f"{f}.task")).read() == task.prompt for f in FAULTS):
+            return ""
+        for fault in FAULTS:
+            if fault == "kill" and not all(os.path.exists(os.path.join(self.markers, f + ".done"))
+                                           for f in FAULTS[:3]):
+                return ""  # the kill waits until the other faults have played out
+            if self.mark(fault):
+                with open(os.path.join(self.markers, f"{fault}.task"), "w") as f:
+                    f.write(task.prompt)
+                return fault
+        return ""
+
     def episode(self, task):
-        k = zlib.crc32(task.prompt.encode()) % (self.one_in * len(FAULTS))
-        return FaultyEpisode(self, task, FAULTS[k] if k < len(FAULTS) else "")
+        return FaultyEpisode(self, task)
 
 
 @hookimpl
@@ -122,16 +150,16 @@ def _logs(run_dir: Path) -> str:
 
 def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, tmp_path):
     run_dir = tmp_path / "run"
-    rc, out = tidal_run(world, run_dir, 'domains=[{env="acme-faulty", options={one_in=4}}]', "workers=1",
-                        "budget.versions=5", "eval.every=0", "sampling.max_tokens=8", 'sampling.stop=["\\n"]',
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    rc, out = tidal_run(world, run_dir, f'domains=[{{env="acme-faulty", options={{markers="{markers}"}}}}]', "workers=1",
+                        "budget.versions=15", "eval.every=0", "sampling.max_tokens=8", 'sampling.stop=["\\n"]',
                         "rollout.episodes.max_tokens=64", "rollout.episodes.step_timeout_s=20",
                         "rollout.episodes.processes=2", "group_size=4", "batch_groups=4")
     assert rc == 0, out[-4000:] + _logs(run_dir)
     f = json.loads((run_dir / "final.json").read_text())
-    assert f["status"] == "completed" and f["versions"] == 5, f["status"]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    worker = [m["scalars"] for m in metrics if m["source"] == "rollout-0" and "rollout/episodes/episodes" in m["scalars"]]
-    last = worker[-1]
+    assert f["status"] == "completed" and f["versions"] == 15, f["status"]
+    last = f["rollout"]["rollout-0"]  # the worker's final counters
     # the environment process killed with -9: its episodes dropped (counted), the process restarted
     assert last["rollout/envpool/env_died"] >= 1 and last["rollout/envpool/restarts"] >= 1, last
     assert last["rollout/episodes/dropped/env_died"] >= 1, last
@@ -142,11 +170,12 @@ def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, t
     assert last["rollout/episodes/info/tool_timeout"] >= 1 and last["rollout/episodes/info/tool_output_limit"] >= 1
     ctl = f["controller"]
     assert ctl.get("controller/groups_failed/env_died", 0) >= 1 and ctl.get("controller/groups_failed/verifier_error", 0) >= 1
-    assert ctl["controller/groups_done"] >= 20  # 5 steps x 4 groups trained
+    assert ctl["controller/groups_done"] >= 60  # 15 steps x 4 groups trained
     env_logs = sorted((run_dir / "logs").glob("rollout-0-env-*.log"))
     assert env_logs, sorted(p.name for p in (run_dir / "logs").iterdir())
     log = "".join(p.read_text(errors="replace") for p in env_logs)
     assert "acme verifier crashed" in log
+    assert {"kill", "hang", "flood", "verifier"} <= {p.name for p in markers.iterdir()}
 
 
 def test_the_tool_demo_learns_to_call_the_calculator(tmp_path):

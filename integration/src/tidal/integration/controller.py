@@ -198,6 +198,21 @@ class Controller:
         self._dispatch()
         self._finish_evals()
 
+    def drain(self, timeout: float) -> None:
+        """Read what the workers sent before they stopped (their last metrics), handing out nothing."""
+        deadline = time.monotonic() + timeout
+        while poll([self.ch], timeout=max(0.0, deadline - time.monotonic())):
+            for _ in range(256):
+                try:
+                    peer, msg = self.ch.recv(timeout=0)
+                    self._on_worker(peer, msg)
+                except ChannelTimeout:
+                    break
+                except ProtocolError as e:
+                    log.error("dropped a malformed message: %s", e)
+            if time.monotonic() >= deadline:
+                return
+
     def _on_worker(self, peer: bytes, msg) -> None:
         hello = self.ch.peers.get(peer)
         name = hello.name if hello is not None else peer.decode(errors="replace")

@@ -78,7 +78,7 @@ def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
         out["splits"].append(d["splits"])
         out["truncated"].append(d["truncated"])
         out["dropped"].append(d["episodes_dropped"])
-    return out
+    return out if out["minutes"] else {}
 
 
 def _plot_episodes(ax, e: dict[str, list[float]]) -> None:

@@ -259,6 +259,7 @@ class Supervisor:
         c.stop_workers("run over")
         timeout = self.cfg.launch.shutdown_timeout_s
         codes = self.handle.stop(["learner", *self.workers], timeout, only=True)
+        c.drain(1.0)  # the workers' last metrics, sent as they stopped
         final_buffer = buffer_status()
         codes.update(self.handle.stop(["buffer"], timeout))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
@@ -267,7 +268,8 @@ class Supervisor:
             "time_budget_reached": self.time_budget_hit, "final_eval": self.final_eval,
             "errors": {**c.last_error, **self.errors},
             "restarts": {k: v for k, v in self.restarts.items() if v},
-            "eval": c.eval_results, "controller": c.status(), "buffer": final_buffer})
+            "eval": c.eval_results, "controller": c.status(), "buffer": final_buffer,
+            "rollout": {k: v for k, v in sorted(c.last.items()) if k.startswith("rollout")}})
         self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(), scalars=c.status()))
 
     def last_errors(self) -> str:

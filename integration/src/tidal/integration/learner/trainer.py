@@ -186,7 +186,7 @@ class Trainer:
         if not with_steps:
             return None, None
         if not self.uses_steps:
-            if not self._warned_steps:
+            if not self._warned_steps and any(np.any(s.step_rewards) for s in with_steps):
                 self._warned_steps = True
                 log.warning("samples carry step (process) rewards, but advantage estimator %r does not read "
                             "them: training on the outcome reward only (advantage.name = \"grpo_process\" "

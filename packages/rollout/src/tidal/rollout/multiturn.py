@@ -46,7 +46,7 @@ from tidal.core.protocol import (
 log = logging.getLogger("tidal.rollout.multiturn")
 
 COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "invalid_calls", "step_reward_sum", "splits",
-            "truncated", "episodes_dropped", "finished_turns")
+            "truncated", "episodes_dropped", "finished_turns", "renderer_problems")
 
 
 class EpisodesConfig(ConfigStruct):

@@ -351,7 +351,26 @@ class RolloutWorker:
             make = lambda: registry.build("renderer", ep.renderer.name, ep.renderer.options, self.tokenizer,  # noqa: E731
                                           field="episodes.renderer")
             self.multiturn = MultiTurn(ep, pool, self.engine, self.tokenizer, make)
+            self._check_renderer(make)
         return self.multiturn
+
+    def _check_renderer(self, make: Any) -> None:
+        """The startup check: does the renderer extend sampled tokens exactly for this model's tokenizer?
+        Where it cannot, samples split (counted); where the tokenizer would merge tokens differently across
+        a turn boundary, the model sees token sequences it never saw in one piece. Either is logged once."""
+        from tidal.rollout.renderers import check_renderer
+
+        assert self.multiturn is not None
+        try:
+            problems = check_renderer(make, self.tokenizer)
+        except Exception as e:  # a tokenizer that cannot encode the probe conversation (a narrow alphabet)
+            log.info("%s: renderer %r not checked (its probe conversation does not encode: %s)", self.cfg.name,
+                     self.cfg.episodes.renderer.name, e)
+            return
+        self.multiturn.counters["renderer_problems"] = float(len(problems))
+        for p in problems:
+            log.warning("%s: renderer %r with this model's tokenizer: %s", self.cfg.name,
+                        self.cfg.episodes.renderer.name, p)
 
     def _poll_episodes(self) -> None:
         mt = self.multiturn
@@ -601,6 +620,8 @@ class RolloutWorker:
             log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
         if self._weights_thread.is_alive():
             self._weights_thread.join(timeout=1 if orphaned else 10)
+        if not orphaned:
+            self._metrics()  # the final counters (the driver keeps the last report of each worker)
         self._close(ctl_linger=0.5)
 
     def _close(self, ctl_linger: float | None = None) -> None:
