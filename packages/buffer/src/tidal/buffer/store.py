@@ -7,6 +7,7 @@ consumed) is a record, applied here and appended to the log by the service. Noth
 
 from __future__ import annotations
 
+import itertools
 import time
 import typing
 from collections import OrderedDict, deque
@@ -20,6 +21,9 @@ from tidal.buffer import wal
 from tidal.core.arrays import Array, DType, Shape
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
 from tidal.core.protocol import PROTOCOL_VERSION, Trajectory, TrajectoryGroup
+
+if typing.TYPE_CHECKING:
+    import numpy as np
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 _codec = Codec(inline_threshold=1 << 62)
@@ -117,6 +121,7 @@ assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for 
 # a message at least this large is read as Samples (views), a smaller one copied: above libzmq's 8 KiB
 # receive batch a message has a buffer of its own (a 16 KiB trajectory encodes to a little under 16 KiB)
 VIEW_AT_LEAST = 12 * 1024
+LAG_SAMPLE_GROUPS = 256  # groups looked at for the lag histogram (a strided sample of the ready ones)
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -153,6 +158,22 @@ def sample_of(body: bytes | memoryview) -> Any:
 def decode_body(body: bytes | memoryview) -> Trajectory:
     """A real Trajectory (arrays copied out) from a stored encoding, for filters and re-masking."""
     return decode_trajectory(frame_of(body))
+
+
+def masked(t: Any, body: bytes | memoryview | None, keep: Any) -> Trajectory:
+    """A real Trajectory of `t` (a Sample, read again from its encoding `body`, or a Trajectory) with its
+    loss mask narrowed to `keep`."""
+    real = decode_body(body) if body is not None and type(t) is not Trajectory else t
+    return msgspec.structs.replace(real, loss_mask=_and_mask(real.loss_mask, keep))
+
+
+def _and_mask(existing: Any, keep: Any) -> Array:
+    import numpy as np
+
+    m = np.asarray(keep, dtype=np.uint8)
+    if existing is not None:
+        m = m & existing.numpy().astype(np.uint8)
+    return Array.from_numpy(m)
 
 
 assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
@@ -249,6 +270,19 @@ class Store:
     @property
     def live_trajectories(self) -> int:
         return len(self.where)
+
+    def lag_histogram(self, learner_version: int) -> np.ndarray:
+        """Lag (learner version - oldest token version) of the ready samples, 16 bins (the last one is
+        15+). Over a strided sample of at most LAG_SAMPLE_GROUPS groups, counts scaled to the whole: a
+        deep unbounded buffer would otherwise spend a fifth of its time here."""
+        import numpy as np
+
+        groups = self.ready
+        stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
+        lags = [learner_version - int(t.versions.numpy().min()) if t.versions.shape[0] else 0
+                for g in itertools.islice(groups.values(), 0, None, stride) for t in g.members.values()]
+        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16) * stride
+        return hist.astype(np.int64)
 
     # ------------------------------------------------------------------ transitions
 
