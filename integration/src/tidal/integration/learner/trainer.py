@@ -277,10 +277,25 @@ class Trainer:
         to its share of the whole step's batch); its metrics are added to `sums`. With a `shard` (sequence
         parallelism) the forward runs on this rank's tokens, and the per-token logprobs, entropies and
         values are gathered from the SP group, so the loss below is the whole micro-batch's on every rank."""
-        from tidal.algos.types import LossInputs
-
-        be = self.backend
         local = micro if shard is None else shard.micro
+        lp, ent, values, dev = self._policy_logprobs(local, shard, routes, sums, n_micros)
+        # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
+        dp = world // (shard.mesh.size if shard is not None else 1)
+        inputs, lp = self._loss_inputs(micro, [samples[i] for i in micro.index], lp, ent, adv, dev, sums,
+                                       g_tokens=g_tokens, dp=dp)
+        if self.reference is not None:
+            self._add_reference(inputs, micro, local, shard, lp)
+        if self.correction is not None:
+            self._add_correction(inputs, sums, n_micros)
+        loss, out = self._loss(inputs, micro, values, returns, old_values, dev)
+        self._backward(loss, out.metrics, inputs, sums, g_tokens=g_tokens, g_seqs=g_seqs, dp=dp, world=world,
+                       last=last)
+
+    def _policy_logprobs(self, local: Any, shard: Shard | None, routes: torch.Tensor | None,
+                         sums: dict[str, float], n_micros: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.device]:
+        """The current policy's forward: (logprobs [n], entropies [n], critic values [n] or None, device)
+        of the micro-batch's completion tokens, gathered from the SP group under sequence parallelism."""
         logits, values = self._forward(local, self.critic)
         lp, ent = token_logprobs(logits, local, with_entropy=True)
         if routes is not None:
@@ -290,10 +305,13 @@ class Trainer:
                 lp, ent = shard.gather(lp, ent.detach())
             else:
                 lp, ent, values = shard.gather(lp, ent.detach(), values)
-        # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
-        dp = world // (shard.mesh.size if shard is not None else 1)
-        ss = [samples[i] for i in micro.index]
-        dev = logits.device
+        return lp, ent, values, logits.device
+
+    def _loss_inputs(self, micro: Any, ss: list[Sample], lp: torch.Tensor, ent: torch.Tensor, adv: list,
+                     dev: torch.device, sums: dict[str, float], *, g_tokens: float, dp: int
+                     ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The loss's inputs, padded [rows, width], for the micro-batch's samples `ss`; and the logprobs
+        with the tokens outside the policy's support replaced by the sampler's (they leave the loss)."""
 
         def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
             return torch.from_numpy(np.concatenate(arrays)).to(dev)
@@ -314,35 +332,49 @@ class Trainer:
             mask=micro.padded(trained, False).bool(),
             entropy=micro.padded(ent.detach()) if ent is not None else None,
         )
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(input_ids=local.input_ids, position_ids=local.position_ids,
-                                            use_cache=False, logits_to_keep=local.pred,
-                                            **be.layout_kw(local.layout)).logits
-                ref_lp, _ = token_logprobs(ref_logits, local)
-                if shard is not None:
-                    (ref_lp,) = shard.gather(ref_lp)
-                # outside the reference's processed support: no KL term can be computed there
-                ref_outside = ~torch.isfinite(ref_lp)
-                ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
-            inputs["ref_logprobs"] = micro.padded(ref_lp)
-            inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
-        if self.correction is not None:
-            from tidal.staleness.correction import CorrectionInputs
+        return inputs, lp
 
-            proximal = None
-            if getattr(self.correction, "needs_proximal", False):
-                # one optimizer step per batch: the proximal policy is these parameters before the
-                # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
-                proximal = inputs["logprobs"].detach()
-                inputs["old_logprobs"] = proximal
-            corr = self.correction(CorrectionInputs(
-                learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-                mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
-            inputs["is_weights"] = corr.weights
-            inputs["mask"] = inputs["mask"] & corr.mask
-            for name, v in corr.metrics.items():
-                sums[f"staleness/{name}"] += float(v) / n_micros
+    def _add_reference(self, inputs: dict[str, Any], micro: Any, local: Any, shard: Shard | None,
+                       lp: torch.Tensor) -> None:
+        """The frozen reference's logprobs (`ref_logprobs`), its unsupported tokens masked out."""
+        with torch.no_grad():
+            assert self.reference is not None
+            ref_logits = self.reference(input_ids=local.input_ids, position_ids=local.position_ids,
+                                        use_cache=False, logits_to_keep=local.pred,
+                                        **self.backend.layout_kw(local.layout)).logits
+            ref_lp, _ = token_logprobs(ref_logits, local)
+            if shard is not None:
+                (ref_lp,) = shard.gather(ref_lp)
+            # outside the reference's processed support: no KL term can be computed there
+            ref_outside = ~torch.isfinite(ref_lp)
+            ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
+        inputs["ref_logprobs"] = micro.padded(ref_lp)
+        inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
+
+    def _add_correction(self, inputs: dict[str, Any], sums: dict[str, float], n_micros: int) -> None:
+        """The staleness correction's importance weights and mask (and the proximal logprobs it asks for)."""
+        from tidal.staleness.correction import CorrectionInputs
+
+        assert self.correction is not None
+        proximal = None
+        if getattr(self.correction, "needs_proximal", False):
+            # one optimizer step per batch: the proximal policy is these parameters before the
+            # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
+            proximal = inputs["logprobs"].detach()
+            inputs["old_logprobs"] = proximal
+        corr = self.correction(CorrectionInputs(
+            learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
+            mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
+        inputs["is_weights"] = corr.weights
+        inputs["mask"] = inputs["mask"] & corr.mask
+        for name, v in corr.metrics.items():
+            sums[f"staleness/{name}"] += float(v) / n_micros
+
+    def _loss(self, inputs: dict[str, Any], micro: Any, values: torch.Tensor | None, returns: list | None,
+              old_values: list | None, dev: torch.device) -> tuple[torch.Tensor, Any]:
+        """The policy loss (plus the critic's value loss in PPO mode) and its outputs."""
+        from tidal.algos.types import LossInputs
+
         out = self.loss_fn(LossInputs(**inputs))
         loss = out.loss
         if self.critic:
@@ -356,6 +388,11 @@ class Trainer:
             vout = self._value_loss(vin)
             loss = loss + self.cfg.value_coef * vout.loss
             out.metrics["loss/value"] = vout.loss.detach()
+        return loss, out
+
+    def _backward(self, loss: torch.Tensor, loss_metrics: dict[str, Any], inputs: dict[str, Any],
+                  sums: dict[str, float], *, g_tokens: float, g_seqs: float, dp: int, world: int, last: bool) -> None:
+        """Backward of `loss` scaled to the micro-batch's share of the step; its metrics added to `sums`."""
         # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
         log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
         k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
@@ -368,9 +405,9 @@ class Trainer:
         share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
         # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's (under
         # sequence parallelism the SP ranks' gradients sum to their micro-batch's, then the same holds)
-        be.backward(loss * share * world, last=last)
+        self.backend.backward(loss * share * world, last=last)
         sums["loss/total"] += float(loss.detach()) * share * dp
-        for name, v in out.metrics.items():
+        for name, v in loss_metrics.items():
             sums[name] += float(v) * share * dp
         sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
 
