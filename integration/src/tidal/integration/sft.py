@@ -13,9 +13,10 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,55 +41,22 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
         progress: Callable[[int, float], None] | None = None) -> dict[str, float]:
     """Fit `model_path` on `env`'s train split and save the result (model + tokenizer) to `out`.
     Returns {"loss": final loss, "seconds": wall time, "examples": problems seen}."""
-    from transformers import AutoModelForCausalLM
-
     from tidal.rollout.tiny import load_tokenizer
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(model_path)
-    from tidal.integration.learner.backends import has_sinks
-
-    extra = {}
-    if has_sinks(str(model_path)):
-        # GPT-OSS: transformers' eager attention (the only one it has on CPU that takes sinks) ignores the
-        # packing in the position ids and would attend across the packed problems; tidal_varlen honours both
-        from tidal.seqpar.hf import register_varlen_attention
-
-        extra["attn_implementation"] = register_varlen_attention()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
+    model = _load_model(model_path)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    warmup = min(20, cfg.steps // 10 + 1)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, cfg.steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = _optimizer(model, cfg)
     tasks = env.tasks("train", cfg.seed)
     slips = random.Random(cfg.seed + 1)
     t0, loss_value = time.perf_counter(), float("nan")
     for step in range(cfg.steps):
-        ids, pos, labels = [], [], []
-        for task in itertools.islice(tasks, cfg.batch):
-            shown = task.answer
-            if cfg.carry_slip and task.metadata.get("carry") == "1" and slips.random() < cfg.carry_slip:
-                shown = str(int(task.answer) - 10)
-            prompt, answer = tok.encode(task.prompt), tok.encode(shown + "\n")
-            seq = prompt + answer
-            ids += seq
-            pos += range(len(seq))
-            labels += [-100] * len(prompt) + answer
-        input_ids = torch.tensor([ids])
-        # labels are shifted by one: token t predicts t + 1; sequence boundaries never predict across
-        target = torch.tensor([*labels[1:], -100])
-        target[torch.tensor([*pos[1:], 0]) == 0] = -100
+        input_ids, position_ids, target = _packed_batch(tok, itertools.islice(tasks, cfg.batch), cfg, slips)
         # use_cache=False: with a cache transformers ignores the packing in the position ids
-        logits = model(input_ids=input_ids, position_ids=torch.tensor([pos]), use_cache=False).logits[0]
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
         loss = torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -105,6 +73,57 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     seconds = time.perf_counter() - t0
     log.info("SFT: %d steps, final loss %.4f, %.1f s", cfg.steps, loss_value, seconds)
     return {"loss": loss_value, "seconds": seconds, "examples": float(cfg.steps * cfg.batch)}
+
+
+def _load_model(model_path: str | Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from tidal.integration.learner.backends import has_sinks
+
+    extra = {}
+    if has_sinks(str(model_path)):
+        # GPT-OSS: transformers' eager attention (the only one it has on CPU that takes sinks) ignores the
+        # packing in the position ids and would attend across the packed problems; tidal_varlen honours both
+        from tidal.seqpar.hf import register_varlen_attention
+
+        extra["attn_implementation"] = register_varlen_attention()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
+
+
+def _optimizer(model: torch.nn.Module, cfg: SFTConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over min(20, steps / 10 + 1) steps, then a cosine down to 10 %."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warmup = min(20, cfg.steps // 10 + 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, cfg.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def _packed_batch(tok: Any, tasks: Iterable[Any], cfg: SFTConfig, slips: random.Random
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row of `prompt + answer + "\\n"` sequences, packed: (input ids [1, n], position ids [1, n],
+    targets [n], -100 on prompts and where a sequence ends). `slips` draws the carry slips."""
+    ids: list[int] = []
+    pos: list[int] = []
+    labels: list[int] = []
+    for task in tasks:
+        shown = task.answer
+        if cfg.carry_slip and task.metadata.get("carry") == "1" and slips.random() < cfg.carry_slip:
+            shown = str(int(task.answer) - 10)
+        prompt, answer = tok.encode(task.prompt), tok.encode(shown + "\n")
+        seq = prompt + answer
+        ids += seq
+        pos += range(len(seq))
+        labels += [-100] * len(prompt) + answer
+    # labels are shifted by one: token t predicts t + 1; sequence boundaries never predict across
+    target = torch.tensor([*labels[1:], -100])
+    target[torch.tensor([*pos[1:], 0]) == 0] = -100
+    return torch.tensor([ids]), torch.tensor([pos]), target
 
 
 def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0, seed: int = 0,

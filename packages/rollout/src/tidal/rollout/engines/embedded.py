@@ -51,15 +51,9 @@ import torch.nn.functional as F
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
-from tidal.rollout.engines.attention import (
-    ATTN_IMPL,
-    _ctx,
-    _KVCache,
-    _register_attention,
-    _StepLayout,
-    group_fresh_spans,
-)
+from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention
 from tidal.rollout.engines.common import generate
+from tidal.rollout.engines.packing import _Seq, pack_step
 from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.stops import stop_string_ended, stop_window
 from tidal.rollout.weights import ReceiverPool
@@ -72,27 +66,7 @@ class EngineError(RuntimeError):
     """A request or update the engine cannot take; the message says what to change."""
 
 
-# --------------------------------------------------------------------------- sequences
-
-
-@dataclass(eq=False)  # identity: the engine finds sequences in lists, and field equality is O(tokens)
-class _Seq:
-    req: GenerationRequest
-    seed: int  # sampling seed (the noise of token t is a hash of seed and t)
-    tokens: list[int]  # prompt + completion so far
-    prompt_len: int
-    computed: int = 0  # tokens whose keys/values are in the cache
-    row: int = -1  # cache row while running
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    masks: list[np.ndarray] = field(default_factory=list)
-    routing: list[np.ndarray] = field(default_factory=list)
-    submitted: float = field(default_factory=time.monotonic)
-    stop_window: int = 0  # trailing tokens decoded to look for the request's stop strings; 0 = it has none
-
-    @property
-    def completion(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+# --------------------------------------------------------------------------- weight updates
 
 
 @dataclass
@@ -407,49 +381,9 @@ class EmbeddedEngine:
         return (batch, shared) if batch else None
 
     def _step(self, batch: list[_Seq], shared: dict[int, int]) -> list[tuple[_Seq, str]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        spans: list[tuple[int, int, int, int]] = []
-        last: list[int] = []  # per sequence: the packed position whose logits it samples from
-        fed: list[tuple[int, int]] = []  # per sequence: the packed range of the tokens it fed
-        n_decode = 0
-        for i, s in enumerate(batch):
-            lead = shared.get(i)
-            if lead is not None:
-                last.append(last[lead])
-                fed.append(fed[lead])
-                continue
-            start, n = len(ids), len(s.tokens) - s.computed
-            if n == 1 and not spans:
-                n_decode += 1
-                ids.append(s.tokens[-1])
-                pos.append(s.computed)
-                rows.append(s.row)
-            else:
-                spans.append((start, n, s.row, s.computed))
-                ids.extend(s.tokens[s.computed :])
-                pos.extend(range(s.computed, len(s.tokens)))
-                rows.extend([s.row] * n)
-            last.append(len(ids) - 1)
-            fed.append((start, len(ids)))
+        packed = pack_step(batch, shared, self._cache, self.device)
+        ids, layout, last, fed = packed.ids, packed.layout, packed.last, packed.fed
         dev = self.device
-        positions = torch.tensor(pos, device=dev)
-        decode_rows = rows[:n_decode]
-        decode_lens = [p + 1 for p in pos[:n_decode]]
-        decode_max = max(decode_lens, default=0)
-        lens_t = torch.tensor(decode_lens, device=dev)
-        # lockstep decodes (a group that joined together) need no mask: the cheaper attention kernel
-        mask = None if all(n == decode_max for n in decode_lens) else (
-            torch.arange(decode_max, device=dev)[None, :] < lens_t[:, None])
-        batched, single = group_fresh_spans(spans, dev)
-        layout = _StepLayout(
-            n_decode=n_decode,
-            decode_rows=None if decode_rows == list(range(n_decode)) else torch.tensor(decode_rows, device=dev),
-            decode_lens=lens_t, decode_max=decode_max,
-            slots=torch.tensor(rows, device=dev), positions=positions, spans=spans, cache=self._cache,
-            decode_mask=mask, batched=batched, single=single,
-        )
         params = [s.req.sampling for s in batch]
         want_routing = any(p.return_routing for p in params)
         _ctx.step, _ctx.want_routing = layout, want_routing
@@ -458,7 +392,7 @@ class EmbeddedEngine:
         try:
             with torch.inference_mode():
                 hidden = self.model.model(
-                    input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], use_cache=False,
+                    input_ids=torch.tensor([ids], device=dev), position_ids=layout.positions[None], use_cache=False,
                     attention_mask=self._no_mask,
                 ).last_hidden_state[0]
                 if shared:  # followers take their leader's prompt keys/values (the leader's row is final now)
@@ -475,7 +409,7 @@ class EmbeddedEngine:
         masks = kept_mask_bits(logp) if any(p.return_sampling_mask for p in params) else None
         routes = torch.stack(self._router_outputs, dim=1).cpu().numpy() if want_routing else None  # [N, L, k]
         self.stats["steps"] += 1
-        self.stats["prefill_steps" if spans else "decode_steps"] += 1
+        self.stats["prefill_steps" if layout.spans else "decode_steps"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["tokens_fed"] += len(ids)
         self.stats["tokens_generated"] += len(batch)
