@@ -262,6 +262,7 @@ class BufferService:
     def _admit(self, t: Any) -> tuple[str | None, Any]:
         """The admission policy's verdict on `t`: why it is refused (or None), and the token mask it keeps
         (None: all of it; else the stored encoding is made again with the narrowed loss mask)."""
+        assert self.admission is not None and self.cfg.admission is not None  # called only with a policy
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)
         if not adm.admit:
             self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
@@ -285,7 +286,7 @@ class BufferService:
             if store.known(t.id):
                 store.stats["duplicates"] += 1
                 continue
-            body = None if bodies is None else bodies[i]
+            body: bytes | memoryview | msgspec.Raw | None = None if bodies is None else bodies[i]
             if self.admission is not None:
                 why, mask = self._admit(t)
                 if why is not None:
@@ -299,7 +300,8 @@ class BufferService:
             admitted.append(t)
             kept.append(body)
         if admitted:
-            if len(admitted) == len(bodies or ()) and all(a is b for a, b in zip(kept, bodies, strict=True)):
+            if (frame is not None and bodies is not None and len(admitted) == len(bodies)
+                    and all(a is b for a, b in zip(kept, bodies, strict=True))):
                 self.wal.append_message(frame)  # the whole group as it came: one piece, not one per member
             else:
                 self.wal.append_group(kept, PREAMBLE)
@@ -377,14 +379,15 @@ class BufferService:
         peer, req = parked
         q = self.store.pending_shares.get(rank)
         pos = position_after(q, req.after)
-        if pos >= len(q or ()):
+        if q is None or pos >= len(q):
             if not self.form_step(req.world_size):
                 return  # wait for data; the request stays parked
             q = self.store.pending_shares.get(rank)
-            if pos >= len(q or ()):
+            if q is None or pos >= len(q):
                 return
         served = self.store.outstanding[q[pos]]
         del self.parked[rank]
+        trajs: list[Any]  # Raw encodings (spliced in) or Trajectories: Batch declares what they decode to
         if self.admission is None:  # the stored encodings, spliced into the Batch as they are
             frames, raw = self.store.frames, msgspec.Raw
             trajs = [raw(frames[t.id]) for t in served.trajectories]
@@ -447,11 +450,13 @@ class BufferService:
         return samples >= self.cfg.batch_samples
 
     def _drop_stale_ready(self) -> None:
+        admission = self.admission
+        assert admission is not None  # called only with a policy
         stale = [
             tid
             for g in self.store.ready.values()
             for tid, t in g.members.items()
-            if not self.admission.admit(t.versions.numpy(), self.learner_version).admit
+            if not admission.admit(t.versions.numpy(), self.learner_version).admit
         ]
         if stale:
             self.wal.append(wal.Drop(stale, "stale"))

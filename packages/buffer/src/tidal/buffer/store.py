@@ -103,7 +103,8 @@ def _sample_type(name: str, array: type) -> Any:
         else:
             fields.append((f.name, tp))
     sample = msgspec.defstruct(name, fields, tag="Trajectory", array_like=True, gc=False, module=__name__)
-    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]), ("source", str, "")],
+    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]),  # type: ignore[valid-type]  # made at run time by defstruct
+                                               ("source", str, "")],
                               tag="TrajectoryGroup", array_like=True, gc=False, module=__name__)
     return sample, group
 
@@ -374,7 +375,7 @@ class Store:
         for i in ids:
             gid = where.get(i)
             g = ready.get(gid) if gid is not None else None
-            if g is None or i not in g.members:
+            if gid is None or g is None or i not in g.members:
                 raise KeyError(f"trajectory {i} is not ready to serve")
             trajs.append(g.members.pop(i))
             if gid not in before:
@@ -427,8 +428,8 @@ class Store:
                 body = body_of(frame)
                 self.put(sample_of(body), body)
         elif type(rec) is wal.PutMessage:
-            for body in member_bodies(body_of(rec.frame)):
-                self.put(sample_of(body), body)
+            for raw in member_bodies(body_of(rec.frame)):
+                self.put(sample_of(raw), raw)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
