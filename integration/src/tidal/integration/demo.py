@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -69,7 +71,7 @@ def demo_config(out: Path, overrides: list[str]) -> tuple[RunConfig, DemoOptions
     return convert(data, RunConfig, source="tidal demo"), opts
 
 
-def demo(out: str | Path, overrides: list[str] = ()) -> int:
+def demo(out: str | Path, overrides: Sequence[str] = ()) -> int:
     from tidal.integration.report import report
     from tidal.integration.run import run
     from tidal.integration.sft import SFTConfig, accuracy, sft
@@ -80,7 +82,8 @@ def demo(out: str | Path, overrides: list[str] = ()) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg, opts = demo_config(out, list(overrides))
     t0 = time.monotonic()
-    env = Arithmetic(**cfg.domains[0].options)  # type: ignore[arg-type]
+    options: dict[str, Any] = dict(cfg.domains[0].options)  # Arithmetic checks its own options
+    env = Arithmetic(**options)
     sft_cfg = SFTConfig(**{"seed": cfg.seed, **opts.sft})
     warm = {"model": opts.model, "sft": opts.sft, "domain": to_dict(cfg.domains[0]), "seed": cfg.seed}
     stamp = out / "model-sft.json"

@@ -38,7 +38,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
+from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
@@ -372,9 +372,10 @@ class Learner:
         if fut is not None:
             fut.result()
 
-    def _publish(self, topic: str, msg: object) -> None:
+    def _publish(self, topic: str, msg: Metrics | WeightsAvailable) -> None:
+        assert self.pub is not None  # rank 0's
         with self._pub_lock:
-            self.pub.publish(topic, msg)  # type: ignore[union-attr, arg-type]
+            self.pub.publish(topic, msg)
 
     def _reannounce_loop(self) -> None:
         """A generator that subscribed after an announcement (late start, restart, slow joiner) would
@@ -476,9 +477,9 @@ def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
     from tidal.integration.learner.backends import has_sinks, pick_attention
 
     ref_path = cfg.reference_model or cfg.model
-    reference = AutoModelForCausalLM.from_pretrained(
-        ref_path, attn_implementation=pick_attention(attn, torch.device(cfg.device),
-                                                     sinks=has_sinks(ref_path))).to(cfg.device)
+    reference: Any = AutoModelForCausalLM.from_pretrained(
+        ref_path, attn_implementation=pick_attention(attn, torch.device(cfg.device), sinks=has_sinks(ref_path)))
+    reference = reference.to(cfg.device)
     reference.requires_grad_(False)
     return reference
 

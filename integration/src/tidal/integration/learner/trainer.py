@@ -79,10 +79,11 @@ class Trainer:
         self.sp = sp
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
-        self.reference = reference.eval() if reference is not None else None
-        if self.reference is not None and self.reference.config._attn_implementation != backend.attention:
+        ref: Any = reference  # a transformers causal LM (its config and attention switch are transformers')
+        self.reference = ref.eval() if ref is not None else None
+        if ref is not None and ref.config._attn_implementation != backend.attention:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
-            self.reference.set_attn_implementation(backend.attention)
+            ref.set_attn_implementation(backend.attention)
         self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self.critic = bool(getattr(self.estimator, "needs_values", False))
         if self.critic and not getattr(backend.cfg, "value_head", False):
@@ -194,18 +195,19 @@ class Trainer:
 
     def _old_values(self, samples: Sequence[Sample], micros: list, n_micro: int) -> list[torch.Tensor]:
         """PPO: the critic's values before this step (no grad), for GAE and value clipping."""
-        out: list[torch.Tensor | None] = [None] * len(samples)
+        out: dict[int, torch.Tensor] = {}  # sample index -> its values
         with torch.no_grad():
             for k in range(n_micro):
                 micro = micros[k] if k < len(micros) else self._dummy(samples)
                 local, shard = self._shard(micro)
                 _, values = self._forward(local, critic=True)
+                assert values is not None  # critic=True
                 if shard is not None:
                     (values,) = shard.gather(values)
                 if k < len(micros):  # critic value of each completion token, at the position predicting it
                     for i, v in zip(micro.index, values.split([t for _, _, t in micro.spans]), strict=True):
                         out[i] = v.detach().float()
-        return out  # type: ignore[return-value]
+        return [out[i] for i in range(len(samples))]  # every sample is in one micro-batch
 
     def _dummy(self, samples: Sequence[Sample]) -> Any:
         """A forward for a rank that has run out of data this step (sharded backends run collectives in
@@ -298,6 +300,7 @@ class Trainer:
         of the micro-batch's completion tokens, gathered from the SP group under sequence parallelism."""
         logits, values = self._forward(local, self.critic)
         lp, ent = token_logprobs(logits, local, with_entropy=True)
+        assert ent is not None  # with_entropy=True
         if routes is not None:
             self._routing_metrics(routes, local, sums, n_micros)
         if shard is not None:

@@ -133,8 +133,8 @@ class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False
 
 
 _raw_group = msgspec.msgpack.Decoder(_RawGroup)
-_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
-_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)  # type: ignore[operator]
+_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)
+_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)
 _sample = msgspec.msgpack.Decoder(Sample)
 _small_sample = msgspec.msgpack.Decoder(SmallSample)
 

@@ -141,13 +141,13 @@ def read_segment(path: Path, report: ReplayReport) -> tuple[list[Record], int]:
         length, crc = HEADER.unpack_from(data, pos)
         end = pos + HEADER.size + length
         ok = length <= MAX_RECORD and end <= len(data) and checksum(view[pos + HEADER.size : end]) == crc
-        rec = None
+        rec: Record | None = None
         if ok:
             try:
                 rec = _decoder.decode(view[pos + HEADER.size : end])
             except msgspec.MsgspecError:
-                ok = False
-        if not ok:
+                pass
+        if rec is None:  # its length, checksum or payload is bad
             if bad_start < 0:
                 bad_start = pos
             pos += 1  # resynchronise byte by byte
@@ -155,7 +155,7 @@ def read_segment(path: Path, report: ReplayReport) -> tuple[list[Record], int]:
         if bad_start >= 0:
             report.corrupt_regions.append((path.name, bad_start, pos - bad_start))
             bad_start = -1
-        out.append(rec)  # type: ignore[arg-type]
+        out.append(rec)
         pos = end
         good_end = end
     if bad_start >= 0 or good_end < len(data):

@@ -130,7 +130,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
             n = data.view.nbytes
         else:  # a user's buffer: numpy array, bytearray, memoryview, ...
             view = _byte_view(data)
-            self.data = OutOfLine(view) if view.nbytes >= OUT_OF_LINE_BYTES else view  # type: ignore[assignment]  # as above
+            self.data = OutOfLine(view) if view.nbytes >= OUT_OF_LINE_BYTES else view  # type: ignore[assignment]  # the wire type, not the held type
             n = view.nbytes
         if n != size:
             raise ValueError(f"{n} bytes of data do not fit dtype {self.dtype} and shape {self.shape} (expected {size})")
@@ -147,9 +147,10 @@ class Array(msgspec.Struct, array_like=True, gc=False):
         if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
             raise ValueError(f"bad shape {shape}: at most {MAX_NDIM} non-negative dimensions")
         view = _byte_view(data)
+        held: memoryview | OutOfLine = view
         if out_of_line is not None:
-            view = OutOfLine(view) if out_of_line else view  # type: ignore[assignment]
-        return cls(dtype, shape, view)  # type: ignore[arg-type]
+            held = OutOfLine(view) if out_of_line else view
+        return cls(dtype, shape, held)  # type: ignore[arg-type]  # `data` is declared as its wire type (see __post_init__)
 
     @classmethod
     def from_numpy(cls, arr: np.ndarray, *, out_of_line: bool | None = None) -> Array:
@@ -180,7 +181,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
         data = self.data
         if type(data) is OutOfLine:
             return data.view
-        return memoryview(data)  # type: ignore[arg-type]
+        return memoryview(data)  # type: ignore[arg-type]  # after __post_init__ never a frame index (int)
 
     @property
     def out_of_line(self) -> bool:

@@ -40,8 +40,8 @@ def build_char_tokenizer(alphabet: str = ALPHABET):
         raise ValueError("tokenizer alphabet has repeated characters")
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *alphabet))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # type: ignore[assignment]
-    tok.decoder = decoders.Fuse()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
     )

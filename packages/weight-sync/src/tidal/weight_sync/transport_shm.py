@@ -204,6 +204,9 @@ class ShmReceiverTransport(ReceiverTransport):
 
     def release(self, ann: WeightsAvailable) -> None:
         """The bytes of `ann` are applied (or abandoned): the sender may write over them again."""
+        self._unlock_leased()
+
+    def _unlock_leased(self) -> None:
         for fd in self._leased:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -218,6 +221,6 @@ class ShmReceiverTransport(ReceiverTransport):
         import gc
 
         gc.collect()
-        self.release(None)  # type: ignore[arg-type]
+        self._unlock_leased()
         for name in list(self._maps):
             self._forget(name)

@@ -114,7 +114,7 @@ class EmbeddedEngine:
         self._tokenizer_path = None if isinstance(model, torch.nn.Module) else Path(model)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len) if max_model_len else int(getattr(cfg, "max_position_embeddings", 2048))
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.fp32_lm_head = fp32_lm_head
@@ -149,17 +149,19 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> torch.nn.Module:
+    def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> Any:
+        """The transformers causal LM, on the engine's device (Any: its config and decoder are per architecture)."""
         if isinstance(model, torch.nn.Module):
-            model.set_attn_implementation(ATTN_IMPL)
-            return model.to(self.device).eval()
+            built: Any = model  # a transformers PreTrainedModel
+            built.set_attn_implementation(ATTN_IMPL)
+            return built.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
         path = Path(model)
         if not (path / "config.json").is_file():
             raise EngineError(f"no model at {str(path)!r}: the embedded engine loads a local Hugging Face folder "
                               "(config.json + weights); build a tiny one with tidal.rollout.tiny.build_tiny_model")
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL)
+        m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL)
         return m.to(self.device).eval()
 
     def _hook_routers(self) -> int:
@@ -502,7 +504,7 @@ class EmbeddedEngine:
     def _apply_aborts(self) -> None:
         ids, self._aborts = self._aborts, set()
         self._finish_many([(s, "abort") for s in self._running if s.req.request_id in ids])
-        kept = collections.deque()
+        kept: collections.deque[_Seq] = collections.deque()
         for seq in self._waiting:
             if seq.req.request_id in ids:
                 self._results.append(self._result(seq, "abort"))
@@ -513,7 +515,7 @@ class EmbeddedEngine:
     def _apply_update(self, upd: _Update) -> None:
         t0 = time.perf_counter()
         try:
-            params = dict(self.model.named_parameters())
+            params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
             params.update(self.model.named_buffers())
             unknown = [n for n, _ in upd.weights if n not in params]
             wrong = [f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}" for n, t in upd.weights
