@@ -49,7 +49,9 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
         # PUB/SUB drops what is published before a subscription reaches the publisher: the worker (and
         # so the first batch) starts only once the learner's PUB is bound and we are subscribed
         deadline = time.monotonic() + 120
-        while "learner up at version" not in (tmp_path / "learner.log").read_text() and time.monotonic() < deadline:
+        while "learner up at version" not in (tmp_path / "learner.log").read_text():
+            assert procs["learner"].poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "learner.log").read_text()[-3000:]
             time.sleep(0.1)
         time.sleep(0.5)
         procs["worker"] = subprocess.Popen(

@@ -1,5 +1,5 @@
 """The monorepo's house rules, checked: PEP 420 namespace, one folder per package with its own
-metadata, no sibling dependencies, and an import-linter contract that covers every package."""
+metadata, no sibling dependencies, and an import-linter contract and a type check that cover every package."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ def test_import_contract_covers_every_package():
     if siblings:
         up = [c for c in contracts if c["type"] == "forbidden" and "tidal.integration" in c["forbidden_modules"]]
         assert any(set(c["source_modules"]) >= modules for c in up), "every package must be barred from tidal.integration"
+
+
+def test_type_check_covers_every_package():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    sources = {f"packages/{p.name}/src" for p in PACKAGES} | {"integration/src"}
+    assert set(cfg["mypy_path"]) == sources, "mypy_path must list every package's src folder"
+    assert set(cfg["files"]) == {f"{s}/tidal" for s in sources}, "mypy's files must be every package's tidal folder"
+    assert "uv run --locked --all-packages mypy" in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 def test_ci_runs_the_readme_test_command():

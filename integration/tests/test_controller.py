@@ -135,7 +135,7 @@ def test_a_task_the_tokenizer_cannot_encode_is_skipped_and_named(tmp_path, caplo
     from tidal.core.errors import PluginError
 
     try:
-        check_task(Task(prompt="1+1=", metadata={"level": 3}), "acme", "domains[1]")  # type: ignore[dict-item]
+        check_task(Task(prompt="1+1=", metadata={"level": 3}), "acme", "domains[1]")
     except PluginError as e:
         assert "env 'acme' (domains[1])" in str(e) and "metadata['level'] = 3 (int)" in str(e)
     else:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ PROMPT = 32
 IN_FLIGHT_BYTES = 128 * 1024**2  # producer window and socket queues hold about this much
 
 
-def messages(size_kib: int, unit: str, n: int, source: str = "bench") -> list[Trajectory | TrajectoryGroup]:
+def messages(size_kib: int, unit: str, n: int, source: str = "bench") -> Sequence[Trajectory | TrajectoryGroup]:
     """N trajectories of about `size_kib` KiB encoded (32 prompt tokens; completion ids, logprobs and
     versions at 12 bytes a token), as lone messages or groups of 8."""
     rng = np.random.default_rng(0)
@@ -63,7 +64,7 @@ def messages(size_kib: int, unit: str, n: int, source: str = "bench") -> list[Tr
     trajs = [Trajectory(id=f"t{i}", group_id=f"g{i // GROUP}", sample_index=i % GROUP, task="arith", reward=1.0,
                         finish_reason="stop", source=source, group_size=GROUP, **arrays) for i in range(n)]
     if unit == "trajectory":
-        return trajs  # type: ignore[return-value]
+        return trajs
     return [TrajectoryGroup(id=f"g{j}", trajectories=trajs[j * GROUP:(j + 1) * GROUP], source=source)
             for j in range(n // GROUP)]
 

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,6 +67,19 @@ class BufferProcess:
 
     def log_text(self) -> str:
         return "\n".join(p.read_text() for p in self.logs if p.exists())
+
+    def wait_status(self, holds: Callable[[dict[str, float]], bool], timeout: float, what: str) -> dict[str, float]:
+        """The buffer's status scalars once `holds` says yes; fails naming `what` (and the last status)
+        after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with BatchClient(self.serve) as probe:
+            while True:
+                s = probe.status(timeout=10).scalars
+                if holds(s):
+                    return s
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the buffer's status never showed {what} within {timeout:g} s: {s}")
+                time.sleep(0.05)
 
 
 def _toml(v) -> str:

@@ -34,9 +34,11 @@ def test_a_group_is_one_message_resent_until_acked_and_settled_per_trajectory():
             first = inbox.recv(timeout=5)
             assert type(first) is TrajectoryGroup and first == group and first.trajectories[2].logprobs.out_of_line
             assert inbox.recv(timeout=5) == make_trajectory(9)
-            time.sleep(0.3)
-            p.poll(0)
-            assert inbox.recv(timeout=5) == group and p.resent >= 1  # not acked yet: sent again
+            deadline = time.monotonic() + 5
+            while p.resent == 0:  # not acked yet: sent again once resend_after has passed
+                assert time.monotonic() < deadline, "the unacknowledged group was never resent"
+                p.poll(0.05)
+            assert inbox.recv(timeout=5) == group
             done = _settled(p, acks, Ack(kind="group", ids=["g0"], refused={"g0:3": "stale"}))
             assert sorted(done) == ["g0:0", "g0:1", "g0:2"] and reported[-1] == done
             assert p.rejected == {"g0:3": "stale"} and p.acked == 3 and list(p.pending) == ["traj-9"]

@@ -20,8 +20,8 @@ def bpe_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
-    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     corpus = ["x Ans y power tower: 42", "Ans wer Ans: x y 42 power", "x Ans y wer tower: 42\n"] * 20
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

@@ -37,6 +37,14 @@ def requests(prefix, n, *, seed=0, max_tokens=(4, 60), **kw):
     return out
 
 
+def wait_generated(eng, n: int, timeout: float = 60.0) -> None:
+    """Until the engine has generated `n` tokens (its load state says so); fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (done := eng.load_state()["tokens_generated"]) < n:
+        assert time.monotonic() < deadline, f"the engine generated {done:.0f} of {n} tokens within {timeout:g} s"
+        time.sleep(0.002)
+
+
 def perturbed(model, scale=0.05, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -107,8 +115,7 @@ def test_in_flight_update_in_each_partial_rollout_mode(tiny_model, mode):
     with EmbeddedEngine(tiny_model, max_num_seqs=8, partial_mode=mode) as eng:
         for r in reqs:
             eng.submit(r)
-        while eng.load_state()["tokens_generated"] < 8 * 10:  # everything is mid-sequence
-            time.sleep(0.005)
+        wait_generated(eng, 8 * 10)  # everything is mid-sequence
         eng.update_weights(new_state.items(), version=1)
         assert eng.version == 1 and eng.stats["last_update_pause_s"] < 1.0
         results = {}
@@ -159,8 +166,7 @@ def test_pause_resume_and_abort(tiny_model):
             eng.submit(r)
         assert eng.poll(timeout=0.3) == [] and eng.load_state()["tokens_generated"] == 0
         eng.resume()
-        while eng.load_state()["tokens_generated"] < 6:
-            time.sleep(0.002)
+        wait_generated(eng, 6)
         eng.abort(["p0", "nope"])
         got = {}
         while len(got) < 3:

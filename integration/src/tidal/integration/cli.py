@@ -113,8 +113,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     s = summarize(read_metrics(args.run_dir))
     print(f"{png}\n{s['versions']} versions, {s['samples_trained']:.0f} samples trained, {s['wall_s'] / 60:.1f} min, "
           f"lag mean {s['lag_mean']:.2f} (max {s['lag_max']})")
-    for e in s["eval"]:
-        print(f"  eval at version {e['version']:>4}  ({e['elapsed_s'] / 60:5.1f} min)  accuracy {100 * e['accuracy']:.1f}%")
+    for ev in s["eval"]:
+        print(f"  eval at version {ev['version']:>4}  ({ev['elapsed_s'] / 60:5.1f} min)  accuracy {100 * ev['accuracy']:.1f}%")
     return 0
 
 

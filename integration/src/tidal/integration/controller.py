@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.channels import make_hello, poll, router, sub
+from tidal.core.channels import SubChannel, make_hello, poll, router, sub
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
@@ -188,7 +188,8 @@ class Controller:
                         peer, msg = self.ch.recv(timeout=0)
                         self._on_worker(peer, msg)
                     else:
-                        topic, msg = ch.recv(timeout=0)  # type: ignore[attr-defined]
+                        assert isinstance(ch, SubChannel)  # the learner's or the buffer's PUB
+                        topic, msg = ch.recv(timeout=0)
                         self._on_published(topic, msg)
                 except ChannelTimeout:
                     break
@@ -337,7 +338,7 @@ class Controller:
             self.worker_lost(w.name)
 
     def _new_assignment(self) -> Assignment:
-        d = self.domains[int(self.rng.choices(range(len(self.domains)), weights=self.weights)[0])]
+        d = self.domains[int(self.rng.choices(range(len(self.domains)), weights=self.weights.tolist())[0])]
         while True:
             task = check_task(next(d.train), d.plugin, d.where)
             ids = self._encode(task.prompt, d)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -94,7 +95,7 @@ def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tu
     return convert(data, RunConfig, source="tidal demo"), opts
 
 
-def demo(out: str | Path, overrides: list[str] = (), task: str = "arithmetic") -> int:
+def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic") -> int:
     from tidal.core.plugins import registry
     from tidal.integration.report import report
     from tidal.integration.run import run

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("tidal.launch")
 
@@ -213,7 +214,7 @@ class RayRun:
         self.starts[role.name] = self.starts.get(role.name, 0) + 1
         opts = {"num_cpus": 0.5, **self.resources.get(role.kind, {})}
         host_cls = self.ray.remote(_RoleHost)
-        hosts = []
+        hosts: list[Any] = []  # ray actor handles (their methods' `.remote` is made at run time)
         for rank in range(role.nproc):
             log_path = self.run_dir / "logs" / (f"{role.name}.log" if role.nproc == 1 else f"{role.name}-{rank}.log")
             hosts.append(host_cls.options(**opts).remote(role.argv(), str(log_path), role.env))

@@ -108,8 +108,8 @@ class Display:
         return Group(self._progress, t) if self._progress is not None else t
 
     def update(self, version: int, summary: dict[str, str]) -> None:
-        if self.mode == "rich" and self._live is not None:
-            self._progress.update(self._task, completed=min(version, self.target))  # type: ignore[union-attr]
+        if self.mode == "rich" and self._live is not None and self._progress is not None:  # made together
+            self._progress.update(self._task, completed=min(version, self.target))
             self._live.update(self._render(summary))
         elif self.mode == "log" and time.monotonic() >= self._next_log:
             self._next_log = time.monotonic() + self.log_every_s

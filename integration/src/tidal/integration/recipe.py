@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -124,7 +125,7 @@ class RunConfig(ConfigStruct):
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     cfg = load_config(path, RunConfig, overrides)
     check(cfg)
     return cfg

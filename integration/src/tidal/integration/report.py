@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ def summarize(rows: list[dict]) -> dict:
     samples = np.cumsum([r["scalars"].get("train/sequences", 0.0) for r in learner]) if learner else np.zeros(0)
     lags = np.concatenate([np.asarray(r["histograms"]["lag"]) for r in learner if "lag" in r.get("histograms", {})]
                           or [np.zeros(0)])
-    out = {
+    out: dict[str, Any] = {
         "versions": int(learner[-1]["scalars"].get("train/version", 0)) if learner else 0,
         "samples_trained": float(samples[-1]) if len(samples) else 0.0,
         "wall_s": float(rows[-1]["elapsed"]) if rows else 0.0,

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,56 +60,23 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     """Fit `model_path` on `env`'s train split and save the result (model + tokenizer) to `out`.
     `demonstrate(task, rng)` gives each task's text segments (trained or not); default: the prompt, then
     the reference answer. Returns {"loss": final loss, "seconds": wall time, "examples": problems seen}."""
-    from transformers import AutoModelForCausalLM
-
     from tidal.rollout.tiny import load_tokenizer
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(model_path)
-    from tidal.integration.learner.backends import has_sinks
-
-    extra = {}
-    if has_sinks(str(model_path)):
-        # GPT-OSS: transformers' eager attention (the only one it has on CPU that takes sinks) ignores the
-        # packing in the position ids and would attend across the packed problems; tidal_varlen honours both
-        from tidal.seqpar.hf import register_varlen_attention
-
-        extra["attn_implementation"] = register_varlen_attention()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
+    model = _load_model(model_path)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    warmup = min(20, cfg.steps // 10 + 1)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, cfg.steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = _optimizer(model, cfg)
     tasks = env.tasks("train", cfg.seed)
     rng = random.Random(cfg.seed + 1)
     show = demonstrate or _answer_demonstrator(cfg)
     t0, loss_value = time.perf_counter(), float("nan")
     for step in range(cfg.steps):
-        ids, pos, labels = [], [], []
-        for task in itertools.islice(tasks, cfg.batch):
-            seq, target = [], []
-            for text, trained in show(task, rng):
-                piece = tok.encode(text, add_special_tokens=False)
-                seq += piece
-                target += piece if trained else [-100] * len(piece)
-            ids += seq
-            pos += range(len(seq))
-            labels += target
-        input_ids = torch.tensor([ids])
-        # labels are shifted by one: token t predicts t + 1; sequence boundaries never predict across
-        target = torch.tensor([*labels[1:], -100])
-        target[torch.tensor([*pos[1:], 0]) == 0] = -100
+        input_ids, position_ids, target = _packed_batch(tok, itertools.islice(tasks, cfg.batch), show, rng)
         # use_cache=False: with a cache transformers ignores the packing in the position ids
-        logits = model(input_ids=input_ids, position_ids=torch.tensor([pos]), use_cache=False).logits[0]
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
         loss = torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -126,6 +93,56 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     seconds = time.perf_counter() - t0
     log.info("SFT: %d steps, final loss %.4f, %.1f s", cfg.steps, loss_value, seconds)
     return {"loss": loss_value, "seconds": seconds, "examples": float(cfg.steps * cfg.batch)}
+
+
+def _load_model(model_path: str | Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from tidal.integration.learner.backends import has_sinks
+
+    extra = {}
+    if has_sinks(str(model_path)):
+        # GPT-OSS: transformers' eager attention (the only one it has on CPU that takes sinks) ignores the
+        # packing in the position ids and would attend across the packed problems; tidal_varlen honours both
+        from tidal.seqpar.hf import register_varlen_attention
+
+        extra["attn_implementation"] = register_varlen_attention()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
+
+
+def _optimizer(model: torch.nn.Module, cfg: SFTConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over min(20, steps / 10 + 1) steps, then a cosine down to 10 %."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warmup = min(20, cfg.steps // 10 + 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, cfg.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def _packed_batch(tok: Any, tasks: Iterable[Any], show: Demonstrator, rng: random.Random
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row of demonstrations, packed: (input ids [1, n], position ids [1, n], targets [n]: -100 on
+    the segments not trained and where a sequence ends). `rng` draws the demonstrator's choices."""
+    ids: list[int] = []
+    pos: list[int] = []
+    labels: list[int] = []
+    for task in tasks:
+        seq: list[int] = []
+        for text, trained in show(task, rng):
+            piece = list(tok.encode(text, add_special_tokens=False))
+            seq += piece
+            labels += piece if trained else [-100] * len(piece)
+        ids += seq
+        pos += range(len(seq))
+    # labels are shifted by one: token t predicts t + 1; sequence boundaries never predict across
+    target = torch.tensor([*labels[1:], -100])
+    target[torch.tensor([*pos[1:], 0]) == 0] = -100
+    return torch.tensor([ids]), torch.tensor([pos]), target
 
 
 def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0, seed: int = 0,

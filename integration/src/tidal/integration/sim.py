@@ -17,10 +17,13 @@ import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult
 from tidal.core.protocol import WeightsAvailable
+
+if TYPE_CHECKING:
+    from tidal.rollout.weights import ReceiverPool
 
 
 class SimulatedEngine:
@@ -36,7 +39,7 @@ class SimulatedEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._paused = False
-        self._receivers = None
+        self._receivers: ReceiverPool | None = None  # made by the first receive_weights
         self._options = {k: dict(v) for k, v in (weight_transport_options or {}).items()}
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="sim-engine", daemon=True)

@@ -94,17 +94,27 @@ def has_sinks(model: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "gpt_oss"
 
 
+def _value_head(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The critic's head `value_head=True` added to the model, or None."""
+    head = getattr(module, "value_head", None)
+    return head if isinstance(head, torch.nn.Module) else None
+
+
 class _Backend:
     name = "base"
     reduces_grads = False  # whether backward/step reduce gradients over the ranks (sharded backends)
     ep = 1  # expert-parallel degree (fsdp2 only)
-    native_checkpoints = False  # True: checkpoints through save_native / load_native, not torch.distributed.checkpoint
+    @property
+    def native_checkpoints(self) -> bool:
+        """True: checkpoints through save_native / load_native, not torch.distributed.checkpoint."""
+        return False
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        module: Any  # a transformers causal LM (its config; a value head added below)
         if isinstance(model, torch.nn.Module):
             module = model
         else:
@@ -180,7 +190,8 @@ class _Backend:
     def _call(self, **kw: Any) -> Any:
         return self.model(**kw)
 
-    def _module(self) -> torch.nn.Module:
+    def _module(self) -> Any:
+        """The transformers model under the wrapping (its config, value head, ...)."""
         return self.model
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
@@ -280,16 +291,16 @@ class FSDP2Backend(_Backend):
         if self.mesh is not None:  # experts over "ep" then "dp"; the rest over dp × ep (tidal.moe_fsdp.fsdp)
             from tidal.moe_fsdp.fsdp import shard_moe_model
 
-            if hasattr(module, "value_head"):
-                fully_shard(module.value_head, mesh=self.mesh._flatten("dp_ep"), **kwargs)
+            if (head := _value_head(module)) is not None:
+                fully_shard(head, mesh=self.mesh._flatten("dp_ep"), **kwargs)
             return shard_moe_model(module, self.mesh, mp_policy=kwargs.get("mp_policy"))
         layers = getattr(getattr(module, "model", module), "layers", None)
         if layers is None:
             raise ValueError(f"fsdp2: cannot find the decoder layers of {type(module).__name__} (model.layers)")
         for layer in layers:
             fully_shard(layer, **kwargs)
-        if hasattr(module, "value_head"):  # called on its own (outside the root forward): its own unit
-            fully_shard(module.value_head, **kwargs)
+        if (head := _value_head(module)) is not None:  # called on its own (outside the root forward): its own unit
+            fully_shard(head, **kwargs)
         fully_shard(module, **kwargs)
         return module
 
@@ -390,7 +401,7 @@ class DeepSpeedBackend(_Backend):
     def _call(self, **kw: Any) -> Any:
         return self.engine(**kw)
 
-    def _module(self) -> torch.nn.Module:
+    def _module(self) -> Any:
         return self.engine.module
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:

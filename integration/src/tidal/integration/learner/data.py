@@ -19,6 +19,7 @@ import torch
 
 from tidal.core.protocol import SamplingParams, Trajectory
 from tidal.rollout.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
+from tidal.seqpar.layout import ShardLayout
 from tidal.seqpar.varlen import Item, VarlenLayout
 
 
@@ -74,7 +75,7 @@ class Processing:
            device: torch.device | str) -> Processing | None:
         params = [samples[i].sampling or fallback for i in index]
         plain = all(p.temperature == 1.0 and not 0 < p.top_k and p.top_p >= 1.0 for p in params)
-        with_kept = [samples[i].kept is not None and len(samples[i].kept) == t for i, t in zip(index, sizes, strict=True)]
+        with_kept = [(kept := samples[i].kept) is not None and len(kept) == t for i, t in zip(index, sizes, strict=True)]
         if plain and not any(with_kept):
             return None
 
@@ -83,8 +84,8 @@ class Processing:
 
         kept = has = None
         if any(with_kept):
-            width = next(samples[i].kept.shape[1] for i, w in zip(index, with_kept, strict=True) if w)  # type: ignore[union-attr]
-            kept = np.concatenate([samples[i].kept if w else np.full((t, width), 255, np.uint8)  # type: ignore[misc]
+            width = next(k.shape[1] for i, w in zip(index, with_kept, strict=True) if w and (k := samples[i].kept) is not None)
+            kept = np.concatenate([samples[i].kept if w else np.full((t, width), 255, np.uint8)
                                    for i, t, w in zip(index, sizes, with_kept, strict=True)])
             has = per_token([int(w) for w in with_kept], torch.bool)
         return cls(per_token([p.temperature for p in params], torch.float32),
@@ -112,7 +113,7 @@ class Micro:
     position_ids: torch.Tensor
     index: list[int]
     spans: list[tuple[int, int, int]]
-    layout: VarlenLayout | None = None
+    layout: VarlenLayout | ShardLayout | None = None  # ShardLayout: a shard of a row (sequence parallelism)
     pred: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     rows: torch.Tensor | None = None
@@ -128,7 +129,7 @@ class Micro:
         """[N] per-completion-token values (in `pred` order) -> [len(index), width], padded with `value`
         (differentiable: an index_put, not a loop)."""
         out = flat.new_full((len(self.index), self.width), value)
-        return out.index_put((self.rows, self.cols), flat)  # type: ignore[arg-type]
+        return out.index_put((self.rows, self.cols), flat)
 
 
 def pack(samples: Sequence[Sample], max_tokens: int, device: torch.device | str = "cpu",
@@ -163,7 +164,7 @@ def _units(samples: Sequence[Sample], max_tokens: int) -> list[list[int]]:
     groups: dict[tuple[str, bytes], list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault((s.group_id, s.prompt.tobytes()), []).append(i)
-    units = []
+    units: list[list[int]] = []
     for members in groups.values():
         if len(samples[members[0]].prompt) == 0:
             units.extend([i] for i in members)  # nothing to share (and no token to predict the first from)

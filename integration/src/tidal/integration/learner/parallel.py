@@ -150,7 +150,11 @@ class Shard:
 
     @property
     def layout(self) -> ShardLayout:
-        return self.micro.layout  # type: ignore[return-value]
+        from tidal.seqpar import ShardLayout
+
+        layout = self.micro.layout
+        assert isinstance(layout, ShardLayout)  # `SequenceParallel.shard` made it
+        return layout
 
     def gather(self, *cols: torch.Tensor) -> list[torch.Tensor]:
         """Per-token values of this rank's completion tokens ([n_me] each) -> the whole micro-batch's
@@ -223,7 +227,9 @@ class SequenceParallel:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.mesh.group, 0), group=self.mesh.group)
+        group = self.mesh.group
+        assert group is not None, "an SP group of more than one rank shares a batch"
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return box[0]
 
     def shard(self, micro: Micro) -> Shard:

@@ -38,7 +38,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, TOPIC_WEIGHTS, Metrics
+from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
@@ -91,18 +91,8 @@ class LearnerConfig(ConfigStruct):
 
 class Learner:
     def __init__(self, cfg: LearnerConfig) -> None:
-        import torch
         import torch.distributed as dist
 
-        from tidal.buffer.client import BatchClient
-        from tidal.core.channels import pub
-        from tidal.core.plugins import registry
-        from tidal.integration.learner.parallel import (
-            check_parallel,
-            ep_backend_options,
-            model_config,
-            setup_sequence_parallel,
-        )
         from tidal.integration.learner.trainer import Trainer
 
         if not cfg.model:
@@ -110,6 +100,43 @@ class Learner:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        options = self._build_backend()
+        reference = _load_reference(cfg, options.attn) if needs_reference(cfg.train) else None
+        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp)
+        self._resume()
+        self._connect()
+        self._start_weights()
+        # Off the step's critical path (one process; with several ranks the gathers and the checkpoint
+        # are collective and stay on the step): weights are packed and staged while the next step's
+        # forward and backward run (the optimizer waits for it, see Trainer.before_update), and a
+        # checkpoint is written from a snapshot while training goes on; the batches it records are
+        # acknowledged with the next batch request once it is on disk.
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-bg") \
+            if self.world == 1 else None
+        self._publishing: Future | None = None
+        self._checkpointing: Future | None = None
+        self._ack_next: list[str] = []  # checkpointed batches, acknowledged with the next request
+        self._checkpoint_covers: list[str] = []  # the batches the background checkpoint records
+        self.trainer.before_update = self.wait_published
+        self._stop = False
+        if self.rank == 0:
+            log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
+                     self.version, cfg.buffer, cfg.publish)
+
+    def _build_backend(self) -> BackendConfig:
+        """The train backend and sequence parallelism (collective), the parallel layout checked before the
+        model is loaded. Returns the backend options used (a value head added for a critic)."""
+        import torch
+
+        from tidal.core.plugins import registry
+        from tidal.integration.learner.parallel import (
+            check_parallel,
+            ep_backend_options,
+            model_config,
+            setup_sequence_parallel,
+        )
+
+        cfg = self.cfg
         if cfg.parallel != ParallelConfig():  # refused before the model is loaded
             check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend,
                            attn=cfg.backend_options.attn)
@@ -129,18 +156,11 @@ class Learner:
             m = self.sp.mesh
             log.info("rank %d: sequence-parallel rank %d of %d (%s: ulysses %d x ring %d), data-parallel share %d of %d",
                      self.rank, m.rank, m.size, cfg.parallel.sp_mode, m.ulysses, m.ring, self.dp_rank, self.dp)
-        reference = None
-        if needs_reference(cfg.train):
-            from transformers import AutoModelForCausalLM
+        return options
 
-            from tidal.integration.learner.backends import has_sinks, pick_attention
-
-            ref_path = cfg.reference_model or cfg.model
-            reference = AutoModelForCausalLM.from_pretrained(
-                ref_path, attn_implementation=pick_attention(options.attn, torch.device(cfg.device),
-                                                             sinks=has_sinks(ref_path))).to(cfg.device)
-            reference.requires_grad_(False)
-        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp)
+    def _resume(self) -> None:
+        """Progress counters, from <checkpoint_dir>/latest when it holds a checkpoint."""
+        cfg = self.cfg
         self.step = 0
         self.version = 0
         self.samples_trained = 0  # trajectories trained on, over the whole run (kept in checkpoints)
@@ -159,6 +179,13 @@ class Learner:
             self.trained_ids = list(progress.get("trained_ids", []))
             self.trained.extend(progress.get("trained", []))
             log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
+
+    def _connect(self) -> None:
+        """The buffer client (one per data-parallel share) and, on rank 0, the PUB socket."""
+        from tidal.buffer.client import BatchClient
+        from tidal.core.channels import pub
+
+        cfg = self.cfg
         self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
                                   trained=list(self.trained)) if self.sp is None or self.sp.leader else None
         self.pub = pub(cfg.publish, linger=1.0, watch_subscriptions=True) if self.rank == 0 else None
@@ -169,6 +196,12 @@ class Learner:
                 log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", cfg.publish,
                             cfg.wait_for_subscriber_s)
         self._pub_lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
+
+    def _start_weights(self) -> None:
+        """Rank 0's weight sender, and the thread that re-announces the latest version."""
+        from tidal.core.plugins import registry
+
+        cfg = self.cfg
         self.sender = None
         self._announced = None  # the latest WeightsAvailable, re-published every weights.reannounce_s
         self._announcer_stop = threading.Event()
@@ -178,22 +211,6 @@ class Learner:
             if cfg.weights.reannounce_s > 0:
                 self._announcer = threading.Thread(target=self._reannounce_loop, name="tidal-reannounce", daemon=True)
                 self._announcer.start()
-        # Off the step's critical path (one process; with several ranks the gathers and the checkpoint
-        # are collective and stay on the step): weights are packed and staged while the next step's
-        # forward and backward run (the optimizer waits for it, see Trainer.before_update), and a
-        # checkpoint is written from a snapshot while training goes on; the batches it records are
-        # acknowledged with the next batch request once it is on disk.
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-bg") \
-            if self.world == 1 else None
-        self._publishing: Future | None = None
-        self._checkpointing: Future | None = None
-        self._ack_next: list[str] = []  # checkpointed batches, acknowledged with the next request
-        self._checkpoint_covers: list[str] = []  # the batches the background checkpoint records
-        self.trainer.before_update = self.wait_published
-        self._stop = False
-        if self.rank == 0:
-            log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
-                     self.version, cfg.buffer, cfg.publish)
 
     def stop(self) -> None:
         self._stop = True
@@ -233,13 +250,7 @@ class Learner:
         from tidal.integration.learner.data import Sample
 
         t0, asked_at = time.perf_counter(), time.time()
-        self._collect_checkpoint(wait=False)
-        ack, self._ack_next = self._ack_next, []
-        got, batch = True, None
-        if self.client is not None:  # under sequence parallelism, SP rank 0 of each group
-            client = self.client
-            got, batch = self._until_stopped(lambda t: client.next_batch(self.version, timeout=t, ack=ack),
-                                             self.cfg.batch_timeout_s, "no batch from the buffer")
+        got, batch = self._next_batch()
         if not self._everyone(got):
             return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
         t_batch = time.perf_counter()
@@ -254,9 +265,33 @@ class Learner:
         if self.cfg.simulate_s_per_sample:
             time.sleep(self.cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / self.dp)
         t_train = time.perf_counter()
+        self._record_step(batch_id, batch, int(metrics["train/sequences"]))
+        t_ckpt = time.perf_counter()
+        if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
+            self.publish_weights()
+        t_end = time.perf_counter()
+        metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
+        timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
+                  "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9)}
+        self._report(metrics, timing, ready_to_step, samples, batch.trajectories if batch is not None else [])
+        return metrics
+
+    def _next_batch(self) -> tuple[bool, Any]:
+        """This rank's share of the next batch, the checkpointed batches acknowledged with the request:
+        (False, None) when stopped while waiting; (True, None) on an SP rank that is not its group's 0."""
+        self._collect_checkpoint(wait=False)
+        ack, self._ack_next = self._ack_next, []
+        if self.client is None:  # under sequence parallelism, SP rank 0 of each group asks
+            return True, None
+        client = self.client
+        return self._until_stopped(lambda t: client.next_batch(self.version, timeout=t, ack=ack),
+                                   self.cfg.batch_timeout_s, "no batch from the buffer")
+
+    def _record_step(self, batch_id: str, batch: Any, sequences: int) -> None:
+        """Count the step trained on `batch_id`, then checkpoint and acknowledge when due."""
         self.step += 1
         self.version += 1
-        self.samples_trained += int(metrics["train/sequences"])  # all ranks
+        self.samples_trained += sequences  # all ranks
         self.trained.append(batch_id)
         self.unacked.append(batch_id)
         if self.cfg.record_trained_ids:  # each data-parallel share once
@@ -269,19 +304,18 @@ class Learner:
             else:
                 self.checkpoint()
                 self.acknowledge()
-        t_ckpt = time.perf_counter()
-        if self.cfg.weights.every and self.step % self.cfg.weights.every == 0:
-            self.publish_weights()
-        t_end = time.perf_counter()
-        metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
+
+    def _report(self, metrics: dict[str, float], timing: dict[str, float], ready_to_step: float | None,
+                samples: list[Any], trajectories: list[Any]) -> None:
+        """Add the send's stats, `timing`, the run's counters, staleness and rewards to `metrics`; rank 0
+        publishes and logs them."""
         if self.sender is not None:
             metrics.update(self.sender.last_stats)  # of the latest completed send
         # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
         lags = (np.concatenate([self.version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
                 if samples else np.zeros(0))
         metrics.update({
-            "train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
-            "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9),
+            **timing,
             "train/version": float(self.version),
             "train/samples_total": float(self.samples_trained),
             "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
@@ -290,7 +324,7 @@ class Learner:
         if ready_to_step is not None:
             metrics["train/ready_to_step_ms"] = 1e3 * max(0.0, ready_to_step)
         by_task: dict[str, list[float]] = {}
-        for t in batch.trajectories if batch is not None else []:
+        for t in trajectories:
             by_task.setdefault(t.task, []).append(float(t.reward))
         if len(by_task) > 1:
             metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
@@ -300,7 +334,6 @@ class Learner:
                 histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
             log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
                      metrics.get("loss/total", 0.0), metrics["reward/mean"], metrics["train/tokens_per_s"])
-        return metrics
 
     def acknowledge(self) -> None:
         """Tell the buffer it may forget the batches trained since the last acknowledgement. Stopped with
@@ -341,9 +374,10 @@ class Learner:
         if fut is not None:
             fut.result()
 
-    def _publish(self, topic: str, msg: object) -> None:
+    def _publish(self, topic: str, msg: Metrics | WeightsAvailable) -> None:
+        assert self.pub is not None  # rank 0's
         with self._pub_lock:
-            self.pub.publish(topic, msg)  # type: ignore[union-attr, arg-type]
+            self.pub.publish(topic, msg)
 
     def _reannounce_loop(self) -> None:
         """A generator that subscribed after an announcement (late start, restart, slow joiner) would
@@ -435,6 +469,21 @@ class Learner:
             self.sender.close()
         if self.pub is not None:
             self.pub.close()
+
+
+def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
+    """The frozen reference model (a KL penalty, distillation): `reference_model`, else the starting one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidal.integration.learner.backends import has_sinks, pick_attention
+
+    ref_path = cfg.reference_model or cfg.model
+    reference: Any = AutoModelForCausalLM.from_pretrained(
+        ref_path, attn_implementation=pick_attention(attn, torch.device(cfg.device), sinks=has_sinks(ref_path)))
+    reference = reference.to(cfg.device)
+    reference.requires_grad_(False)
+    return reference
 
 
 def _spawn(nproc: int, argv: list[str]) -> int:

@@ -79,10 +79,11 @@ class Trainer:
         self.sp = sp
         if needs_reference(cfg) and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
-        self.reference = reference.eval() if reference is not None else None
-        if self.reference is not None and self.reference.config._attn_implementation != backend.attention:
+        ref: Any = reference  # a transformers causal LM (its config and attention switch are transformers')
+        self.reference = ref.eval() if ref is not None else None
+        if ref is not None and ref.config._attn_implementation != backend.attention:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
-            self.reference.set_attn_implementation(backend.attention)
+            ref.set_attn_implementation(backend.attention)
         self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
         self.critic = bool(getattr(self.estimator, "needs_values", False))
         self.uses_steps = bool(getattr(self.estimator, "uses_step_rewards", False))
@@ -221,18 +222,19 @@ class Trainer:
 
     def _old_values(self, samples: Sequence[Sample], micros: list, n_micro: int) -> list[torch.Tensor]:
         """PPO: the critic's values before this step (no grad), for GAE and value clipping."""
-        out: list[torch.Tensor | None] = [None] * len(samples)
+        out: dict[int, torch.Tensor] = {}  # sample index -> its values
         with torch.no_grad():
             for k in range(n_micro):
                 micro = micros[k] if k < len(micros) else self._dummy(samples)
                 local, shard = self._shard(micro)
                 _, values = self._forward(local, critic=True)
+                assert values is not None  # critic=True
                 if shard is not None:
                     (values,) = shard.gather(values)
                 if k < len(micros):  # critic value of each completion token, at the position predicting it
                     for i, v in zip(micro.index, values.split([t for _, _, t in micro.spans]), strict=True):
                         out[i] = v.detach().float()
-        return out  # type: ignore[return-value]
+        return [out[i] for i in range(len(samples))]  # every sample is in one micro-batch
 
     def _dummy(self, samples: Sequence[Sample]) -> Any:
         """A forward for a rank that has run out of data this step (sharded backends run collectives in
@@ -304,12 +306,28 @@ class Trainer:
         to its share of the whole step's batch); its metrics are added to `sums`. With a `shard` (sequence
         parallelism) the forward runs on this rank's tokens, and the per-token logprobs, entropies and
         values are gathered from the SP group, so the loss below is the whole micro-batch's on every rank."""
-        from tidal.algos.types import LossInputs
-
-        be = self.backend
         local = micro if shard is None else shard.micro
+        lp, ent, values, dev = self._policy_logprobs(local, shard, routes, sums, n_micros)
+        # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
+        dp = world // (shard.mesh.size if shard is not None else 1)
+        inputs, lp = self._loss_inputs(micro, [samples[i] for i in micro.index], lp, ent, adv, dev, sums,
+                                       g_tokens=g_tokens, dp=dp)
+        if self.reference is not None:
+            self._add_reference(inputs, micro, local, shard, lp)
+        if self.correction is not None:
+            self._add_correction(inputs, sums, n_micros)
+        loss, out = self._loss(inputs, micro, values, returns, old_values, dev)
+        self._backward(loss, out.metrics, inputs, sums, g_tokens=g_tokens, g_seqs=g_seqs, dp=dp, world=world,
+                       last=last)
+
+    def _policy_logprobs(self, local: Any, shard: Shard | None, routes: torch.Tensor | None,
+                         sums: dict[str, float], n_micros: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.device]:
+        """The current policy's forward: (logprobs [n], entropies [n], critic values [n] or None, device)
+        of the micro-batch's completion tokens, gathered from the SP group under sequence parallelism."""
         logits, values = self._forward(local, self.critic)
         lp, ent = token_logprobs(logits, local, with_entropy=True)
+        assert ent is not None  # with_entropy=True
         if routes is not None:
             self._routing_metrics(routes, local, sums, n_micros)
         if shard is not None:
@@ -317,10 +335,13 @@ class Trainer:
                 lp, ent = shard.gather(lp, ent.detach())
             else:
                 lp, ent, values = shard.gather(lp, ent.detach(), values)
-        # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
-        dp = world // (shard.mesh.size if shard is not None else 1)
-        ss = [samples[i] for i in micro.index]
-        dev = logits.device
+        return lp, ent, values, logits.device
+
+    def _loss_inputs(self, micro: Any, ss: list[Sample], lp: torch.Tensor, ent: torch.Tensor, adv: list,
+                     dev: torch.device, sums: dict[str, float], *, g_tokens: float, dp: int
+                     ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The loss's inputs, padded [rows, width], for the micro-batch's samples `ss`; and the logprobs
+        with the tokens outside the policy's support replaced by the sampler's (they leave the loss)."""
 
         def flat(arrays: list[np.ndarray], dev: torch.device = dev) -> torch.Tensor:
             return torch.from_numpy(np.concatenate(arrays)).to(dev)
@@ -341,35 +362,49 @@ class Trainer:
             mask=micro.padded(trained, False).bool(),
             entropy=micro.padded(ent.detach()) if ent is not None else None,
         )
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(input_ids=local.input_ids, position_ids=local.position_ids,
-                                            use_cache=False, logits_to_keep=local.pred,
-                                            **be.layout_kw(local.layout)).logits
-                ref_lp, _ = token_logprobs(ref_logits, local)
-                if shard is not None:
-                    (ref_lp,) = shard.gather(ref_lp)
-                # outside the reference's processed support: no KL term can be computed there
-                ref_outside = ~torch.isfinite(ref_lp)
-                ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
-            inputs["ref_logprobs"] = micro.padded(ref_lp)
-            inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
-        if self.correction is not None:
-            from tidal.staleness.correction import CorrectionInputs
+        return inputs, lp
 
-            proximal = None
-            if getattr(self.correction, "needs_proximal", False):
-                # one optimizer step per batch: the proximal policy is these parameters before the
-                # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
-                proximal = inputs["logprobs"].detach()
-                inputs["old_logprobs"] = proximal
-            corr = self.correction(CorrectionInputs(
-                learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-                mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
-            inputs["is_weights"] = corr.weights
-            inputs["mask"] = inputs["mask"] & corr.mask
-            for name, v in corr.metrics.items():
-                sums[f"staleness/{name}"] += float(v) / n_micros
+    def _add_reference(self, inputs: dict[str, Any], micro: Any, local: Any, shard: Shard | None,
+                       lp: torch.Tensor) -> None:
+        """The frozen reference's logprobs (`ref_logprobs`), its unsupported tokens masked out."""
+        with torch.no_grad():
+            assert self.reference is not None
+            ref_logits = self.reference(input_ids=local.input_ids, position_ids=local.position_ids,
+                                        use_cache=False, logits_to_keep=local.pred,
+                                        **self.backend.layout_kw(local.layout)).logits
+            ref_lp, _ = token_logprobs(ref_logits, local)
+            if shard is not None:
+                (ref_lp,) = shard.gather(ref_lp)
+            # outside the reference's processed support: no KL term can be computed there
+            ref_outside = ~torch.isfinite(ref_lp)
+            ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
+        inputs["ref_logprobs"] = micro.padded(ref_lp)
+        inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
+
+    def _add_correction(self, inputs: dict[str, Any], sums: dict[str, float], n_micros: int) -> None:
+        """The staleness correction's importance weights and mask (and the proximal logprobs it asks for)."""
+        from tidal.staleness.correction import CorrectionInputs
+
+        assert self.correction is not None
+        proximal = None
+        if getattr(self.correction, "needs_proximal", False):
+            # one optimizer step per batch: the proximal policy is these parameters before the
+            # step, i.e. exactly the logprobs just computed; the loss's ratio is taken against it
+            proximal = inputs["logprobs"].detach()
+            inputs["old_logprobs"] = proximal
+        corr = self.correction(CorrectionInputs(
+            learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
+            mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
+        inputs["is_weights"] = corr.weights
+        inputs["mask"] = inputs["mask"] & corr.mask
+        for name, v in corr.metrics.items():
+            sums[f"staleness/{name}"] += float(v) / n_micros
+
+    def _loss(self, inputs: dict[str, Any], micro: Any, values: torch.Tensor | None, returns: list | None,
+              old_values: list | None, dev: torch.device) -> tuple[torch.Tensor, Any]:
+        """The policy loss (plus the critic's value loss in PPO mode) and its outputs."""
+        from tidal.algos.types import LossInputs
+
         out = self.loss_fn(LossInputs(**inputs))
         loss = out.loss
         if self.critic:
@@ -383,6 +418,11 @@ class Trainer:
             vout = self._value_loss(vin)
             loss = loss + self.cfg.value_coef * vout.loss
             out.metrics["loss/value"] = vout.loss.detach()
+        return loss, out
+
+    def _backward(self, loss: torch.Tensor, loss_metrics: dict[str, Any], inputs: dict[str, Any],
+                  sums: dict[str, float], *, g_tokens: float, g_seqs: float, dp: int, world: int, last: bool) -> None:
+        """Backward of `loss` scaled to the micro-batch's share of the step; its metrics added to `sums`."""
         # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
         log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
         k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
@@ -395,9 +435,9 @@ class Trainer:
         share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
         # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's (under
         # sequence parallelism the SP ranks' gradients sum to their micro-batch's, then the same holds)
-        be.backward(loss * share * world, last=last)
+        self.backend.backward(loss * share * world, last=last)
         sums["loss/total"] += float(loss.detach()) * share * dp
-        for name, v in out.metrics.items():
+        for name, v in loss_metrics.items():
             sums[name] += float(v) * share * dp
         sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
 

@@ -25,7 +25,7 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
             raise TypeError(f"{name} has no option(s) {', '.join(unknown)}; options are: {allowed}")
         loss = functools.partial(fn, **options)
         # what the learner asks: whether to load a frozen reference model for this loss
-        loss.reads_reference = bool(getattr(fn, "reads_reference", False) or options.get("kl_coef"))  # type: ignore[attr-defined]
+        loss.reads_reference = bool(getattr(fn, "reads_reference", False) or options.get("kl_coef"))  # type: ignore[attr-defined]  # a partial takes attributes; its stub declares none
         return loss
 
     make.__doc__ = f"Build tidal.algos.losses.{name} with fixed options."

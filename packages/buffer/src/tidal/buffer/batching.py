@@ -1,8 +1,9 @@
-"""Splitting a step's groups across data-parallel ranks with balanced token counts."""
+"""Splitting a step's groups across data-parallel ranks with balanced token counts; which share a rank gets."""
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 from tidal.buffer.store import Group
 
@@ -17,3 +18,14 @@ def split_groups(groups: list[Group], world_size: int) -> list[list[Group]]:
         shares[r].append(g)
         heapq.heappush(heap, (load + g.tokens, r))
     return shares
+
+
+def position_after(q: deque[str] | None, after: str) -> int:
+    """Where in a rank's unconsumed shares (oldest first) the one to serve is: just after `after` when the
+    rank holds it, else the oldest (a rank that restarted, or whose `after` is already consumed)."""
+    if not q or not after:
+        return 0
+    try:
+        return q.index(after) + 1
+    except ValueError:
+        return 0

@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import logging
 import signal
 import sys
 import time
-from collections import defaultdict, deque
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from tidal.buffer import wal
-from tidal.buffer.batching import split_groups
+from tidal.buffer.batching import position_after, split_groups
+from tidal.buffer.commit import Effects, GroupCommit
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.memory import retain_freed_memory
 from tidal.buffer.store import (
@@ -52,6 +50,7 @@ from tidal.buffer.store import (
     decode_body,
     decode_samples,
     encode_trajectory,
+    masked,
     member_bodies,
     sample_of,
 )
@@ -66,9 +65,6 @@ from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
     ACK_BATCH,
     ACK_CONTROL,
-    ACK_GROUP,
-    ACK_TRAJECTORY,
-    NO_VERSION,
     PROTOCOL_VERSION,
     TOPIC_METRICS,
     Ack,
@@ -84,7 +80,6 @@ from tidal.core.reliable import ack_topic
 from tidal.core.security import CurveServer
 
 log = logging.getLogger("tidal.buffer")
-LAG_SAMPLE_GROUPS = 256
 GC_GEN0_THRESHOLD = 50_000
 INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
 # Shares formed ahead of a rank's request (when ready data allows): each is durable (its Serve record
@@ -134,17 +129,9 @@ class BufferService:
         self._ingested_since = 0
         self._served_since = 0
         self._last_metrics = time.monotonic()
-        # group commit: records appended but not yet durable, and the acks that wait for them
-        self._uncommitted = 0
-        self._commit_due: float | None = None
-        self._acks: dict[str, list[str]] = defaultdict(list)  # source -> durable trajectory ids
-        self._group_acks: dict[str, tuple[list[str], dict[str, str]]] = {}  # source -> (group ids, refused members)
-        self._refusals: list[tuple[str, str, str, str]] = []  # (source, ack kind, id, why)
-        self._replies: list[tuple[bytes, Batch]] = []  # served batches wait for their Serve records too
-        self._formed: list[str] = []  # shares formed since the last commit
-        self._undurable: set[str] = set()  # shares whose Serve record is not durable yet: not sent
-        self.syncer = wal.Syncer(self.wal) if cfg.fsync == "batch" else None
-        self._waiting: deque[tuple[int, tuple]] = deque()  # (syncer token, effects) in commit order
+        # acks, refusals and replies wait for the fsync of their records (group commit)
+        syncer = wal.Syncer(self.wal) if cfg.fsync == "batch" else None
+        self.commits = GroupCommit(self.wal, cfg.max_batch_records, cfg.commit_interval_s, syncer)
 
     # ------------------------------------------------------------------ main loop
 
@@ -163,12 +150,11 @@ class BufferService:
             for poller, chans in ((both, (self.server, self.ingest)), (serve_only, (self.server,))):
                 for ch in chans:
                     poller.register(ch.socket, zmq.POLLIN)
-                if self.syncer is not None:
-                    poller.register(self.syncer.fd, zmq.POLLIN)
+                if self.commits.syncer is not None:
+                    poller.register(self.commits.syncer.fd, zmq.POLLIN)
             while not self._stop:
                 poller = serve_only if self.backpressured() else both
-                wait = 0.1 if self._commit_due is None else max(0.0, self._commit_due - time.monotonic())
-                ready = dict(poller.poll(int(wait * 1000)))
+                ready = dict(poller.poll(int(self.commits.timeout() * 1000)))
                 if self.server.socket in ready:  # learners first: a waiting learner is idle compute
                     self.handle_requests()
                 if self.ingest.socket in ready:
@@ -205,23 +191,17 @@ class BufferService:
                 n += len(msg.trajectories)
                 verdict, refused = self.accept_group(msg, frame)
                 if verdict is None:
-                    acks = self._group_acks.get(msg.source)
-                    if acks is None:
-                        acks = self._group_acks[msg.source] = ([], {})
-                    acks[0].append(msg.id)
-                    acks[1].update(refused)
+                    self.commits.ack_group(msg.source, msg.id, refused)
                 else:
-                    self._refusals.append((msg.source, "group", msg.id, verdict))
+                    self.commits.refuse(msg.source, "group", msg.id, verdict)
                 continue
             n += 1
             verdict = self.accept(msg, frame)
             if verdict is None:
-                self._acks[msg.source].append(msg.id)
+                self.commits.ack(msg.source, msg.id)
             else:
-                self._refusals.append((msg.source, "trajectory", msg.id, verdict))
-        if n:
-            self._uncommitted += n
-            self._commit_within(self.cfg.commit_interval_s)
+                self.commits.refuse(msg.source, "trajectory", msg.id, verdict)
+        self.commits.appended(n)
         self._ingested_since += n
         self.maybe_compact()
 
@@ -240,65 +220,20 @@ class BufferService:
         return self.ingest.codec.decode(frames), None
 
     def commit(self, force: bool = False) -> None:
-        """Group commit: make the appended records durable with one fsync, then let their effects out
-        (trajectory acks, refusals, served batches). Runs when enough records wait, when the oldest has
-        waited commit_interval_s, or when forced. With fsync "batch" the fsync runs on the WAL's syncer
-        thread while this one goes on; the effects leave when it is done (`release_durable`)."""
-        if self._commit_due is None:
-            return
-        if not force and self._uncommitted < self.cfg.max_batch_records and time.monotonic() < self._commit_due:
-            return
-        effects = (self._acks, self._group_acks, self._refusals, self._replies, self._formed)
-        self._acks, self._group_acks, self._refusals, self._replies, self._formed = defaultdict(list), {}, [], [], []
-        self._uncommitted = 0
-        self._commit_due = None
-        if self.syncer is None or force:
-            if self.syncer is not None:
-                self.syncer.wait()
-                self.release_durable()
-            self.wal.sync()
-            self._check_sync()
-            self._publish_effects(*effects)
-        else:
-            self.wal.flush()
-            self._waiting.append((self.syncer.request(), effects))
-
-    def _commit_within(self, delay: float) -> None:
-        """Make sure a commit happens within `delay` seconds (records or effects are waiting for one)."""
-        due = time.monotonic() + delay
-        if self._commit_due is None or due < self._commit_due:
-            self._commit_due = due
+        """Group commit (`GroupCommit`): one fsync for the appended records, then their effects go out."""
+        self._publish(self.commits.commit(force))
 
     def release_durable(self) -> None:
-        """Send what waited for an fsync that has finished, in commit order."""
-        if self.syncer is None:
-            return
-        self.syncer.clear_wakeups()
-        done = self.syncer.done
-        if self._waiting and self._waiting[0][0] <= done:
-            self._check_sync()
-        while self._waiting and self._waiting[0][0] <= done:
-            self._publish_effects(*self._waiting.popleft()[1])
+        """Send what waited for an fsync (on the syncer thread) that has finished, in commit order."""
+        self._publish(self.commits.release())
 
-    def _check_sync(self) -> None:
-        if self.syncer is not None and self.syncer.error is not None:
-            raise OSError(f"fsync of the write-ahead log in {self.cfg.wal_dir} failed: {self.syncer.error}; "
-                          "nothing more is acknowledged (the unacknowledged data is resent by its producers)")
-
-    def _publish_effects(self, acks: dict[str, list[str]], group_acks: dict[str, tuple[list[str], dict[str, str]]],
-                         refusals: list[tuple[str, str, str, str]], replies: list[tuple[bytes, Batch]],
-                         formed: list[str]) -> None:
-        self._undurable.difference_update(formed)
-        for source, ids in acks.items():
-            self.publish_ack(source, Ack(kind=ACK_TRAJECTORY, ids=ids))
-        for source, (gids, refused) in group_acks.items():
-            self.rejected += len(refused)
-            self.publish_ack(source, Ack(kind=ACK_GROUP, ids=gids, refused=refused))
-        for source, kind, item, why in refusals:
-            self.rejected += 1
-            self.publish_ack(source, Ack(kind=kind, ids=[item], ok=False, detail=why))
-        for peer, batch in replies:
-            self._reply(peer, batch)
+    def _publish(self, released: list[Effects]) -> None:
+        for effects in released:
+            self.rejected += effects.rejected
+            for source, ack in effects.acks_out():
+                self.publish_ack(source, ack)
+            for peer, batch in effects.replies:
+                self._reply(peer, batch)
 
     def accept(self, t: Any, frame: bytes | memoryview | None = None) -> str | None:
         """Admit `t`, a Sample decoded from `frame` or a Trajectory (WAL first). None when accepted or
@@ -314,7 +249,7 @@ class BufferService:
             if why is not None:
                 return why
             if mask is not None:
-                t, frame = _masked(t, None if frame is None else body_of(frame), mask), None  # encode again
+                t, frame = masked(t, None if frame is None else body_of(frame), mask), None  # encode again
         if frame is None:
             frame = encode_trajectory(t)
             t = sample_of(body_of(frame))
@@ -327,6 +262,7 @@ class BufferService:
     def _admit(self, t: Any) -> tuple[str | None, Any]:
         """The admission policy's verdict on `t`: why it is refused (or None), and the token mask it keeps
         (None: all of it; else the stored encoding is made again with the narrowed loss mask)."""
+        assert self.admission is not None and self.cfg.admission is not None  # called only with a policy
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)
         if not adm.admit:
             self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
@@ -350,21 +286,22 @@ class BufferService:
             if store.known(t.id):
                 store.stats["duplicates"] += 1
                 continue
-            body = None if bodies is None else bodies[i]
+            body: bytes | memoryview | msgspec.Raw | None = None if bodies is None else bodies[i]
             if self.admission is not None:
                 why, mask = self._admit(t)
                 if why is not None:
                     refused[t.id] = why
                     continue
                 if mask is not None:
-                    t, body = _masked(t, body, mask), None
+                    t, body = masked(t, body, mask), None
             if body is None:  # encoded again, every array inline, and held as a Sample of that
                 body = body_of(encode_trajectory(t))
                 t = sample_of(body)
             admitted.append(t)
             kept.append(body)
         if admitted:
-            if len(admitted) == len(bodies or ()) and all(a is b for a, b in zip(kept, bodies, strict=True)):
+            if (frame is not None and bodies is not None and len(admitted) == len(bodies)
+                    and all(a is b for a, b in zip(kept, bodies, strict=True))):
                 self.wal.append_message(frame)  # the whole group as it came: one piece, not one per member
             else:
                 self.wal.append_group(kept, PREAMBLE)
@@ -441,15 +378,16 @@ class BufferService:
             return
         peer, req = parked
         q = self.store.pending_shares.get(rank)
-        pos = _position_after(q, req.after)
-        if pos >= len(q or ()):
+        pos = position_after(q, req.after)
+        if q is None or pos >= len(q):
             if not self.form_step(req.world_size):
                 return  # wait for data; the request stays parked
             q = self.store.pending_shares.get(rank)
-            if pos >= len(q or ()):
+            if q is None or pos >= len(q):
                 return
         served = self.store.outstanding[q[pos]]
         del self.parked[rank]
+        trajs: list[Any]  # Raw encodings (spliced in) or Trajectories: Batch declares what they decode to
         if self.admission is None:  # the stored encodings, spliced into the Batch as they are
             frames, raw = self.store.frames, msgspec.Raw
             trajs = [raw(frames[t.id]) for t in served.trajectories]
@@ -457,9 +395,8 @@ class BufferService:
             trajs = [self._prepare(t) for t in served.trajectories]
         batch = Batch(batch_id=served.batch_id, rank=rank, world_size=served.world_size, trajectories=trajs,
                       step=self.learner_version, num_tokens=served.tokens, ready_at=served.formed_at)
-        if served.batch_id in self._undurable:
-            self._replies.append((peer, batch))  # sent once its Serve record is durable (commit)
-            self._commit_within(0.0)  # a learner waits for it
+        if not self.commits.durable(served.batch_id):
+            self.commits.reply(peer, batch)  # sent once its Serve record is durable (commit)
         else:
             self._reply(peer, batch)
         self._served_since += len(trajs)
@@ -478,7 +415,7 @@ class BufferService:
         if adm.admit and adm.token_mask is None:
             return raw
         mask = [False] * (t.completion_ids.shape[0]) if not adm.admit else adm.token_mask
-        return _masked(t, self.store.frames[t.id], mask)
+        return masked(t, self.store.frames[t.id], mask)
 
     def form_step(self, world_size: int) -> bool:
         """Take whole ready groups for one learner step and serve a share to every rank."""
@@ -500,12 +437,11 @@ class BufferService:
             batch_id = f"b{seq}-r{rank}"
             self.wal.append(wal.Serve(batch_id, rank, world_size, ids))
             self.store.serve(batch_id, rank, world_size, ids)
-            self._undurable.add(batch_id)
-            self._formed.append(batch_id)
+            self.commits.formed(batch_id)
         self.store.next_batch_seq = seq + 1
         # committed now, not within commit_interval_s: a learner asks for this share about one step from
         # now, and with an fsync of ~3-4 ms plus the interval it would often wait for the record
-        self._commit_within(0.0)
+        self.commits.within(0.0)
         return True  # durable with the next commit, before any share is sent
 
     def _step_full(self, samples: int, tokens: int) -> bool:
@@ -514,11 +450,13 @@ class BufferService:
         return samples >= self.cfg.batch_samples
 
     def _drop_stale_ready(self) -> None:
+        admission = self.admission
+        assert admission is not None  # called only with a policy
         stale = [
             tid
             for g in self.store.ready.values()
             for tid, t in g.members.items()
-            if not self.admission.admit(t.versions.numpy(), self.learner_version).admit
+            if not admission.admit(t.versions.numpy(), self.learner_version).admit
         ]
         if stale:
             self.wal.append(wal.Drop(stale, "stale"))
@@ -558,7 +496,7 @@ class BufferService:
         now = time.monotonic()
         dt = max(now - self._last_metrics, 1e-9)
         s = self.store
-        hist = self._lag_histogram()
+        hist = s.lag_histogram(self.learner_version)
         scalars = {
             "depth/ready_groups": float(len(s.ready)),
             "depth/ready_samples": float(s.ready_samples),
@@ -586,51 +524,11 @@ class BufferService:
         return Metrics(source="buffer", step=self.learner_version, time=time.time(), scalars=scalars,
                        histograms={"lag": Array.from_numpy(hist)})
 
-    def _lag_histogram(self) -> np.ndarray:
-        """Lag (learner version - oldest token version) of the ready samples, 16 bins (the last one is
-        15+). Over a strided sample of at most LAG_SAMPLE_GROUPS groups, counts scaled to the whole: a
-        deep unbounded buffer would otherwise spend a fifth of its time here."""
-        groups = self.store.ready
-        stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
-        lags = [_oldest_lag(t.versions.numpy(), self.learner_version)
-                for g in itertools.islice(groups.values(), 0, None, stride) for t in g.members.values()]
-        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16) * stride
-        return hist.astype(np.int64)
-
     def close(self) -> None:
-        if self.syncer is not None:  # what is durable still goes out before the sockets close
-            self.syncer.wait()
-            self.release_durable()
-            self.syncer.close()
-            self.syncer = None
+        self._publish(self.commits.close())  # what is durable still goes out before the sockets close
         self.wal.close()
         for ch in (self.ingest, self.server, self.pub):
             ch.close(linger=0.5)
-
-
-def _position_after(q: deque[str] | None, after: str) -> int:
-    """Where in a rank's unconsumed shares (oldest first) the one to serve is: just after `after` when the
-    rank holds it, else the oldest (a rank that restarted, or whose `after` is already consumed)."""
-    if not q or not after:
-        return 0
-    try:
-        return q.index(after) + 1
-    except ValueError:
-        return 0
-
-
-def _masked(t: Any, body: bytes | memoryview | None, keep: Any) -> Trajectory:
-    """A real Trajectory of `t` (a Sample, read again from its encoding `body`, or a Trajectory) with its
-    loss mask narrowed to `keep`."""
-    real = decode_body(body) if body is not None and type(t) is not Trajectory else t
-    return msgspec.structs.replace(real, loss_mask=_and_mask(real.loss_mask, keep))
-
-
-def _and_mask(existing: Any, keep: Any) -> Array:
-    m = np.asarray(keep, dtype=np.uint8)
-    if existing is not None:
-        m = m & existing.numpy().astype(np.uint8)
-    return Array.from_numpy(m)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -652,9 +550,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(role_main(main, "buffer"))
-
-
-def _oldest_lag(versions: np.ndarray, current: int) -> int:
-    """Lag of a trajectory's oldest sampled token (tokens with NO_VERSION, not sampled, are skipped)."""
-    v = versions[versions > NO_VERSION]
-    return current - int(v.min()) if v.size else 0

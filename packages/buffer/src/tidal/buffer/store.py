@@ -7,6 +7,7 @@ consumed) is a record, applied here and appended to the log by the service. Noth
 
 from __future__ import annotations
 
+import itertools
 import time
 import typing
 from collections import OrderedDict, deque
@@ -19,7 +20,10 @@ import msgspec
 from tidal.buffer import wal
 from tidal.core.arrays import Array, DType, Shape
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
-from tidal.core.protocol import PROTOCOL_VERSION, Trajectory, TrajectoryGroup
+from tidal.core.protocol import NO_VERSION, PROTOCOL_VERSION, Trajectory, TrajectoryGroup
+
+if typing.TYPE_CHECKING:
+    import numpy as np
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 _codec = Codec(inline_threshold=1 << 62)
@@ -99,7 +103,8 @@ def _sample_type(name: str, array: type) -> Any:
         else:
             fields.append((f.name, tp))
     sample = msgspec.defstruct(name, fields, tag="Trajectory", array_like=True, gc=False, module=__name__)
-    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]), ("source", str, "")],
+    group = msgspec.defstruct(f"{name}Group", [("id", str), ("trajectories", list[sample]),  # type: ignore[valid-type]  # made at run time by defstruct
+                                               ("source", str, "")],
                               tag="TrajectoryGroup", array_like=True, gc=False, module=__name__)
     return sample, group
 
@@ -117,6 +122,7 @@ assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for 
 # a message at least this large is read as Samples (views), a smaller one copied: above libzmq's 8 KiB
 # receive batch a message has a buffer of its own (a 16 KiB trajectory encodes to a little under 16 KiB)
 VIEW_AT_LEAST = 12 * 1024
+LAG_SAMPLE_GROUPS = 256  # groups looked at for the lag histogram (a strided sample of the ready ones)
 
 
 class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False):
@@ -127,8 +133,8 @@ class _RawGroup(msgspec.Struct, tag="TrajectoryGroup", array_like=True, gc=False
 
 
 _raw_group = msgspec.msgpack.Decoder(_RawGroup)
-_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)  # type: ignore[operator]
-_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)  # type: ignore[operator]
+_samples = msgspec.msgpack.Decoder(Sample | SampleGroup)
+_small_samples = msgspec.msgpack.Decoder(SmallSample | SmallSampleGroup)
 _sample = msgspec.msgpack.Decoder(Sample)
 _small_sample = msgspec.msgpack.Decoder(SmallSample)
 
@@ -153,6 +159,22 @@ def sample_of(body: bytes | memoryview) -> Any:
 def decode_body(body: bytes | memoryview) -> Trajectory:
     """A real Trajectory (arrays copied out) from a stored encoding, for filters and re-masking."""
     return decode_trajectory(frame_of(body))
+
+
+def masked(t: Any, body: bytes | memoryview | None, keep: Any) -> Trajectory:
+    """A real Trajectory of `t` (a Sample, read again from its encoding `body`, or a Trajectory) with its
+    loss mask narrowed to `keep`."""
+    real = decode_body(body) if body is not None and type(t) is not Trajectory else t
+    return msgspec.structs.replace(real, loss_mask=_and_mask(real.loss_mask, keep))
+
+
+def _and_mask(existing: Any, keep: Any) -> Array:
+    import numpy as np
+
+    m = np.asarray(keep, dtype=np.uint8)
+    if existing is not None:
+        m = m & existing.numpy().astype(np.uint8)
+    return Array.from_numpy(m)
 
 
 assert [f.name for f in msgspec.structs.fields(TrajectoryGroup)] == [f.name for f in msgspec.structs.fields(SampleGroup)]
@@ -250,6 +272,19 @@ class Store:
     def live_trajectories(self) -> int:
         return len(self.where)
 
+    def lag_histogram(self, learner_version: int) -> np.ndarray:
+        """Lag (learner version - oldest token version) of the ready samples, 16 bins (the last one is
+        15+). Over a strided sample of at most LAG_SAMPLE_GROUPS groups, counts scaled to the whole: a
+        deep unbounded buffer would otherwise spend a fifth of its time here."""
+        import numpy as np
+
+        groups = self.ready
+        stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
+        lags = [_oldest_lag(t.versions.numpy(), learner_version)
+                for g in itertools.islice(groups.values(), 0, None, stride) for t in g.members.values()]
+        hist = np.bincount(np.clip(np.asarray(lags, np.int64), 0, 15), minlength=16) * stride
+        return hist.astype(np.int64)
+
     # ------------------------------------------------------------------ transitions
 
     def put(self, t: Trajectory, body: bytes | memoryview | None = None) -> Group | None:
@@ -340,7 +375,7 @@ class Store:
         for i in ids:
             gid = where.get(i)
             g = ready.get(gid) if gid is not None else None
-            if g is None or i not in g.members:
+            if gid is None or g is None or i not in g.members:
                 raise KeyError(f"trajectory {i} is not ready to serve")
             trajs.append(g.members.pop(i))
             if gid not in before:
@@ -393,8 +428,8 @@ class Store:
                 body = body_of(frame)
                 self.put(sample_of(body), body)
         elif type(rec) is wal.PutMessage:
-            for body in member_bodies(body_of(rec.frame)):
-                self.put(sample_of(body), body)
+            for raw in member_bodies(body_of(rec.frame)):
+                self.put(sample_of(raw), raw)
         elif type(rec) is wal.Serve:
             self.serve(rec.batch_id, rec.rank, rec.world_size, rec.ids)
         elif type(rec) is wal.Consume:
@@ -429,3 +464,9 @@ class Store:
             yield wal.PutGroup([frame_of(self.frames[tid]) for tid in g.members])
         for s in self.outstanding.values():
             yield wal.Restore(s.batch_id, s.rank, s.world_size, [frame_of(self.frames[t.id]) for t in s.trajectories])
+
+
+def _oldest_lag(versions: np.ndarray, current: int) -> int:
+    """Lag of a trajectory's oldest sampled token (tokens with NO_VERSION, not sampled, are skipped)."""
+    v = versions[versions > NO_VERSION]
+    return current - int(v.min()) if v.size else 0

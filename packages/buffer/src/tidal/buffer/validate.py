@@ -26,7 +26,8 @@ def validate(t: Trajectory | Any) -> str | None:
     if not t.id or not t.group_id:
         return "id and group_id must be non-empty"
     if type(t.versions) in ARRAY_READS:  # a Sample: its arrays' byte counts are checked here (an Array's by itself)
-        p, c, lp, v = t.prompt_ids, t.completion_ids, t.logprobs, t.versions
+        s: Any = t  # its arrays are ArrayView / ArrayBytes: `data` is the bytes
+        p, c, lp, v = s.prompt_ids, s.completion_ids, s.logprobs, s.versions
         size = ITEMSIZE
         if (len(p.data) != size[p.dtype] * p.shape[0] or len(c.data) != size[c.dtype] * n
                 or len(lp.data) != size[lp.dtype] * n or len(v.data) != size[v.dtype] * n):

@@ -13,6 +13,7 @@ truncated after the last good record before new records are appended.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import struct
@@ -140,13 +141,13 @@ def read_segment(path: Path, report: ReplayReport) -> tuple[list[Record], int]:
         length, crc = HEADER.unpack_from(data, pos)
         end = pos + HEADER.size + length
         ok = length <= MAX_RECORD and end <= len(data) and checksum(view[pos + HEADER.size : end]) == crc
-        rec = None
+        rec: Record | None = None
         if ok:
             try:
                 rec = _decoder.decode(view[pos + HEADER.size : end])
             except msgspec.MsgspecError:
-                ok = False
-        if not ok:
+                pass
+        if rec is None:  # its length, checksum or payload is bad
             if bad_start < 0:
                 bad_start = pos
             pos += 1  # resynchronise byte by byte
@@ -154,7 +155,7 @@ def read_segment(path: Path, report: ReplayReport) -> tuple[list[Record], int]:
         if bad_start >= 0:
             report.corrupt_regions.append((path.name, bad_start, pos - bad_start))
             bad_start = -1
-        out.append(rec)  # type: ignore[arg-type]
+        out.append(rec)
         pos = end
         good_end = end
     if bad_start >= 0 or good_end < len(data):
@@ -173,12 +174,12 @@ class WriteAheadLog:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync_policy = fsync
-        self._file = None
+        self._file: io.FileIO | None = None
         self._segment = 0
         self.bytes_written = 0  # size of the current segment
         self.appended_total = 0  # bytes appended by this process (diagnostics)
         self.compacted_size = 0  # size of the segment the last compaction wrote
-        self._pending: list[bytes] = []  # appended records (as pieces) not yet handed to the file
+        self._pending: list[bytes | memoryview] = []  # appended records (as pieces) not yet handed to the file
         self._pending_bytes = 0
         self._prefixes: dict[int, bytes] = {}  # frame length -> msgpack prefix of Put(frame)
         self._file_lock = threading.Lock()  # a Syncer's fsync against closing / replacing the file
@@ -298,6 +299,7 @@ class WriteAheadLog:
         pending = self._pending
         if not pending:
             return
+        assert self._file is not None  # pieces are queued only once a segment is open
         fd = self._file.fileno()
         for i in range(0, len(pending), _IOV_MAX):
             chunk = pending[i : i + _IOV_MAX]

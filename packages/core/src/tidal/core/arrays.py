@@ -65,7 +65,7 @@ class OutOfLine:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OutOfLine) and self.view == other.view
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # mypy types __hash__ as a method; None marks the class unhashable
 
 
 class _DecodeContext(threading.local):
@@ -123,13 +123,14 @@ class Array(msgspec.Struct, array_like=True, gc=False):
             used[data] = True
             frame = frames[data]
             view = _byte_view(frame.buffer if hasattr(frame, "buffer") else frame)
-            self.data = OutOfLine(view)
+            # `data` is declared as its wire type (what msgspec decodes); from here on it holds the frame's bytes
+            self.data = OutOfLine(view)  # type: ignore[assignment]  # the wire type, not the held type
             n = view.nbytes
         elif type(data) is OutOfLine:
             n = data.view.nbytes
         else:  # a user's buffer: numpy array, bytearray, memoryview, ...
             view = _byte_view(data)
-            self.data = OutOfLine(view) if view.nbytes >= OUT_OF_LINE_BYTES else view
+            self.data = OutOfLine(view) if view.nbytes >= OUT_OF_LINE_BYTES else view  # type: ignore[assignment]  # the wire type, not the held type
             n = view.nbytes
         if n != size:
             raise ValueError(f"{n} bytes of data do not fit dtype {self.dtype} and shape {self.shape} (expected {size})")
@@ -146,9 +147,10 @@ class Array(msgspec.Struct, array_like=True, gc=False):
         if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
             raise ValueError(f"bad shape {shape}: at most {MAX_NDIM} non-negative dimensions")
         view = _byte_view(data)
+        held: memoryview | OutOfLine = view
         if out_of_line is not None:
-            view = OutOfLine(view) if out_of_line else view  # type: ignore[assignment]
-        return cls(dtype, shape, view)  # type: ignore[arg-type]
+            held = OutOfLine(view) if out_of_line else view
+        return cls(dtype, shape, held)  # type: ignore[arg-type]  # `data` is declared as its wire type (see __post_init__)
 
     @classmethod
     def from_numpy(cls, arr: np.ndarray, *, out_of_line: bool | None = None) -> Array:
@@ -179,7 +181,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
         data = self.data
         if type(data) is OutOfLine:
             return data.view
-        return memoryview(data)  # type: ignore[arg-type]
+        return memoryview(data)  # type: ignore[arg-type]  # after __post_init__ never a frame index (int)
 
     @property
     def out_of_line(self) -> bool:
@@ -217,7 +219,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
             return NotImplemented
         return self.dtype == other.dtype and self.shape == other.shape and self.buffer == other.buffer
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # mypy types __hash__ as a method; None marks the class unhashable
 
     def __repr__(self) -> str:
         where = ", out_of_line" if self.out_of_line else ""

@@ -288,7 +288,8 @@ class RouterChannel(Channel):
 
     def _answer_hello(self, peer: bytes, hello: Hello) -> None:
         if hello.protocol[0] != self.codec.protocol[0]:
-            err = ProtocolVersionError(ours=self.codec.protocol, theirs=tuple(hello.protocol), peer=peer)  # type: ignore[arg-type]
+            theirs = (hello.protocol[0], hello.protocol[1])
+            err = ProtocolVersionError(ours=self.codec.protocol, theirs=theirs, peer=peer)
             self._try_send(peer, Error(code="version", detail=str(err), protocol=self.codec.protocol))
             raise err
         self.peers[peer] = hello
@@ -340,8 +341,8 @@ class DealerChannel(Channel):
         if type(reply) is Error:
             if reply.code == "version":
                 # a peer older than protocol 1.3 does not say its version: (-1, -1)
-                theirs = tuple(reply.protocol) if reply.protocol != (0, 0) else (-1, -1)
-                raise ProtocolVersionError(ours=self.codec.protocol, theirs=theirs)  # type: ignore[arg-type]
+                theirs = (reply.protocol[0], reply.protocol[1]) if reply.protocol != (0, 0) else (-1, -1)
+                raise ProtocolVersionError(ours=self.codec.protocol, theirs=theirs)
             raise ProtocolError(f"{self.endpoint} refused the handshake: {reply.detail}")
         if type(reply) is not Hello:
             raise ProtocolError(f"{self.endpoint} answered Hello with {type(reply).__name__}")

@@ -20,6 +20,7 @@ cannot check the type, e.g. a ``torch.device``) and its default (required when i
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import re
@@ -142,7 +143,7 @@ def _checkable(typ: Any) -> Any:
 
 def _default(value: Any) -> Any:
     if isinstance(value, (list, dict, set)):
-        return msgspec.field(default_factory=lambda v=value: type(v)(v))
+        return msgspec.field(default_factory=functools.partial(type(value), value))  # a fresh copy each time
     return value
 
 
@@ -151,7 +152,7 @@ def fit(options: Mapping[str, Any], typ: type, *, field: str, what: str) -> dict
     (the factory's own defaults stay for the rest). A misfit is a `ConfigError` naming the field path
     (``domains[0].options.levl``), `what` refused it, a near name, and every option with its type."""
     try:
-        value = msgspec.convert(dict(options), typ)
+        value: Any = msgspec.convert(dict(options), typ)
     except msgspec.ValidationError as e:
         text, where = str(e), field
         m = _AT.search(text)

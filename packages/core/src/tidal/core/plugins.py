@@ -52,14 +52,17 @@ class TidalSpecs:
     @hookspec
     def tidal_engines(self) -> Mapping[str, Factory]:
         """Generation engines (`Engine`): e.g. "embedded", "vllm"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_envs(self) -> Mapping[str, Factory]:
         """Environments / tasks that make prompts and verify completions (`Environment`)."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_rewards(self) -> Mapping[str, Factory]:
         """Reward functions usable by any environment (`RewardFn`)."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_tools(self) -> Mapping[str, Factory]:
@@ -76,34 +79,42 @@ class TidalSpecs:
     @hookspec
     def tidal_advantage_estimators(self) -> Mapping[str, Factory]:
         """Advantage estimators (`AdvantageEstimator`): e.g. "grpo", "rloo", "gae"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_policy_losses(self) -> Mapping[str, Factory]:
         """Policy losses (`PolicyLoss`): e.g. "ppo", "gspo", "cispo"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_admissions(self) -> Mapping[str, Factory]:
         """Admission of stale trajectories, in the buffer (`AdmissionPolicy`, no torch): e.g. "version_rejection"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_corrections(self) -> Mapping[str, Factory]:
         """Off-policy corrections of the loss, in the learner (`CorrectionPolicy`): e.g. "tis", "decoupled_ppo"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_group_filters(self) -> Mapping[str, Factory]:
         """Filters the buffer applies to complete groups (`GroupFilter`): e.g. "zero-variance"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_weight_transports(self) -> Mapping[str, Factory]:
         """Weight transports (`WeightTransport`): e.g. "zmq", "torch_dist", "shm", "fs"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_train_backends(self) -> Mapping[str, Factory]:
         """Training backends (`TrainBackend`): e.g. "single", "fsdp2", "deepspeed"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_launchers(self) -> Mapping[str, Factory]:
         """Launchers that start and watch a run's roles (`Launcher`): e.g. "local", "ray"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
 
 # kind name (as users write it in configs and errors) -> hook name

@@ -20,12 +20,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from tidal.core.channels import push, sub
 from tidal.core.errors import ChannelTimeout
-from tidal.core.protocol import Ack, Message, TrajectoryGroup
+from tidal.core.protocol import Ack, Trajectory, TrajectoryGroup
 from tidal.core.security import Curve
+
+# what carries an id the receiver acknowledges
+Acked: TypeAlias = Trajectory | TrajectoryGroup
 
 
 def ack_topic(name: str) -> str:
@@ -52,13 +55,13 @@ class AckedPusher:
         self.resend_after = resend_after
         self._push = push(push_endpoint, curve=curve_push, hwm=hwm, linger=0)
         self._acks = sub(ack_endpoint, topics=[ack_topic(name)], curve=curve_ack, hwm=100_000, linger=0)
-        self.pending: OrderedDict[str, tuple[Message, float]] = OrderedDict()  # id -> (message, last sent)
+        self.pending: OrderedDict[str, tuple[Acked, float]] = OrderedDict()  # id -> (message, last sent)
         self.acked = 0  # trajectories (members of groups counted one by one) acknowledged
         self.rejected: dict[str, str] = {}  # trajectory id -> why the receiver refused it (not resent)
         self.resent = 0
 
-    def send(self, msg: Message, timeout: float | None = None) -> None:
-        """Queue `msg` (which must have an `id`). Waits while `window` messages are unacknowledged;
+    def send(self, msg: Acked, timeout: float | None = None) -> None:
+        """Queue `msg` (a Trajectory or a TrajectoryGroup: what has an `id`). Waits while `window` messages are unacknowledged;
         raises ChannelTimeout if that lasts longer than `timeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self.pending) >= self.window:
@@ -68,8 +71,8 @@ class AckedPusher:
             self.poll(timeout=0.05 if left is None else min(0.05, left))
         self._transmit(msg)
 
-    def _transmit(self, msg: Message) -> None:
-        msg_id: str = msg.id  # type: ignore[attr-defined]
+    def _transmit(self, msg: Acked) -> None:
+        msg_id = msg.id
         try:
             self._push.send(msg, timeout=0)
             sent = time.monotonic()

@@ -45,6 +45,12 @@ def _load(path: str | os.PathLike[str], want_secret: bool) -> tuple[bytes, bytes
     return public, secret
 
 
+def _load_pair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    public, secret = _load(path, want_secret=True)
+    assert secret is not None  # _load refuses a file without one
+    return public, secret
+
+
 @dataclass(frozen=True, slots=True)
 class CurveServer:
     """Server side of CURVE: this socket's key pair and, optionally, the client keys it accepts."""
@@ -55,10 +61,10 @@ class CurveServer:
 
     @classmethod
     def from_files(cls, secret_file: str | os.PathLike[str], authorized_keys_dir: str | None = None) -> CurveServer:
-        public, secret = _load(secret_file, want_secret=True)
+        public, secret = _load_pair(secret_file)
         if authorized_keys_dir is not None and not Path(authorized_keys_dir).is_dir():
             raise SecurityError(f"authorized CURVE keys folder {authorized_keys_dir} does not exist")
-        return cls(public, secret, authorized_keys_dir)  # type: ignore[arg-type]
+        return cls(public, secret, authorized_keys_dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +85,8 @@ class CurveClient:
         if secret_file is None:
             public, secret = zmq.curve_keypair()
         else:
-            public, secret = _load(secret_file, want_secret=True)  # type: ignore[assignment]
-        return cls(server, public, secret)  # type: ignore[arg-type]
+            public, secret = _load_pair(secret_file)
+        return cls(server, public, secret)
 
 
 Curve = CurveServer | CurveClient

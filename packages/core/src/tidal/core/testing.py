@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ def make_trajectory(
     def A(x: np.ndarray) -> Array:
         return Array.from_numpy(x, out_of_line=out_of_line)
 
-    extra = {}
+    extra: dict[str, Any] = {}
     if rich:
         extra = dict(
             step_rewards=A(np.array([0.5, 1.0], np.float32)),

@@ -67,7 +67,9 @@ class MoEBlock(nn.Module):
     @property
     def top_k_router(self) -> TopKRouter:
         """The router (`gate` or `router`, as the layout names it)."""
-        return self._modules[self.router_name]  # type: ignore[return-value]
+        router = self._modules[self.router_name]
+        assert isinstance(router, TopKRouter)
+        return router
 
     @property
     def local_experts(self) -> range:

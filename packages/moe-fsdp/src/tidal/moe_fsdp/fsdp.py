@@ -10,6 +10,7 @@ its FSDP reduction divides by dp × ep, not dp).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def shard_moe_model(model: nn.Module, mesh: DeviceMesh, *, recompute: bool = Fal
     if not moe_blocks(model):
         convert_hf_moe(model, ep_group=mesh["ep"].get_group(), recompute=recompute)
     dense = mesh._flatten("dp_ep")  # all ranks: the dense layers' data-parallel group
-    kw = {"reshard_after_forward": reshard_after_forward}
+    kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     names = {id(m): n for n, m in model.named_modules()}
@@ -51,8 +52,8 @@ def shard_moe_model(model: nn.Module, mesh: DeviceMesh, *, recompute: bool = Fal
         if block.ep_size != mesh["ep"].size():
             raise ValueError(f"a block was built for an EP group of {block.ep_size} ranks, the mesh's ep "
                              f"dimension has {mesh['ep'].size()}; convert with ep_group=mesh['ep'].get_group()")
-        fully_shard(block.experts, mesh=mesh["dp"], **kw)
-        block.experts.set_gradient_divide_factor(float(mesh.size()))
+        experts = fully_shard(block.experts, mesh=mesh["dp"], **kw)  # the same module, now an FSDPModule
+        experts.set_gradient_divide_factor(float(mesh.size()))
         parent = names[id(block)].rpartition(".")[0]
         if parent:
             fully_shard(model.get_submodule(parent), mesh=dense, **kw)

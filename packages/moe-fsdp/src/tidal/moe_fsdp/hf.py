@@ -12,6 +12,8 @@ Parameter names do not change (`…mlp.gate.weight` or `…mlp.router.weight`, `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,29 +43,30 @@ def is_hf_sparse_moe(module: nn.Module) -> bool:
 def moe_config_of(module: nn.Module, *, recompute: bool = False) -> MoEConfig:
     """The `MoEConfig` that reproduces a Hugging Face sparse MoE block."""
     name = type(module).__name__
+    hf: Any = module  # its experts / gate / router attributes are the architecture's own
     if is_gpt_oss_moe(module):
-        e, h, f2 = module.experts.gate_up_proj.shape
+        e, h, f2 = hf.experts.gate_up_proj.shape
         # GPT-OSS: softmax over the top-k logits = softmax over all, top-k, renormalised
-        return MoEConfig(hidden_size=h, intermediate_size=f2 // 2, num_experts=e, top_k=int(module.router.top_k),
+        return MoEConfig(hidden_size=h, intermediate_size=f2 // 2, num_experts=e, top_k=int(hf.router.top_k),
                          score="softmax", normalize=True, recompute=recompute, layout="gpt_oss",
-                         swiglu_alpha=float(module.experts.alpha), swiglu_limit=float(module.experts.limit))
-    if _tensor(module.experts, "gate_up_proj_bias") or _tensor(module.gate, "bias"):
+                         swiglu_alpha=float(hf.experts.alpha), swiglu_limit=float(hf.experts.limit))
+    if _tensor(hf.experts, "gate_up_proj_bias") or _tensor(hf.gate, "bias"):
         raise ValueError(f"{name} has biased experts or router in a layout MoEBlock does not know; it models "
                          "Mixtral / Qwen3-MoE (no biases) and GPT-OSS (router.bias, experts.*_bias, alpha, limit)")
     if hasattr(module, "shared_expert") or hasattr(module, "shared_experts"):
         raise ValueError(f"{name} has a shared expert, which MoEBlock does not model yet; "
                          "convert models without shared experts (Mixtral, Qwen3-MoE)")
     if float(getattr(module, "jitter_noise", 0.0) or 0.0) > 0:
-        raise ValueError(f"{name} uses router jitter noise {module.jitter_noise}; set the config's "
+        raise ValueError(f"{name} uses router jitter noise {hf.jitter_noise}; set the config's "
                          "router_jitter_noise=0 (MoEBlock routes deterministically)")
-    act = getattr(module.experts, "act_fn", None)
+    act = getattr(hf.experts, "act_fn", None)
     probe = torch.linspace(-4, 4, 9)
     if act is not None and not torch.allclose(act(probe), nn.functional.silu(probe)):
         raise ValueError(f"{name}'s experts use {type(act).__name__}; MoEBlock implements SwiGLU (silu) experts")
-    experts, hidden = module.experts.gate_up_proj.shape[0], module.experts.gate_up_proj.shape[2]
-    return MoEConfig(hidden_size=hidden, intermediate_size=module.experts.down_proj.shape[2],
-                     num_experts=experts, top_k=int(module.gate.top_k), score="softmax",
-                     normalize=bool(getattr(module.gate, "norm_topk_prob", True)),  # Mixtral always renormalises
+    experts, hidden = hf.experts.gate_up_proj.shape[0], hf.experts.gate_up_proj.shape[2]
+    return MoEConfig(hidden_size=hidden, intermediate_size=hf.experts.down_proj.shape[2],
+                     num_experts=experts, top_k=int(hf.gate.top_k), score="softmax",
+                     normalize=bool(getattr(hf.gate, "norm_topk_prob", True)),  # Mixtral always renormalises
                      recompute=recompute)
 
 

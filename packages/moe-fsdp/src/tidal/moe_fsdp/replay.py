@@ -59,12 +59,12 @@ def replay_routing(model: nn.Module, routing) -> Iterator[None]:
 
 def used_routes(model: nn.Module) -> torch.Tensor:
     """Experts each token went to in the last forward, [T, L, k] int64 (the recorded ones under replay)."""
-    return torch.stack([_last(b).routes for b in moe_blocks(model)], dim=1)
+    return torch.stack([_ran(b.routes) for b in moe_blocks(model)], dim=1)
 
 
 def router_routes(model: nn.Module) -> torch.Tensor:
     """Experts the router itself picked in the last forward, [T, L, k] int64, replay or not."""
-    return torch.stack([_last(b).router_routes for b in moe_blocks(model)], dim=1)
+    return torch.stack([_ran(b.router_routes) for b in moe_blocks(model)], dim=1)
 
 
 def routing_mismatch(recorded, recomputed) -> torch.Tensor:
@@ -79,7 +79,8 @@ def routing_mismatch(recorded, recomputed) -> torch.Tensor:
     return differs.sum(0).float() / valid.sum(0).clamp_min(1).float()
 
 
-def _last(block: MoEBlock) -> MoEBlock:
-    if block.routes is None:
+def _ran(routes: torch.Tensor | None) -> torch.Tensor:
+    """A block's routes of its last forward (a block sets both kinds in each forward)."""
+    if routes is None:
         raise RuntimeError("the model has not run a forward yet; routes exist only after one")
-    return block
+    return routes

@@ -9,6 +9,7 @@ logprobs with the processing the sampler applied.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +24,12 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int], c
     """Processed logprob of each completion token [T] (fp32) under `model`, one forward over prompt +
     completion. `model` is any transformers causal LM (sdpa or eager attention)."""
     sampling = sampling or SamplingParams()
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=model.device)
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    lm: Any = model  # a transformers causal LM: its decoder (`.model`) and head are per architecture
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=lm.device)
+    hidden = lm.model(input_ids=ids, use_cache=False).last_hidden_state[0]
     p = len(prompt_ids)
     h = hidden[p - 1 : p - 1 + len(completion_ids)]
-    head = model.get_output_embeddings()
+    head = lm.get_output_embeddings()
     if fp32_lm_head:
         logits = F.linear(h.float(), head.weight.float(), None if head.bias is None else head.bias.float())
     else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIALS = (PAD, BOS, EOS)
@@ -41,8 +42,8 @@ def build_char_tokenizer(alphabet: str = ALPHABET):
         raise ValueError("tokenizer alphabet has repeated characters")
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *alphabet))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # type: ignore[assignment]
-    tok.decoder = decoders.Fuse()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
     )
@@ -82,11 +83,36 @@ def build_tiny_model(
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
     import torch
-    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, MixtralConfig
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(alphabet)
+    config = _tiny_config(arch, tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                          intermediate=intermediate, max_positions=max_positions, experts=experts,
+                          experts_per_token=experts_per_token, tie_embeddings=tie_embeddings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gpt_oss":
+        with torch.no_grad():  # the default init (N(0, 0.02)) leaves the sinks near 0; make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    # vLLM and transformers both read the end-of-sequence id from here
+    (path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }))
+    return path
+
+
+def _tiny_config(arch: str, tokenizer: Any, *, hidden: int, layers: int, heads: int, kv_heads: int,
+                 intermediate: int, max_positions: int, experts: int, experts_per_token: int,
+                 tie_embeddings: bool) -> Any:
+    """The transformers config of `build_tiny_model`'s model: Llama, Mixtral (`experts`) or GPT-OSS-like."""
+    from transformers import GptOssConfig, LlamaConfig, MixtralConfig
+
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -104,30 +130,15 @@ def build_tiny_model(
     )
     if arch == "gpt_oss":
         layer_types = ["full_attention"] * layers  # no sliding window (see the module docstring)
-        config = GptOssConfig(num_local_experts=experts or 4, num_experts_per_tok=experts_per_token,
-                              head_dim=hidden // heads, layer_types=layer_types,
-                              # read only by sliding layers (there are none); transformers insists on a value
-                              sliding_window=max_positions,
-                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                              attention_bias=True, router_aux_loss_coef=0.0, **common)
-    elif experts:
-        config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=experts_per_token, **common)
-    else:
-        config = LlamaConfig(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gpt_oss":
-        with torch.no_grad():  # the default init (N(0, 0.02)) leaves the sinks near 0; make them matter
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    # vLLM and transformers both read the end-of-sequence id from here
-    (path / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }))
-    return path
+        return GptOssConfig(num_local_experts=experts or 4, num_experts_per_tok=experts_per_token,
+                            head_dim=hidden // heads, layer_types=layer_types,
+                            # read only by sliding layers (there are none); transformers insists on a value
+                            sliding_window=max_positions,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                            attention_bias=True, router_aux_loss_coef=0.0, **common)
+    if experts:
+        return MixtralConfig(num_local_experts=experts, num_experts_per_tok=experts_per_token, **common)
+    return LlamaConfig(**common)
 
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

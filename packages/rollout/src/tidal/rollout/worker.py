@@ -263,7 +263,8 @@ class RolloutWorker:
                         if ch is self.ctl:
                             self._on_controller(self.ctl.recv(timeout=0))
                         else:
-                            _, msg = self.wsub.recv(timeout=0)  # type: ignore[union-attr]
+                            assert self.wsub is not None  # the other channel polled
+                            _, msg = self.wsub.recv(timeout=0)
                             if isinstance(msg, WeightsAvailable):
                                 self._announce(msg)
                     except ProtocolError as e:  # a malformed message is dropped, not fatal

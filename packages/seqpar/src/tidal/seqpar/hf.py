@@ -99,10 +99,12 @@ def enable_sequence_parallel(model: torch.nn.Module, mesh: SPMesh, *, backend: B
     AttentionInterface.register(ATTENTION_NAME, make_attention_function(mesh, backend=backend,
                                                                         block_size=block_size))
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
+    set_attn_implementation = getattr(model, "set_attn_implementation", None)  # a transformers model
+    if set_attn_implementation is not None:
+        set_attn_implementation(ATTENTION_NAME)
     else:
-        model.config._attn_implementation = ATTENTION_NAME
+        config: Any = model.config
+        config._attn_implementation = ATTENTION_NAME
     return model
 
 
@@ -126,7 +128,11 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                              "position_ids (or varlen_layout) and no attention_mask")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    layout = varlen_layout if varlen_layout is not None else VarlenLayout.from_position_ids(position_ids)
+    if varlen_layout is not None:
+        layout = varlen_layout
+    else:
+        assert position_ids is not None  # packed: one of the two is given
+        layout = VarlenLayout.from_position_ids(position_ids)
     out = varlen_attention(query, key, value, layout, scale=scaling, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 

@@ -8,6 +8,7 @@ meshes side by side (data parallel over them), built from consecutive global ran
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -62,17 +63,22 @@ def make_mesh(ulysses: int = 1, ring: int = 1) -> SPMesh:
         block = list(range(base, base + sp))
         g = dist.new_group(block)
         if me in block:
-            mine["group"] = g
+            mine["group"] = _member_group(g)
         for r in range(ring):
             ranks = block[r * ulysses:(r + 1) * ulysses]
             g = dist.new_group(ranks)
             if me in ranks:
-                mine["ulysses"] = g
+                mine["ulysses"] = _member_group(g)
         for u in range(ulysses):
             ranks = block[u::ulysses]
             g = dist.new_group(ranks)
             if me in ranks:
-                mine["ring"] = g
+                mine["ring"] = _member_group(g)
     local = me % sp
     return SPMesh(ulysses=ulysses, ring=ring, ulysses_rank=local % ulysses, ring_rank=local // ulysses,
                   ulysses_group=mine["ulysses"], ring_group=mine["ring"], group=mine["group"])
+
+
+def _member_group(g: object) -> dist.ProcessGroup:
+    """`new_group`'s result on a member of the group: the group (GroupMember.NON_GROUP_MEMBER goes to others)."""
+    return typing.cast(dist.ProcessGroup, g)

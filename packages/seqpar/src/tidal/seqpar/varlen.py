@@ -120,8 +120,7 @@ class VarlenLayout:
             raise ValueError("the segments' queries must cover every row position exactly once")
         inverse = np.empty(row_len, dtype=np.int64)
         inverse[covered] = np.arange(row_len)
-        inverse = torch.from_numpy(inverse)
-        return cls(row_len, tuple(items), tuple(buckets), inverse.to(device))
+        return cls(row_len, tuple(items), tuple(buckets), torch.from_numpy(inverse).to(device))
 
     @property
     def lengths(self) -> tuple[int, ...]:

@@ -75,7 +75,7 @@ def _combine(digests: list[int], n: int) -> int:
 
 
 def _tree_xxh3(buf: np.ndarray | memoryview | bytes) -> int:
-    view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8).data
     n = len(view)
     if n <= _CHUNK:
         return _combine([xxhash.xxh3_64_intdigest(view)], n)
@@ -87,13 +87,18 @@ def copy_and_checksum(src: np.ndarray, dest: np.ndarray, algorithm: str = CHECKS
     return pack_host([src.reshape(-1)], [0], dest, algorithm)
 
 
+def _buffer(buf: np.ndarray | memoryview | bytes) -> memoryview | bytes:
+    """`buf` as the hashers take it (an array's memory as a memoryview, no copy)."""
+    return buf.data if isinstance(buf, np.ndarray) else buf
+
+
 def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) -> int:
     if algorithm == "xxh3_64-tree16m":
         return _tree_xxh3(buf)
     if algorithm == "xxh3_64":
-        return xxhash.xxh3_64_intdigest(buf)
+        return xxhash.xxh3_64_intdigest(_buffer(buf))
     if algorithm == "crc32":
-        return zlib.crc32(buf) & 0xFFFFFFFF
+        return zlib.crc32(_buffer(buf)) & 0xFFFFFFFF
     if algorithm == "mix64-sum":  # a device-packed version received into host memory
         from tidal.weight_sync.device import mix64
 
@@ -122,6 +127,7 @@ def pack_host(parts: list[np.ndarray], offsets: list[int], dest: np.ndarray, alg
         for off, part in zip(offsets, parts, strict=True):
             np.copyto(dest[off : off + part.size], part)
         return checksum(dest, algorithm)
+    written = dest.data  # `dest` as a memoryview, what the hasher takes
 
     def one(lo: int) -> int:
         hi = min(lo + _CHUNK, n)
@@ -133,10 +139,10 @@ def pack_host(parts: list[np.ndarray], offsets: list[int], dest: np.ndarray, alg
             if a < b:
                 np.copyto(dest[a:b], parts[k][a - offsets[k] : b - offsets[k]])
                 if b - hashed >= _HASH_PIECE:
-                    h.update(dest[hashed:b])
+                    h.update(written[hashed:b])
                     hashed = b
             k += 1
-        h.update(dest[hashed:hi])
+        h.update(written[hashed:hi])
         return h.intdigest()
 
     return _combine(list(_threads().map(one, range(0, n, _CHUNK))), n)
@@ -170,6 +176,13 @@ class Bucket:
         self.data = buf
         self.seal_s = time.perf_counter() - t0
         return self
+
+    def host(self) -> np.ndarray:
+        """The sealed bytes in host memory (what the host transports read)."""
+        if not isinstance(self.data, np.ndarray):
+            raise TypeError(f"bucket {self.index} holds {type(self.data).__name__}, not sealed host bytes: this "
+                            "transport reads buckets packed in host memory (pack_device None)")
+        return self.data
 
 
 def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

@@ -108,12 +108,16 @@ class WeightReceiver:
                 # transport leases it unchanged until `release`. Even zmq's frames, which nothing else
                 # writes, are copied: kept two versions long they make the allocator hand out fresh
                 # pages for the next frames, and those page faults cost more than this copy (measured)
-                data = src if zero_copy else dest
+                if zero_copy:
+                    data = src
+                else:
+                    assert dest is not None  # a buffer of our own unless the fetch is zero-copy
+                    data = dest
             try:
                 if encoding == "delta" or zero_copy:
                     crc = checksum(data, ann.checksum)
                 else:
-                    crc = copy_and_checksum(src, dest, ann.checksum)
+                    crc = copy_and_checksum(src, data, ann.checksum)  # into `dest`
             except ValueError as e:
                 raise WeightSyncError(str(e)) from None
             _check_sum(ann, i, crc)

@@ -92,35 +92,7 @@ class WeightSender:
         if self.include is not None:
             items = ((n, t) for n, t in items if self.include(n))
         t0 = time.perf_counter()
-        # buckets are sealed as they fill (per dtype), so out of index order: position i == index i
-        pool = self._pools[self._sends % len(self._pools)]
-        self._sends += 1
-
-        def alloc(index: int, nbytes: int) -> np.ndarray:
-            buf = pool.get(index)
-            if buf is None or buf.size != nbytes:
-                buf = pool[index] = np.empty(nbytes, dtype=np.uint8)
-            return buf
-
-        transport: SenderTransport = self.transport
-        alloc = transport.allocator() or alloc  # pack straight into the transport's memory (shm, cuda_ipc)
-        algorithm = transport.checksum
-        stream = transport.stage_bucket if transport.streams else None  # transports that start on a bucket at once
-        plans = plan_buckets(items, self.bucket_bytes, transport.pack_device)
-        buckets: list[Bucket] = []
-        stage_s = 0.0
-        try:
-            for b in packed(plans, alloc, algorithm):
-                if stream is not None:
-                    ts = time.perf_counter()
-                    stream(version, b)
-                    stage_s += time.perf_counter() - ts
-                buckets.append(b)
-            if self.lora_only and not buckets:
-                raise ValueError("lora_only is set but no tensor name contains 'lora_'")
-        except BaseException:
-            transport.abort(version)
-            raise
+        buckets, stage_s = self._pack(items, version)
         buckets.sort(key=lambda b: b.index)
         anchor = version % self.anchor_every == 0 or self.version < 0
         ts = time.perf_counter()
@@ -132,12 +104,12 @@ class WeightSender:
             manifest=[s for b in buckets for s in b.specs],
             bucket_sizes=[b.nbytes for b in buckets],
             checksums=[b.crc for b in buckets],
-            checksum=algorithm,
+            checksum=self.transport.checksum,
             base_version=self.version if self.delta and not anchor else -1,
             location=location,
             lora_only=self.lora_only,
         )
-        transport.write_manifest(ann)
+        self.transport.write_manifest(ann)
         self.version = version
         nbytes = sum(b.nbytes for b in buckets)
         # pack_s (packing and checksums, in the worker) and stage_s (handing buckets to the transport)
@@ -146,6 +118,45 @@ class WeightSender:
                            "weights/pack_s": sum(b.seal_s for b in buckets), "weights/stage_s": stage_s,
                            "weights/send_s": time.perf_counter() - t0}
         return ann
+
+    def _pack(self, items: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[list[Bucket], float]:
+        """`items` planned into buckets and sealed (in sealing order), each streamed to a transport that
+        starts on a bucket at once; and the seconds spent handing them over. Aborts `version` on the
+        transport when anything fails."""
+        transport: SenderTransport = self.transport
+        own = self._pool_alloc()  # every send takes the next generation of the pool
+        alloc = transport.allocator() or own  # pack straight into the transport's memory (shm, cuda_ipc)
+        stream = transport.stage_bucket if transport.streams else None  # transports that start on a bucket at once
+        plans = plan_buckets(items, self.bucket_bytes, transport.pack_device)
+        buckets: list[Bucket] = []
+        stage_s = 0.0
+        try:
+            for b in packed(plans, alloc, transport.checksum):
+                if stream is not None:
+                    ts = time.perf_counter()
+                    stream(version, b)
+                    stage_s += time.perf_counter() - ts
+                buckets.append(b)
+            if self.lora_only and not buckets:
+                raise ValueError("lora_only is set but no tensor name contains 'lora_'")
+        except BaseException:
+            transport.abort(version)
+            raise
+        return buckets, stage_s
+
+    def _pool_alloc(self) -> Alloc:
+        """Packing buffers from this send's generation of the pool (buckets are sealed as they fill, per
+        dtype, so out of index order: position i == index i)."""
+        pool = self._pools[self._sends % len(self._pools)]
+        self._sends += 1
+
+        def alloc(index: int, nbytes: int) -> np.ndarray:
+            buf = pool.get(index)
+            if buf is None or buf.size != nbytes:
+                buf = pool[index] = np.empty(nbytes, dtype=np.uint8)
+            return buf
+
+        return alloc
 
     def reports(self, version: int) -> list[tuple[bool, str]]:
         """What receivers told the sender about `version` (transports with a back channel)."""

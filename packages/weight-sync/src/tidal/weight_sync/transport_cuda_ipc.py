@@ -122,7 +122,7 @@ class CudaIpcSenderTransport(SenderTransport):
          event_handle, event_sync) = data.untyped_storage()._share_cuda_()
         rec = IpcBucket(nbytes=b.nbytes, uuid=_uuid(device), device=device, handle=handle,
                         storage_nbytes=storage_nbytes, storage_offset=storage_offset,
-                        offset=data.storage_offset() * data.element_size(), ref_counter_handle=rc_handle,
+                        offset=int(data.storage_offset()) * data.element_size(), ref_counter_handle=rc_handle,
                         ref_counter_offset=rc_offset, event_handle=event_handle or b"",
                         event_sync_required=bool(event_sync))
         self._shared[key] = (data.data_ptr(), rec)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ def _group(address: str, rank: int, world_size: int, backend: str, timeout_s: fl
     if backend == "gloo":
         return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
-        return store, dist.ProcessGroupNCCL(store, rank, world_size)
+        return store, dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg]  # torch's stub lacks the (store, rank, size, timeout=600 s) overload
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
@@ -118,7 +118,6 @@ class DistSenderTransport(SenderTransport):
             # WeightSender packs into `allocator()`'s buffers on this device, checksummed there
             self.pack_device = torch.device(device)
             self.checksum = MIX64
-            self.allocator = self._device_allocator
         self._slots: list[dict[int, torch.Tensor]] = [{}, {}]
         self._staged = 0  # versions announced
         self._begun = 0  # broadcasts begun (given-up ones too); the next one's number
@@ -171,11 +170,13 @@ class DistSenderTransport(SenderTransport):
     def _header(self, n: int, version: int, index: int, size: int) -> torch.Tensor:
         return torch.tensor([n, version, index, size], dtype=torch.int64, device=self.device)
 
-    def _device_allocator(self):
-        """Where the sender packs the next version (the device path's `allocator`). Two sets in turn:
-        a version's broadcast begins only once the one before it ended, so the set used by the version
-        before that one is free (a version given up waits for its broadcast to end: its set is used
-        again)."""
+    def allocator(self) -> Callable[[int, int], Any] | None:
+        """Where the sender packs the next version: on the device path (`pack_device` set), buffers on this
+        device, two sets in turn; None otherwise (the sender's own pool). A version's broadcast begins only
+        once the one before it ended, so the set used by the version before that one is free (a version
+        given up waits for its broadcast to end: its set is used again)."""
+        if self.pack_device is None:
+            return None
         return reusing_allocator(self._slots[self._staged % 2], self.pack_device)
 
     def _wait_done(self, n: int, what: str) -> None:
@@ -368,7 +369,7 @@ class DistReceiverTransport(ReceiverTransport):
             self._cv.notify_all()
         if self._thread.is_alive():
             try:
-                self._waker.set(_key(self.rank, self._waiting), _STOP)
+                self._waker.set(_key(self.rank, self._waiting), _STOP.decode())  # stored as the same bytes
             except Exception:  # the sender's store is gone: the thread's wait fails and it ends by itself
                 pass
             self._thread.join(5)

@@ -70,7 +70,7 @@ class FsSenderTransport(SenderTransport):
         path = self._tmp(version) / f"bucket-{b.index:05d}.safetensors"
         with open(path, "wb") as f:  # the packed bucket is already a safetensors data section: no copy
             f.write(_safetensors_header(b, {"tidal_version": str(version), "bucket": str(b.index)}))
-            f.write(memoryview(b.data))
+            f.write(b.host().data)
         if self.fsync:
             _fsync(path)
         self._written.add(b.index)

@@ -41,6 +41,12 @@ class _Segment:
         self.lock_fd = os.open(f"{SHM_DIR}/{name}", os.O_RDONLY)
         self.locked = False
 
+    def array(self, nbytes: int) -> np.ndarray:
+        """The segment's first `nbytes`, as a uint8 array (a view of the shared memory)."""
+        buf = self.shm.buf
+        assert buf is not None, "the segment is closed"
+        return np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+
     def try_lock(self) -> bool:
         try:
             fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -99,7 +105,7 @@ class ShmSenderTransport(SenderTransport):
         slot = self._staged % self.keep
 
         def alloc(index: int, nbytes: int) -> np.ndarray:
-            return np.frombuffer(self._claim(slot, index, nbytes).shm.buf, dtype=np.uint8, count=nbytes)
+            return self._claim(slot, index, nbytes).array(nbytes)
 
         return alloc
 
@@ -108,7 +114,8 @@ class ShmSenderTransport(SenderTransport):
         self._staged += 1
         try:
             for b in buckets:
-                dest = np.frombuffer(self._claim(slot, b.index, b.nbytes).shm.buf, dtype=np.uint8, count=b.nbytes)
+                dest = self._claim(slot, b.index, b.nbytes).array(b.nbytes)
+                assert b.data is not None, "stage() takes sealed buckets"
                 if not np.shares_memory(dest, b.data):  # packed elsewhere (no allocator used): copy in
                     dest[:] = b.data
         finally:
@@ -197,6 +204,9 @@ class ShmReceiverTransport(ReceiverTransport):
 
     def release(self, ann: WeightsAvailable) -> None:
         """The bytes of `ann` are applied (or abandoned): the sender may write over them again."""
+        self._unlock_leased()
+
+    def _unlock_leased(self) -> None:
         for fd in self._leased:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -211,6 +221,6 @@ class ShmReceiverTransport(ReceiverTransport):
         import gc
 
         gc.collect()
-        self.release(None)  # type: ignore[arg-type]
+        self._unlock_leased()
         for name in list(self._maps):
             self._forget(name)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.channels import dealer, router
+from tidal.core.channels import DealerChannel, dealer, router
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
 from tidal.core.security import Curve
@@ -100,7 +100,7 @@ class ZmqSenderTransport(SenderTransport):
                 old = base[req.bucket]
                 same_layout = old.dtype == b.dtype and old.nbytes == b.nbytes
                 width = np.dtype(_np_width_type(b.dtype)).itemsize
-                cache[key] = delta.encode(b.data, old.data, width) if same_layout else None
+                cache[key] = delta.encode(b.host(), old.host(), width) if same_layout else None
                 for k in [k for k in cache if k[0] < req.version - 1]:
                     del cache[k]
             payload = cache[key]
@@ -133,10 +133,10 @@ class ZmqReceiverTransport(ReceiverTransport):
         self.curve = curve
         self.timeout = timeout
         self.window = window  # requests in flight at once; 0 = every bucket at once
-        self._ch = None
+        self._ch: DealerChannel | None = None
         self._endpoint = ""
 
-    def _channel(self, endpoint: str):
+    def _channel(self, endpoint: str) -> DealerChannel:
         if self._ch is None or endpoint != self._endpoint:
             if self._ch is not None:
                 self._ch.close(linger=0)

@@ -122,7 +122,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | N
                                           scale=scale)
 
 
-def _packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                       sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:

@@ -51,15 +51,9 @@ import torch.nn.functional as F
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
-from tidal.rollout.engines.attention import (
-    ATTN_IMPL,
-    _ctx,
-    _KVCache,
-    _register_attention,
-    _StepLayout,
-    group_fresh_spans,
-)
+from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention
 from tidal.rollout.engines.common import generate
+from tidal.rollout.engines.packing import _Seq, pack_step
 from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.stops import stop_string_ended, stop_window
 from tidal.rollout.weights import ReceiverPool
@@ -72,27 +66,7 @@ class EngineError(RuntimeError):
     """A request or update the engine cannot take; the message says what to change."""
 
 
-# --------------------------------------------------------------------------- sequences
-
-
-@dataclass(eq=False)  # identity: the engine finds sequences in lists, and field equality is O(tokens)
-class _Seq:
-    req: GenerationRequest
-    seed: int  # sampling seed (the noise of token t is a hash of seed and t)
-    tokens: list[int]  # prompt + completion so far
-    prompt_len: int
-    computed: int = 0  # tokens whose keys/values are in the cache
-    row: int = -1  # cache row while running
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    masks: list[np.ndarray] = field(default_factory=list)
-    routing: list[np.ndarray] = field(default_factory=list)
-    submitted: float = field(default_factory=time.monotonic)
-    stop_window: int = 0  # trailing tokens decoded to look for the request's stop strings; 0 = it has none
-
-    @property
-    def completion(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+# --------------------------------------------------------------------------- weight updates
 
 
 @dataclass
@@ -140,7 +114,7 @@ class EmbeddedEngine:
         self._tokenizer_path = None if isinstance(model, torch.nn.Module) else Path(model)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.max_model_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len) if max_model_len else int(getattr(cfg, "max_position_embeddings", 2048))
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.fp32_lm_head = fp32_lm_head
@@ -175,17 +149,19 @@ class EmbeddedEngine:
 
     # ------------------------------------------------------------------ setup
 
-    def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> torch.nn.Module:
+    def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> Any:
+        """The transformers causal LM, on the engine's device (Any: its config and decoder are per architecture)."""
         if isinstance(model, torch.nn.Module):
-            model.set_attn_implementation(ATTN_IMPL)
-            return model.to(self.device).eval()
+            built: Any = model  # a transformers PreTrainedModel
+            built.set_attn_implementation(ATTN_IMPL)
+            return built.to(self.device).eval()
         from transformers import AutoModelForCausalLM
 
         path = Path(model)
         if not (path / "config.json").is_file():
             raise EngineError(f"no model at {str(path)!r}: the embedded engine loads a local Hugging Face folder "
                               "(config.json + weights); build a tiny one with tidal.rollout.tiny.build_tiny_model")
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL)
+        m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPL)
         return m.to(self.device).eval()
 
     def _hook_routers(self) -> int:
@@ -407,49 +383,9 @@ class EmbeddedEngine:
         return (batch, shared) if batch else None
 
     def _step(self, batch: list[_Seq], shared: dict[int, int]) -> list[tuple[_Seq, str]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        spans: list[tuple[int, int, int, int]] = []
-        last: list[int] = []  # per sequence: the packed position whose logits it samples from
-        fed: list[tuple[int, int]] = []  # per sequence: the packed range of the tokens it fed
-        n_decode = 0
-        for i, s in enumerate(batch):
-            lead = shared.get(i)
-            if lead is not None:
-                last.append(last[lead])
-                fed.append(fed[lead])
-                continue
-            start, n = len(ids), len(s.tokens) - s.computed
-            if n == 1 and not spans:
-                n_decode += 1
-                ids.append(s.tokens[-1])
-                pos.append(s.computed)
-                rows.append(s.row)
-            else:
-                spans.append((start, n, s.row, s.computed))
-                ids.extend(s.tokens[s.computed :])
-                pos.extend(range(s.computed, len(s.tokens)))
-                rows.extend([s.row] * n)
-            last.append(len(ids) - 1)
-            fed.append((start, len(ids)))
+        packed = pack_step(batch, shared, self._cache, self.device)
+        ids, layout, last, fed = packed.ids, packed.layout, packed.last, packed.fed
         dev = self.device
-        positions = torch.tensor(pos, device=dev)
-        decode_rows = rows[:n_decode]
-        decode_lens = [p + 1 for p in pos[:n_decode]]
-        decode_max = max(decode_lens, default=0)
-        lens_t = torch.tensor(decode_lens, device=dev)
-        # lockstep decodes (a group that joined together) need no mask: the cheaper attention kernel
-        mask = None if all(n == decode_max for n in decode_lens) else (
-            torch.arange(decode_max, device=dev)[None, :] < lens_t[:, None])
-        batched, single = group_fresh_spans(spans, dev)
-        layout = _StepLayout(
-            n_decode=n_decode,
-            decode_rows=None if decode_rows == list(range(n_decode)) else torch.tensor(decode_rows, device=dev),
-            decode_lens=lens_t, decode_max=decode_max,
-            slots=torch.tensor(rows, device=dev), positions=positions, spans=spans, cache=self._cache,
-            decode_mask=mask, batched=batched, single=single,
-        )
         params = [s.req.sampling for s in batch]
         want_routing = any(p.return_routing for p in params)
         _ctx.step, _ctx.want_routing = layout, want_routing
@@ -458,7 +394,7 @@ class EmbeddedEngine:
         try:
             with torch.inference_mode():
                 hidden = self.model.model(
-                    input_ids=torch.tensor([ids], device=dev), position_ids=positions[None], use_cache=False,
+                    input_ids=torch.tensor([ids], device=dev), position_ids=layout.positions[None], use_cache=False,
                     attention_mask=self._no_mask,
                 ).last_hidden_state[0]
                 if shared:  # followers take their leader's prompt keys/values (the leader's row is final now)
@@ -475,7 +411,7 @@ class EmbeddedEngine:
         masks = kept_mask_bits(logp) if any(p.return_sampling_mask for p in params) else None
         routes = torch.stack(self._router_outputs, dim=1).cpu().numpy() if want_routing else None  # [N, L, k]
         self.stats["steps"] += 1
-        self.stats["prefill_steps" if spans else "decode_steps"] += 1
+        self.stats["prefill_steps" if layout.spans else "decode_steps"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["tokens_fed"] += len(ids)
         self.stats["tokens_generated"] += len(batch)
@@ -568,7 +504,7 @@ class EmbeddedEngine:
     def _apply_aborts(self) -> None:
         ids, self._aborts = self._aborts, set()
         self._finish_many([(s, "abort") for s in self._running if s.req.request_id in ids])
-        kept = collections.deque()
+        kept: collections.deque[_Seq] = collections.deque()
         for seq in self._waiting:
             if seq.req.request_id in ids:
                 self._results.append(self._result(seq, "abort"))
@@ -579,7 +515,7 @@ class EmbeddedEngine:
     def _apply_update(self, upd: _Update) -> None:
         t0 = time.perf_counter()
         try:
-            params = dict(self.model.named_parameters())
+            params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
             params.update(self.model.named_buffers())
             unknown = [n for n, _ in upd.weights if n not in params]
             wrong = [f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}" for n, t in upd.weights

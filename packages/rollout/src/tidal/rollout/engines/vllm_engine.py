@@ -228,6 +228,7 @@ class VLLMEngine:
             return
         if pend.attempt != attempt:  # superseded by a resubmission after a weight update
             return
+        assert final is not None, f"vLLM's generate of {rid} ended without an output"
         comp = final.outputs[0]
         self._absorb(pend, comp, len(pend.prompt))
         reason = comp.finish_reason or "abort"

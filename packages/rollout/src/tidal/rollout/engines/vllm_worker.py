@@ -19,8 +19,11 @@ from tidal.core.protocol import WeightsAvailable
 class TidalWorkerExtension:
     """Methods vLLM adds to its worker. `self.model_runner` is vLLM's model runner."""
 
-    def _tidal_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()  # type: ignore[attr-defined]
+    model_runner: Any  # vLLM's model runner, set by the worker class this one is mixed into
+
+    def _tidal_model(self) -> Any:
+        """vLLM's model (lm_head, compute_logits, load_weights: vLLM's own, without type information)."""
+        return self.model_runner.get_model()
 
     def tidal_setup(self, fp32_lm_head: bool) -> dict[str, Any]:
         """Called once after start. With `fp32_lm_head`, keep the output projection in fp32 and compute the
@@ -40,7 +43,7 @@ class TidalWorkerExtension:
     def tidal_output_counts(self) -> dict[str, int]:
         """Tokens generated so far by each request the worker holds (vLLM's internal ids). Called while the
         scheduler is paused, so these are exactly the tokens made by the old weights."""
-        requests = getattr(self.model_runner, "requests", {})  # type: ignore[attr-defined]
+        requests = getattr(self.model_runner, "requests", {})
         return {rid: len(state.output_token_ids) for rid, state in requests.items()}
 
     def _tidal_load(self, named: Any) -> None:
@@ -58,7 +61,7 @@ class TidalWorkerExtension:
         try:
             model.load_weights(weights=iter(named))
         finally:  # even after a bad name, put the kernels back so the engine keeps serving
-            finalize_layerwise_reload(model, self.model_runner.model_config)  # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.model_runner.model_config)
 
     def tidal_load_weights(self, packed: list[tuple[str, str, list[int], bytes]]) -> dict[str, Any]:
         """Load tensors sent as (name, dtype, shape, raw bytes): plain bytes cross vLLM's RPC serialiser
