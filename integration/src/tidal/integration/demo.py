@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -75,7 +76,8 @@ TOOLS_DEMO: dict = {
 }
 TOOLS_MODEL = {**DEMO_MODEL, "alphabet": "TOOL_ALPHABET"}  # the char alphabet plus < > _ (tidal.rollout.tiny)
 TOOLS_SFT = {"steps": 600, "batch": 64, "lr": 1e-3, "tool_rate": 0.2}
-TASKS = {"arithmetic": (DEMO, DEMO_MODEL, DEMO_SFT), "tools": (TOOLS_DEMO, TOOLS_MODEL, TOOLS_SFT)}
+TASKS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    "arithmetic": (DEMO, DEMO_MODEL, DEMO_SFT), "tools": (TOOLS_DEMO, TOOLS_MODEL, TOOLS_SFT)}
 
 
 class DemoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -155,9 +155,9 @@ class Renderer(Protocol):
 
 
 class _SingleTurnEpisode:
-    roles = (AGENT,)
-    tools: tuple[ToolSpec, ...] = ()
-    stop: tuple[str, ...] = ()
+    roles: Sequence[str] = (AGENT,)
+    tools: Sequence[ToolSpec] = ()
+    stop: Sequence[str] = ()
 
     def __init__(self, env: Environment, task: Task) -> None:
         self._env, self._task = env, task

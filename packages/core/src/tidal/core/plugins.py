@@ -67,14 +67,17 @@ class TidalSpecs:
     @hookspec
     def tidal_tools(self) -> Mapping[str, Factory]:
         """Tools an episode may call (`tidal.core.episodes.Tool`): e.g. "calculator", "python"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_tool_parsers(self) -> Mapping[str, Factory]:
         """Tool-call parsers (`tidal.core.episodes.ToolParser`): e.g. "tags", "json"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_renderers(self) -> Mapping[str, Factory]:
         """Renderers from messages to tokens (`tidal.core.episodes.Renderer`): e.g. "plain", "chat_template"."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
     def tidal_advantage_estimators(self) -> Mapping[str, Factory]:
@@ -219,7 +222,7 @@ class Registry:
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object (module or instance with hookimpls) without an entry point. The same
         object registered again under the same name is a no-op."""
-        entry = (plugin, name or getattr(plugin, "__name__", repr(plugin)))
+        entry: tuple[object, str] = (plugin, name or str(getattr(plugin, "__name__", repr(plugin))))
         with self._lock:
             if any(p is entry[0] and n == entry[1] for p, n in self._extra):
                 return

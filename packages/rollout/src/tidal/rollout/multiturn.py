@@ -367,11 +367,12 @@ def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Seq
             raise TimeoutError(f"{len(pending)} of {len(tasks)} episodes unfinished after {timeout:g} s")
         for reply in pool.poll(timeout=0):
             try:
-                gid = mt.on_reply(reply)
+                finished = mt.on_reply(reply)
             except EpisodeFailed as e:
-                gid = e.group_id
-                failed.add(gid)
-            pending.discard(gid)  # type: ignore[arg-type]  # None is never in pending
+                finished = e.group_id
+                failed.add(finished)
+            if finished is not None:
+                pending.discard(finished)
         for res in engine.poll(timeout=0.01):
             try:
                 mt.on_result(res)

@@ -13,15 +13,15 @@ import ast
 import math
 import operator
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from tidal.core.episodes import ToolResult
 from tidal.core.protocol import ToolSpec
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
            ast.Pow: "**"}
 
@@ -74,8 +74,8 @@ class Calculator:
             raise CalculatorError(f"result too large in {text} (at most {self.max_magnitude:g})") from None
 
     def _walk(self, node: ast.AST) -> int | float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return self._bounded(node.value)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, not complex
+            return self._bounded(cast("int | float", node.value))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](self._walk(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
