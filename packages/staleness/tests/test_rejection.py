@@ -68,3 +68,18 @@ def test_rejection_and_gate_load_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_tokens_the_policy_did_not_sample_have_no_lag():
+    """Observation tokens of a multi-turn sample (NO_VERSION) never make it stale, never get masked, and
+    stay out of its lag statistics; a sample whose sampled tokens are all stale is still dropped."""
+    from tidal.staleness.versions import NO_VERSION, sampled
+
+    versions = [5, 5, NO_VERSION, NO_VERSION, 6, NO_VERSION, 7]
+    assert sampled(versions).tolist() == [True, True, False, False, True, False, True]
+    s = lag_stats(versions, 7)
+    assert (s.min_lag, s.max_lag, s.mean_lag) == (0, 2, pytest.approx(1.25))
+    assert VersionRejection(max_lag=2).admit(versions, 7).admit
+    masked = VersionRejection(max_lag=1, mode="mask").admit(versions, 7)
+    assert masked.admit and masked.token_mask == [False, False, True, True, True, True, True]
+    assert not VersionRejection(max_lag=0, mode="mask").admit([3, NO_VERSION, 3], 7).admit

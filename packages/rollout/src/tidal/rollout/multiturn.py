@@ -187,7 +187,7 @@ class MultiTurn:
         if r.done:
             if r.outcome is None:
                 self._fail(run, "verifier_error", "the episode ended without an outcome reward")
-            run.outcome = float(r.outcome)  # type: ignore[arg-type]  # checked just above
+            run.outcome = float(r.outcome)
             return self._finished(run)
         if run.turns >= run.max_turns:
             return self._truncate(run, f"{run.turns} turns (max_turns) without the episode ending")
