@@ -52,6 +52,11 @@ MISSPELT = [
     ("train_backend", "learner.backend_options.dtyp='float32'", ["learner.backend_options.dtyp", "dtype"]),
     ("launcher", "launcher={name='ray', options={adress='auto'}}",
      ["`launcher.options.adress`", "launcher 'ray'", "did you mean 'address'"]),
+    ("renderer", "rollout.episodes.renderer={name='plain', options={separatr='x'}}",
+     ["`rollout.episodes.renderer.options.separatr`", "renderer 'plain'", "did you mean 'separator'"]),
+    ("tool (an episodic env's)", "domains=[{env='multiply', options={calculator={max_lenght=40}}}]",
+     ["`domains[0].options`", "`tools.calculator.options.max_lenght`", "tool 'calculator'",
+      "did you mean 'max_length'"]),
 ]
 
 # (plugin kind, override with an unknown name, what the error must say)
@@ -72,6 +77,8 @@ UNKNOWN = [
                                                                           "torch_dist"]),
     ("train_backend", "learner.backend='fsdp'", ["`learner.backend`", "Did you mean 'fsdp2'"]),
     ("launcher", "launcher.name='slurm'", ["`launcher.name`", "no launcher named 'slurm'", "local"]),
+    ("renderer", "rollout.episodes.renderer.name='chatml'", ["`rollout.episodes.renderer.name`",
+                                                             "no renderer named 'chatml'", "chat_template"]),
 ]
 
 

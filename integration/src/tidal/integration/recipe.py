@@ -187,7 +187,13 @@ def _check_episodic(cfg: RunConfig) -> None:
 
     asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
     for i, d in enumerate(cfg.domains):
-        if not is_episodic(registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")):
+        try:  # built here once: what an env builds itself (an episodic env's tools, parser) is checked too
+            env = registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
+        except ConfigError as e:
+            if "domains[" in str(e):
+                raise
+            raise ConfigError(f"`domains[{i}].options` of env {d.env!r}: {e}", field=f"domains[{i}].options") from e
+        if not is_episodic(env):
             continue
         if d.reward is not None:
             raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn: its episodes' outcome is the reward, so "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from typing import Any
 
 from tidal.core.interfaces import Task
 from tidal.rollout.tasks import _stream
@@ -42,10 +43,13 @@ class Multiply(ToolEnvironment):
     domain = "multiply"
 
     def __init__(self, digits: tuple[int, int] = (3, 2), tools: bool = True, max_turns: int = 3,
-                 valid_call_reward: float = 0.0, eval_size: int = 200) -> None:
+                 valid_call_reward: float = 0.0, eval_size: int = 200,
+                 calculator: dict[str, Any] | None = None) -> None:
         if len(digits) != 2 or not all(1 <= d <= 9 for d in digits):
             raise ValueError(f"digits is (digits of a, digits of b), each 1..9, got {digits!r}")
-        super().__init__(tools={"calculator": {}} if tools else {}, parser="tags", parser_options={"tags": TAGS},
+        # `calculator`: the calculator tool's options (`tidal plugins tool`), e.g. {max_length = 40}
+        super().__init__(tools={"calculator": dict(calculator or {})} if tools else {}, parser="tags",
+                         parser_options={"tags": TAGS},
                          max_turns=max_turns if tools else 1, valid_call_reward=valid_call_reward)
         self.digits, self.with_tools, self.eval_size = tuple(digits), tools, eval_size
 
