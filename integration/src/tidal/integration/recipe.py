@@ -30,7 +30,7 @@ from tidal.buffer.config import BufferConfig
 from tidal.core.config import ConfigStruct, PluginRef, load_config
 from tidal.core.errors import ConfigError
 from tidal.integration.learner.service import LearnerConfig
-from tidal.rollout.worker import WorkerConfig
+from tidal.rollout.worker_config import WorkerConfig
 
 
 class DomainConfig(ConfigStruct):

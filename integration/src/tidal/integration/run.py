@@ -33,7 +33,7 @@ from tidal.integration.learner.parallel import ParallelConfig, check_parallel, m
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.supervisor import Supervisor, error_file, write_final
-from tidal.rollout.worker import DomainSpec
+from tidal.rollout.worker_config import DomainSpec
 
 log = logging.getLogger("tidal.run")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -349,6 +349,44 @@ def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: st
     )
 
 
+def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any], envs: Mapping[str, Mapping[str, Any]],
+                    engine: Any, tokenizer: Any) -> MultiTurn:
+    """A rollout worker's multi-turn driver: its environment processes started (every domain it may be
+    asked for: `domains` (DomainSpec) and `envs`), its renderer built per sample, checked once."""
+    from tidal.core.plugins import registry
+    from tidal.rollout.envpool import EnvPool
+
+    specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in domains.items()}
+    specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
+    pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
+                   name=f"{worker}-env", log_dir=cfg.log_dir or None)
+    pool.start()
+    log.info("%s: %d environment processes for multi-turn domains (logs in %s)", worker, cfg.processes, pool.log_dir)
+
+    def make() -> Any:
+        return registry.build("renderer", cfg.renderer.name, cfg.renderer.options, tokenizer, field="episodes.renderer")
+
+    mt = MultiTurn(cfg, pool, engine, tokenizer, make)
+    _check_renderer(worker, cfg.renderer.name, mt, make, tokenizer)
+    return mt
+
+
+def _check_renderer(worker: str, name: str, mt: MultiTurn, make: Callable[[], Any], tokenizer: Any) -> None:
+    """The startup check: does the renderer extend sampled tokens exactly for this model's tokenizer?
+    Where it cannot, samples split (counted); where the tokenizer would merge tokens differently across
+    a turn boundary, the model sees token sequences it never saw in one piece. Either is logged once."""
+    from tidal.rollout.renderers import check_renderer
+
+    try:
+        problems = check_renderer(make, tokenizer)
+    except Exception as e:  # a tokenizer that cannot encode the probe conversation (a narrow alphabet)
+        log.info("%s: renderer %r not checked (its probe conversation does not encode: %s)", worker, name, e)
+        return
+    mt.counters["renderer_problems"] = float(len(problems))
+    for p in problems:
+        log.warning("%s: renderer %r with this model's tokenizer: %s", worker, name, p)
+
+
 def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Sequence[Task], sampling: SamplingParams,
                  cfg: EpisodesConfig, make_renderer: Callable[[], Any], timeout: float = 600.0) -> list[EpisodeRun | None]:
     """Play one episode per task to its end (evaluation: the demo's warm-start accuracy); None where the
@@ -382,4 +420,4 @@ def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Seq
     return [None if gid in failed else mt.runs[trajectory_id(gid, 0)] for gid in groups]
 
 
-__all__ = ["EpisodeFailed", "EpisodeRun", "EpisodesConfig", "MultiTurn", "Segment", "run_episodes"]
+__all__ = ["EpisodeFailed", "EpisodeRun", "EpisodesConfig", "MultiTurn", "Segment", "run_episodes", "start_multiturn"]

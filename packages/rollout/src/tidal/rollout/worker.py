@@ -43,7 +43,7 @@ import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.channels import dealer, make_hello, poll, sub
-from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.config import load_config
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
@@ -51,7 +51,6 @@ from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
     ACK_ASSIGNMENT,
-    TOPIC_WEIGHTS,
     Ack,
     Assignment,
     Control,
@@ -68,7 +67,8 @@ from tidal.core.protocol import (
 )
 from tidal.core.reliable import AckedPusher
 from tidal.rollout.engines.common import submit_all
-from tidal.rollout.multiturn import EpisodeFailed, EpisodesConfig, MultiTurn
+from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
+from tidal.rollout.worker_config import WorkerConfig
 
 log = logging.getLogger("tidal.rollout.worker")
 
@@ -85,41 +85,6 @@ def _software() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-class DomainSpec(ConfigStruct):
-    """What scores one recipe domain's samples (`Assignment.task` names the domain)."""
-
-    env: str  # environment plugin name (`tidal plugins env`)
-    options: dict[str, Any] = {}  # its factory options
-    reward: PluginRef | None = None  # a reward plugin that scores instead of the env's `score` (`tidal plugins reward`)
-
-
-class WorkerConfig(ConfigStruct):
-    name: str = "rollout-0"  # unique within the run; the buffer acknowledges to this name
-    controller: str = "tcp://127.0.0.1:5610"  # controller ROUTER (assignments, heartbeats, metrics)
-    buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
-    buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
-    weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
-    weights_topic: str = TOPIC_WEIGHTS  # topic prefix of the announcements there ("" = every message)
-    model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
-    engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
-    # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
-    # that name, with options from `envs`
-    domains: dict[str, DomainSpec] = {}
-    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (tasks not in `domains`)
-    weight_transport: dict[str, dict[str, Any]] = {}  # transport name -> receiver options
-    max_groups: int = 4  # prompt groups held at once (generating + awaiting buffer acks)
-    heartbeat_interval_s: float = 1.0
-    metrics_interval_s: float = 5.0
-    resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
-    stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
-    connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
-    episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
-    # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
-    # (audits and fault tests: the producer's own record of what the buffer promised to keep);
-    # "{name}" is replaced by the worker's name; "" = no record
-    acked_log: str = ""
 
 
 @dataclass
@@ -338,40 +303,9 @@ class RolloutWorker:
 
     def _multiturn(self) -> MultiTurn:
         if self.multiturn is None:
-            from tidal.rollout.envpool import EnvPool
-
-            specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in self.cfg.domains.items()}
-            specs.update({name: {"env": name, "options": dict(opts)} for name, opts in self.cfg.envs.items()
-                          if name not in specs})
-            ep = self.cfg.episodes
-            pool = EnvPool(specs=specs, processes=ep.processes, step_timeout_s=ep.step_timeout_s, plugins=ep.plugins,
-                           name=f"{self.cfg.name}-env", log_dir=ep.log_dir or None)
-            pool.start()
-            log.info("%s: %d environment processes for multi-turn domains (logs in %s)", self.cfg.name,
-                     ep.processes, pool.log_dir)
-            make = lambda: registry.build("renderer", ep.renderer.name, ep.renderer.options, self.tokenizer,  # noqa: E731
-                                          field="episodes.renderer")
-            self.multiturn = MultiTurn(ep, pool, self.engine, self.tokenizer, make)
-            self._check_renderer(make)
+            self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.cfg.envs,
+                                             self.engine, self.tokenizer)
         return self.multiturn
-
-    def _check_renderer(self, make: Any) -> None:
-        """The startup check: does the renderer extend sampled tokens exactly for this model's tokenizer?
-        Where it cannot, samples split (counted); where the tokenizer would merge tokens differently across
-        a turn boundary, the model sees token sequences it never saw in one piece. Either is logged once."""
-        from tidal.rollout.renderers import check_renderer
-
-        assert self.multiturn is not None
-        try:
-            problems = check_renderer(make, self.tokenizer)
-        except Exception as e:  # a tokenizer that cannot encode the probe conversation (a narrow alphabet)
-            log.info("%s: renderer %r not checked (its probe conversation does not encode: %s)", self.cfg.name,
-                     self.cfg.episodes.renderer.name, e)
-            return
-        self.multiturn.counters["renderer_problems"] = float(len(problems))
-        for p in problems:
-            log.warning("%s: renderer %r with this model's tokenizer: %s", self.cfg.name,
-                        self.cfg.episodes.renderer.name, p)
 
     def _poll_episodes(self) -> None:
         mt = self.multiturn

@@ -1,0 +1,50 @@
+"""The rollout worker's configuration (`python -m tidal.rollout.worker --help`): what a recipe's
+`[rollout]` section holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.protocol import TOPIC_WEIGHTS
+from tidal.rollout.multiturn import EpisodesConfig
+
+
+class DomainSpec(ConfigStruct):
+    """What scores one recipe domain's samples (`Assignment.task` names the domain)."""
+
+    env: str  # environment plugin name (`tidal plugins env`)
+    options: dict[str, Any] = {}  # its factory options
+    reward: PluginRef | None = None  # a reward plugin that scores instead of the env's `score` (`tidal plugins reward`)
+
+
+class WorkerConfig(ConfigStruct):
+    name: str = "rollout-0"  # unique within the run; the buffer acknowledges to this name
+    controller: str = "tcp://127.0.0.1:5610"  # controller ROUTER (assignments, heartbeats, metrics)
+    buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
+    buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
+    weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
+    weights_topic: str = TOPIC_WEIGHTS  # topic prefix of the announcements there ("" = every message)
+    model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
+    engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
+    # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
+    # that name, with options from `envs`
+    domains: dict[str, DomainSpec] = {}
+    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (tasks not in `domains`)
+    weight_transport: dict[str, dict[str, Any]] = {}  # transport name -> receiver options
+    max_groups: int = 4  # prompt groups held at once (generating + awaiting buffer acks)
+    heartbeat_interval_s: float = 1.0
+    metrics_interval_s: float = 5.0
+    resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
+    stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
+    connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
+    episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
+    # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
+    # (audits and fault tests: the producer's own record of what the buffer promised to keep);
+    # "{name}" is replaced by the worker's name; "" = no record
+    acked_log: str = ""
+
+
+__all__ = ["DomainSpec", "WorkerConfig"]
