@@ -197,6 +197,6 @@ def test_the_tool_demo_learns_to_call_the_calculator(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["eval_end"] >= summary["eval_start"] + 0.30, summary["eval"]
-    assert summary["episodes"]["tool_calls_per_episode"] >= 0.8, summary["episodes"]
+    assert summary["episodes"]["tool_calls_per_episode"] >= 0.7, summary["episodes"]  # the warm start: ~0.2
     assert (out / "run" / "report.png").is_file()
     assert "tool calls per episode" in proc.stdout and "RL phase:" in proc.stdout

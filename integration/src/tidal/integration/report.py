@@ -43,8 +43,8 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-EPISODE_COUNTERS = ("episodes", "finished_turns", "tool_calls", "tool_errors", "splits", "truncated",
-                    "episodes_dropped")
+EPISODE_COUNTERS = ("episodes", "finished_turns", "finished_tool_calls", "finished_tool_errors", "splits",
+                    "truncated", "episodes_dropped")
 
 
 def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
@@ -73,8 +73,10 @@ def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
         if d["episodes"] <= 0:
             continue
         out["minutes"].append(chunk[-1][0] / 60)
-        out["tool_calls_per_episode"].append(d["tool_calls"] / d["episodes"])
-        out["tool_error_rate"].append(d["tool_errors"] / d["tool_calls"] if d["tool_calls"] else 0.0)
+        # of the episodes that ended in the window: their turns and calls counted together
+        out["tool_calls_per_episode"].append(d["finished_tool_calls"] / d["episodes"])
+        out["tool_error_rate"].append(d["finished_tool_errors"] / d["finished_tool_calls"]
+                                      if d["finished_tool_calls"] else 0.0)
         out["turns_per_episode"].append(d["finished_turns"] / d["episodes"])
         out["splits"].append(d["splits"])
         out["truncated"].append(d["truncated"])
@@ -140,7 +142,9 @@ def report(run_dir: str | Path) -> Path:
         a.grid(alpha=0.3)
     summary = summarize(rows)
     if episodes:
-        summary["episodes"] = {k: v[-1] for k, v in episodes.items() if k != "minutes"}
+        # the last quarter of the run's windows (one window alone is a handful of episodes)
+        tail = max(1, len(episodes["minutes"]) // 4)
+        summary["episodes"] = {k: float(np.mean(v[-tail:])) for k, v in episodes.items() if k != "minutes"}
     title = f"{run_dir.name}: {summary['versions']} versions, {summary['samples_trained']:.0f} samples, " \
             f"{summary['wall_s'] / 60:.1f} min"
     if "eval_start" in summary:

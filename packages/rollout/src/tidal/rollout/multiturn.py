@@ -46,7 +46,8 @@ from tidal.core.protocol import (
 log = logging.getLogger("tidal.rollout.multiturn")
 
 COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "invalid_calls", "step_reward_sum", "splits",
-            "truncated", "episodes_dropped", "finished_turns", "renderer_problems")
+            "truncated", "episodes_dropped", "finished_turns", "finished_tool_calls", "finished_tool_errors",
+            "renderer_problems")
 
 
 class EpisodesConfig(ConfigStruct):
@@ -270,7 +271,11 @@ class MultiTurn:
     def _finished(self, run: EpisodeRun) -> str | None:
         self.pool.close_episode(run.id)
         self.counters["episodes"] += 1
+        # per-episode rates count an ended episode's turns and calls together (the running counters above
+        # count calls as they happen: a window's ratio of the two would mix episodes of two windows)
         self.counters["finished_turns"] += run.turns
+        self.counters["finished_tool_calls"] += run.info.get("tool_calls", 0.0)
+        self.counters["finished_tool_errors"] += run.info.get("tool_errors", 0.0)
         a = self.assignments[run.group_id]
         runs = [self.runs.get(trajectory_id(a.group_id, i)) for i in range(a.num_samples)]
         return a.group_id if all(r is not None and r.done for r in runs) else None
@@ -321,8 +326,8 @@ class MultiTurn:
         out = {f"rollout/episodes/{k}": v for k, v in c.items()}
         out.update({
             "rollout/episodes/turns_per_episode": c["finished_turns"] / n,  # of the episodes that ended
-            "rollout/episodes/tool_calls_per_episode": c["tool_calls"] / n,
-            "rollout/episodes/tool_error_rate": c["tool_errors"] / max(c["tool_calls"], 1.0),
+            "rollout/episodes/tool_calls_per_episode": c["finished_tool_calls"] / n,
+            "rollout/episodes/tool_error_rate": c["finished_tool_errors"] / max(c["finished_tool_calls"], 1.0),
             "rollout/episodes/step_reward_mean": c["step_reward_sum"] / max(c["turns"], 1.0),
             **{f"rollout/episodes/dropped/{r}": float(v) for r, v in self.dropped_by_reason.items()},
             **{f"rollout/episodes/info/{k}": v for k, v in self.info_sums.items()},
