@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
-RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
 
 ACME = '''
 import os
@@ -137,35 +134,15 @@ def world(tmp_path_factory):
     return model, env
 
 
-def tidal_run(world, run_dir: Path, *overrides: str, timeout: float = 420) -> tuple[int, str]:
-    model, env = world
-    args = [sys.executable, "-m", "tidal.integration.cli", "run", str(RECIPE), f'model="{model}"',
-            f'run_dir="{run_dir}"', 'monitor.progress="log"', "monitor.tensorboard=false", *overrides]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"tidal run did not end within {timeout} s:\n{out[-4000:]}{_logs(run_dir)}")
-    return proc.returncode, out
-
-
-def _logs(run_dir: Path) -> str:
-    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                   for p in sorted((run_dir / "logs").glob("*.log")))
-
-
-def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, tmp_path):
+def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
     markers = tmp_path / "markers"
     markers.mkdir()
-    rc, out = tidal_run(world, run_dir, f'domains=[{{env="acme-faulty", options={{markers="{markers}"}}}}]', "workers=1",
+    rc, out = tidal_cli.run(world, run_dir, f'domains=[{{env="acme-faulty", options={{markers="{markers}"}}}}]', "workers=1",
                         "budget.versions=30", "eval.every=0", "sampling.max_tokens=8", 'sampling.stop=["\\n"]',
                         "rollout.episodes.max_tokens=64", "rollout.episodes.step_timeout_s=20",
                         "rollout.episodes.processes=2", "group_size=4", "batch_groups=4")
-    assert rc == 0, out[-4000:] + _logs(run_dir)
+    assert rc == 0, out[-4000:] + tidal_cli.logs(run_dir)
     f = json.loads((run_dir / "final.json").read_text())
     assert f["status"] == "completed" and f["versions"] == 30, f["status"]
     last = f["rollout"]["rollout-0"]  # the worker's final counters

@@ -17,16 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
-RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
 
 ACME = '''
 import zlib
@@ -109,41 +105,19 @@ def world(tmp_path_factory):
     return model, env
 
 
-def tidal_run(world, run_dir: Path, *overrides: str, timeout: float = 420) -> tuple[int, str]:
-    """`tidal run` on the tiny recipe: (exit code, its output). Killed, and the test failed, past
-    `timeout`: a run that cannot finish must end by itself, with a status."""
-    model, env = world
-    args = [sys.executable, "-m", "tidal.integration.cli", "run", str(RECIPE), f'model="{model}"',
-            f'run_dir="{run_dir}"', 'monitor.progress="log"', "monitor.tensorboard=false", "workers=1", *overrides]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"tidal run did not end within {timeout} s:\n{out[-4000:]}{_logs(run_dir)}")
-    return proc.returncode, out
-
-
-def _logs(run_dir: Path) -> str:
-    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                   for p in sorted((run_dir / "logs").glob("*.log")))
-
-
 def final(run_dir: Path) -> dict:
     return json.loads((run_dir / "final.json").read_text())
 
 
-def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path):
+def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
     domains = ('domains=[{name="easy", env="acme-flaky", options={level=1, tag="easy"}},'
                ' {name="hard", env="acme-flaky", options={level=2, tag="hard"}},'
                ' {name="graded", env="acme-flaky", options={level=1, tag="graded", fail_one_in=1},'
                ' reward={name="acme-exact"}}]')
-    rc, out = tidal_run(world, run_dir, domains, "budget.versions=6", "eval.every=3", "eval.size=30",
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", domains, "budget.versions=6", "eval.every=3", "eval.size=30",
                            "sampling.max_tokens=4")
-    assert rc == 0, out[-4000:] + _logs(run_dir)
+    assert rc == 0, out[-4000:] + tidal_cli.logs(run_dir)
     f = final(run_dir)
     assert f["status"] == "completed" and f["versions"] == 6 and f["restarts"] == {}
     # evaluation at 0, 3 and 6, each under every domain's own name; a problem whose verifier crashed is
@@ -170,9 +144,9 @@ def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path):
     assert log.count("Traceback") == 1 and "LookupError" not in log
 
 
-def test_task_metadata_that_is_not_text_fails_the_run_naming_plugin_and_field(world, tmp_path):
+def test_task_metadata_that_is_not_text_fails_the_run_naming_plugin_and_field(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_run(world, run_dir, 'domains=[{env="acme-intmeta", options={level=1}}]', "eval.every=0",
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="acme-intmeta", options={level=1}}]', "eval.every=0",
                               timeout=240)
     assert rc == 1, out[-3000:]
     status = final(run_dir)["status"]
@@ -181,9 +155,9 @@ def test_task_metadata_that_is_not_text_fails_the_run_naming_plugin_and_field(wo
     assert "metadata['level'] = 3 (int)" in out  # on the driver's own output, not only in a file
 
 
-def test_an_env_that_can_never_score_ends_the_run_as_stalled_with_its_error(world, tmp_path):
+def test_an_env_that_can_never_score_ends_the_run_as_stalled_with_its_error(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_run(world, run_dir, 'domains=[{env="acme-flaky", options={fail_one_in=1}}]',
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="acme-flaky", options={fail_one_in=1}}]',
                               "eval.every=0", "launch.stall_timeout_s=20", timeout=300)
     assert rc == 1, out[-3000:]
     f = final(run_dir)
@@ -193,12 +167,12 @@ def test_an_env_that_can_never_score_ends_the_run_as_stalled_with_its_error(worl
     assert "stalled" in out
 
 
-def test_a_loss_the_learner_refuses_fails_the_run_once_with_the_learners_own_message(world, tmp_path):
+def test_a_loss_the_learner_refuses_fails_the_run_once_with_the_learners_own_message(world, tmp_path, tidal_cli):
     """A misspelt loss name is refused by the driver before any role starts (test_plugin_checks.py); a
     value only the plugin's factory can judge is refused by the learner when it builds the loss: the run
     fails once, not restarted, with the learner's message in the recipe's terms."""
     run_dir = tmp_path / "run"
-    rc, out = tidal_run(world, run_dir, 'learner.train.loss={name="acme-pg", options={strength=-1.0}}', timeout=240)
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'learner.train.loss={name="acme-pg", options={strength=-1.0}}', timeout=240)
     assert rc == 1, out[-3000:]
     f = final(run_dir)
     assert f["restarts"] == {}, f  # a refused configuration is not retried
@@ -207,9 +181,9 @@ def test_a_loss_the_learner_refuses_fails_the_run_once_with_the_learners_own_mes
     assert out.count("restarting") == 0
 
 
-def test_a_bad_env_option_is_refused_before_any_role_starts(world, tmp_path):
+def test_a_bad_env_option_is_refused_before_any_role_starts(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_run(world, run_dir, 'domains=[{env="arithmetic", options={levl=2}}]', timeout=120)
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="arithmetic", options={levl=2}}]', timeout=120)
     assert rc == 2, out[-3000:]
     assert "`domains[0].options.levl`" in out and "did you mean 'level'" in out and "it takes: level" in out
     assert "Traceback" not in out

@@ -1,0 +1,43 @@
+"""Shared by the system tests that drive `tidal run` as a user does (a subprocess, its own process group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
+
+
+class TidalCLI:
+    """`tidal run` on the tiny recipe, with role logs for failure messages."""
+
+    @staticmethod
+    def logs(run_dir: Path) -> str:
+        return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                       for p in sorted((run_dir / "logs").glob("*.log")))
+
+    def run(self, world: tuple[Path, dict], run_dir: Path, *overrides: str, timeout: float = 420) -> tuple[int, str]:
+        """(exit code, its output) of `tidal run` with `world` = (model folder, environment). Killed, and
+        the test failed, past `timeout`: a run that cannot finish must end by itself, with a status."""
+        model, env = world
+        args = [sys.executable, "-m", "tidal.integration.cli", "run", str(RECIPE), f'model="{model}"',
+                f'run_dir="{run_dir}"', 'monitor.progress="log"', "monitor.tensorboard=false", *overrides]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=60)
+            pytest.fail(f"tidal run did not end within {timeout} s:\n{out[-4000:]}{self.logs(run_dir)}")
+        return proc.returncode, out
+
+
+@pytest.fixture
+def tidal_cli() -> TidalCLI:
+    return TidalCLI()
