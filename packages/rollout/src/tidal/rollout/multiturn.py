@@ -138,6 +138,7 @@ class MultiTurn:
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.dropped_by_reason: dict[str, int] = {}
         self.info_sums: dict[str, float] = {}  # step info keys the environment reports beyond COUNTERS
+        self._stops: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
 
     # ------------------------------------------------------------------ starting
 
@@ -262,9 +263,13 @@ class MultiTurn:
                                              sampling=sampling))
 
     def _split_stops(self, stops: list[str]) -> tuple[list[int], list[str]]:
-        from tidal.rollout.stops import split_stops
+        """(stop token ids, stop strings), once per distinct set: every turn of every sample asks."""
+        key = tuple(dict.fromkeys(stops))
+        if key not in self._stops:
+            from tidal.rollout.stops import split_stops
 
-        return split_stops(self.tokenizer, dict.fromkeys(stops))
+            self._stops[key] = split_stops(self.tokenizer, key)
+        return self._stops[key]
 
     # ------------------------------------------------------------------ endings
 
