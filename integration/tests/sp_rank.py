@@ -77,6 +77,7 @@ def main() -> None:
         with open(args.out + ".json", "w") as f:
             json.dump(metrics, f)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
         dist.destroy_process_group()
 
 

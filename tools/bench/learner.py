@@ -179,6 +179,7 @@ def sp_worker(a: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
     Path(a.out).write_text(json.dumps({"rank": a.rank, "peak": saved.peak, "seconds": statistics.median(times)}))
     if a.world > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ def main() -> int:
     if rank == 0:
         save_file(expected, str(out / "expected.safetensors"))
         (out / "announcement.json").write_bytes(msgspec.json.encode(ann))
+    dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
     dist.destroy_process_group()
     return 0
 

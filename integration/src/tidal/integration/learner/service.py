@@ -535,12 +535,17 @@ def main(argv: list[str] | None = None) -> int:
     learner = Learner(cfg)
     signal.signal(signal.SIGTERM, lambda *_: learner.stop())
     signal.signal(signal.SIGINT, lambda *_: learner.stop())
+    clean = False
     try:
-        return learner.run()
+        code = learner.run()
+        clean = code == 0
+        return code
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if clean:  # every rank done with its last collective before any tears gloo down (a crash at exit otherwise)
+                dist.barrier()
             dist.destroy_process_group()
 
 
