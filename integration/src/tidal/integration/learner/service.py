@@ -487,6 +487,11 @@ def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
 
 
 def _spawn(nproc: int, argv: list[str]) -> int:
+    """`nproc` learner ranks on this machine; the worst exit code. Not torchrun: its agent starts each
+    rank in a session of its own, so the driver's kill of the learner's process group (kill -9 drills,
+    a stalled run) would leave the ranks running, holding their ports (measured with torch 2.15); and
+    a SIGTERM'd agent raises SignalException without the ranks' codes, while the driver needs 0 from a
+    clean stop and 78 from a refused configuration. These ranks stay in our process group."""
     from tidal.core.net import PortReservation
 
     ports = PortReservation()  # held while the ranks run: rank 0's TCPStore binds it, nobody else can
