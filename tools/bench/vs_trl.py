@@ -16,9 +16,9 @@ Systems, all on the same cores (the process and its children are pinned to the f
 - TRL: one process, `model.generate`, torch threads = --threads. Held-out accuracy every --eval-every
   steps from a TrainerCallback; the evaluation is timed out of the training clock.
 - Tidal async / sync: `tidal.integration.run.run` with the demo's config (`demo_config`), mode=async /
-  sync, each torch role (2 rollout workers, the learner) with --threads // 3 torch threads. Accuracy from
-  the run's own in-run evaluation (controller -> workers); that evaluation shares the workers, so it is
-  INSIDE Tidal's clock (a bias against Tidal, never for it).
+  sync, each torch role (the demo's rollout workers, the learner) with --threads // (workers + 1) torch
+  threads. Accuracy from the run's own in-run evaluation (controller -> workers); that evaluation shares
+  the workers, so it is INSIDE Tidal's clock (a bias against Tidal, never for it).
 
 Both evaluate with the same code: greedy, exact answer, the same held-out problems, the embedded engine
 (TRL: its policy saved to a folder and read by `tidal.integration.sft.accuracy`). Clocks: TRL from the
@@ -409,8 +409,8 @@ UNMATCHED = [
     "advantage: both (r - group mean) / (unbiased group std + eps), eps 1e-6 in Tidal, 1e-4 in TRL",
     "loss: both token-mean over the 64 samples of a step (TRL loss_type='dapo' with one process and no "
     "accumulation); Tidal packs sequences into micro-batches of <= 4096 tokens, TRL pads one batch",
-    "processes: TRL is one process with --threads torch threads; Tidal is 2 rollout workers + learner (each "
-    "--threads // 3 torch threads) + buffer + the driver/controller, all on the same --threads cores",
+    "processes: TRL is one process with --threads torch threads; Tidal is --workers rollout workers + learner "
+    "(each --threads // (workers + 1) torch threads) + buffer + the driver/controller, all on the same --threads cores",
     "evaluation: the same greedy exact-answer function on the same held-out problems; TRL's is timed out of its "
     "clock, Tidal's runs on its rollout workers during the run and stays in its clock",
     "clock start: TRL from the trainer's construction (model load) in a process that already imported "
@@ -435,7 +435,8 @@ def main() -> None:
     ap.add_argument("--longtail-sft-steps", type=int, default=0,
                     help="Reverse warm-start SFT steps (0: --sft-steps if given, else 400)")
     ap.add_argument("--threads", type=int, default=0, help="cores used by every system (0: all this process may use)")
-    ap.add_argument("--workers", type=int, default=2, help="Tidal rollout workers (the demo's 2)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="Tidal rollout workers (0: the demo's: 1 on 2 cores or fewer, else 2)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--batch-samples", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -447,6 +448,10 @@ def main() -> None:
     trl_version = require_trl()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     a.threads = a.threads or len(cores)
+    if not a.workers:
+        from tidal.integration.demo import demo_workers
+
+        a.workers = demo_workers(a.threads)
     if a.threads > len(cores):
         raise SystemExit(f"--threads {a.threads}: this process may only use {len(cores)} cores")
     if hasattr(os, "sched_setaffinity"):
