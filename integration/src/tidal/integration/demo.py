@@ -7,7 +7,8 @@
    carries; RL, rewarded by the exact answer alone, has to find and fix that (it never sees a corrected
    demonstration). Held-out problems (1 in 5 by prompt hash) are never trained on.
 3. Run async GRPO: rollout workers (embedded engine; 1 on a machine of 2 cores or fewer, else 2), the
-   buffer, the learner and the controller, all real processes talking over ZeroMQ, weights sent to the workers in flight after every step.
+   buffer, the learner and the controller, all real processes talking over ZeroMQ, weights sent to the
+   workers in flight after every step.
 4. Write the report (PNG + summary.json) and print where it is.
 
 `tidal demo --task tools` runs the agentic variant: multi-digit multiplication (``347*58=``) that the
