@@ -50,6 +50,9 @@ def test_benchmark_runs_and_reports(script, tmp_path):
     if script == "vs_trl.py":  # every system of every workload measured, not just a JSON line
         for name, w in reports[-1]["workloads"].items():
             assert set(w["systems"]) == {"trl", "async", "sync"}, (name, sorted(w["systems"]))
+            # each Tidal mode again with evaluation out of the clock: the throughput that meets TRL's
+            for mode in ("async", "sync"):
+                assert w["systems"][mode]["no_eval"]["samples_per_s"] > 0, (name, mode, w["systems"][mode])
 
 
 @pytest.mark.timeout(300)

@@ -179,3 +179,74 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
     assert len(trained) == len(set(trained)) == steps * 2 * G, "a sample was trained twice, or lost"
     assert {b.rsplit("-", 1)[1] for b in progress["trained"]} == {"r0", "r1"}  # both ranks' batch ids
     assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] == steps * 2 * G
+
+
+@pytest.mark.slow
+def test_one_prefetching_learner_killed_and_stopped_mid_prefetch_trains_every_sample_once(tmp_path):
+    """One process asks for the next batch (and packs it) while it trains (`prefetch`, the default): killed
+    with -9 one step past a checkpoint while holding a prefetched batch, it resumes and is served that
+    step's batch and the prefetched one again; stopped (SIGTERM) while its prefetch waits for data that
+    never comes, it leaves at once, checkpointed. Every sample was trained on exactly once, every batch's
+    acknowledgement (sent with the next request when prefetching) reached the buffer."""
+    import os
+    import signal
+
+    from tidal.buffer.client import BatchClient
+    from tidal.rollout.tiny import build_tiny_model, load_tokenizer
+
+    steps = 5
+    model_path = build_tiny_model(tmp_path / "model", seed=3)
+    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
+    buffer = subprocess.Popen(
+        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
+         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}"],
+        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    learner: subprocess.Popen | None = None
+    log_path = tmp_path / "learner.log"
+
+    def start_learner(max_steps: int, s_per_sample: float = 0.0) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
+             f'publish="{announce}"', f"max_steps={max_steps}", "weights.every=0", "prefetch=true",
+             f"simulate_s_per_sample={s_per_sample}",
+             f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=2", "record_trained_ids=true"],
+            stdout=open(log_path, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for_log(line: str) -> None:
+        deadline = time.monotonic() + 300
+        while line not in log_path.read_text():
+            assert learner is not None and learner.poll() is None and time.monotonic() < deadline, \
+                log_path.read_text()[-3000:]
+            time.sleep(0.05)
+
+    try:
+        _push_groups(ingest, publish, load_tokenizer(model_path), steps)  # one group a step
+        learner = start_learner(steps, s_per_sample=0.25)  # a second a step: the kill lands before step 4
+        wait_for_log("step 3 ")  # trained, not checkpointed (that was at step 2); step 4's batch prefetched
+        os.killpg(learner.pid, signal.SIGKILL)
+        learner.wait(timeout=30)
+        learner = start_learner(0)  # until stopped
+        wait_for_log("step 5 ")  # every sample trained; the prefetch of step 6 waits for data that never comes
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.killpg(learner.pid, signal.SIGTERM)
+        assert learner.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+        stop_s = time.monotonic() - t0
+        with BatchClient(serve) as probe:
+            status = probe.status(timeout=30).scalars
+    finally:
+        for p in (learner, buffer):
+            if p is not None and p.poll() is None:
+                if p is learner:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.terminate()
+                p.wait(timeout=30)
+    text = log_path.read_text()
+    assert "resumed from" in text and "at step 2 " in text, text[-3000:]
+    progress = json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())
+    trained = progress["trained_ids"]
+    assert progress["step"] == steps
+    assert len(trained) == len(set(trained)) == steps * G, "a sample was trained twice, or lost"
+    assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] == steps * G, status
+    assert stop_s < 30, f"stopping took {stop_s:.1f} s: the pending prefetch held the learner"

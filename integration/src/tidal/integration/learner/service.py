@@ -41,7 +41,7 @@ from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.parallel import ParallelConfig
-from tidal.integration.learner.trainer import TrainConfig, needs_critic, needs_reference
+from tidal.integration.learner.trainer import Prepared, TrainConfig, needs_critic, needs_reference
 
 log = logging.getLogger("tidal.learner")
 
@@ -84,6 +84,10 @@ class LearnerConfig(ConfigStruct):
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)
     batch_timeout_s: float = 600.0  # how long to wait for the buffer to have a batch
+    # one process: ask for the next batch and pack it (and its advantages, without a critic) on a thread
+    # while this step trains, so a batch the buffer already holds costs the step nothing; its acks go
+    # with the request after. Ignored with several ranks (their batch exchange is collective)
+    prefetch: bool = True
     wait_for_subscriber_s: float = 0.0  # before the first step, wait this long for a metrics subscriber (a driver)
     device: str = "cpu"
     seed: int = 0
@@ -113,6 +117,12 @@ class Learner:
         # acknowledged with the next batch request once it is on disk.
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-bg") \
             if self.world == 1 else None
+        # the buffer client's own thread when prefetching (a ZeroMQ socket is used by one thread only):
+        # every request and ack of this learner goes through it, in order
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-fetch") \
+            if self.world == 1 and cfg.prefetch and self.client is not None else None
+        self._prefetched: Future | None = None
+        self._last_step_end = 0.0  # time.time() when the previous step ended (the learner free again)
         self._publishing: Future | None = None
         self._checkpointing: Future | None = None
         self._ack_next: list[str] = []  # checkpointed batches, acknowledged with the next request
@@ -247,21 +257,28 @@ class Learner:
 
     def train_one(self) -> dict[str, float] | None:
         """One step; None when stopped while waiting for the batch."""
-        from tidal.integration.learner.data import Sample
-
-        t0, asked_at = time.perf_counter(), time.time()
-        got, batch = self._next_batch()
+        t0 = time.perf_counter()
+        if self._fetcher is not None:
+            fut, self._prefetched = self._prefetched, None
+            got, fetched = (fut if fut is not None else self._fetcher.submit(self._fetch, *self._request())).result()
+        else:
+            got, fetched = self._fetch(*self._request())
         if not self._everyone(got):
             return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
         t_batch = time.perf_counter()
-        # control-plane latency: from the share being complete in the buffer (or our request, if later)
-        # to this step starting; a batch formed before we asked measures only the request's round trip
-        ready_to_step = time.time() - max(batch.ready_at, asked_at) if batch is not None and batch.ready_at else None
-        samples = [Sample.from_trajectory(t) for t in batch.trajectories] if batch is not None else []
+        batch, work, asked_at = fetched
+        # control-plane latency: from the moment this step could have started (the share complete in the
+        # buffer, our request sent, the previous step over: the latest of them) to its start. A batch that
+        # waited for a busy learner measures ~0: the learner was not idle for it
+        ready_to_step = (time.time() - max(batch.ready_at, asked_at, self._last_step_end)
+                         if batch is not None and batch.ready_at else None)
         batch_id = batch.batch_id if batch is not None else ""
         if self.sp is not None:
-            batch_id, samples = self.sp.share((batch_id, samples))
-        metrics = self.trainer.step(samples)
+            batch_id, work = self.sp.share((batch_id, work))
+        if self._fetcher is not None and (self.cfg.max_steps == 0 or self.step + 1 < self.cfg.max_steps):
+            # the next batch is trained at the version this step makes: the buffer admits it against that
+            self._prefetched = self._fetcher.submit(self._fetch, *self._request(self.version + 1), True)
+        metrics = self.trainer.step(work)
         if self.cfg.simulate_s_per_sample:
             time.sleep(self.cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / self.dp)
         t_train = time.perf_counter()
@@ -273,19 +290,34 @@ class Learner:
         metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
         timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
                   "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9)}
+        samples = work.samples if isinstance(work, Prepared) else work
         self._report(metrics, timing, ready_to_step, samples, batch.trajectories if batch is not None else [])
+        self._last_step_end = time.time()
         return metrics
 
-    def _next_batch(self) -> tuple[bool, Any]:
-        """This rank's share of the next batch, the checkpointed batches acknowledged with the request:
-        (False, None) when stopped while waiting; (True, None) on an SP rank that is not its group's 0."""
+    def _request(self, version: int | None = None) -> tuple[list[str], int]:
+        """(the batches to acknowledge with the next batch request: those a finished checkpoint
+        records; the version the batch will be trained at). On the training thread."""
         self._collect_checkpoint(wait=False)
         ack, self._ack_next = self._ack_next, []
+        return ack, self.version if version is None else version
+
+    def _fetch(self, ack: list[str], version: int, prepare: bool = False) -> tuple[bool, Any]:
+        """This rank's share of the next batch, `ack` acknowledged with the request: (True, (batch,
+        samples or `Trainer.prepare`d samples, when asked)), or (False, None) when stopped while waiting;
+        batch None on an SP rank that is not its group's 0. On the fetch thread when prefetching."""
+        from tidal.integration.learner.data import Sample
+
+        asked_at = time.time()
         if self.client is None:  # under sequence parallelism, SP rank 0 of each group asks
-            return True, None
+            return True, (None, [], asked_at)
         client = self.client
-        return self._until_stopped(lambda t: client.next_batch(self.version, timeout=t, ack=ack),
-                                   self.cfg.batch_timeout_s, "no batch from the buffer")
+        got, batch = self._until_stopped(lambda t: client.next_batch(version, timeout=t, ack=ack),
+                                         self.cfg.batch_timeout_s, "no batch from the buffer")
+        if not got:
+            return False, None
+        samples = [Sample.from_trajectory(t) for t in batch.trajectories]
+        return True, (batch, self.trainer.prepare(samples) if prepare else samples, asked_at)
 
     def _record_step(self, batch_id: str, batch: Any, sequences: int) -> None:
         """Count the step trained on `batch_id`, then checkpoint and acknowledge when due."""
@@ -297,7 +329,11 @@ class Learner:
         if self.cfg.record_trained_ids:  # each data-parallel share once
             self.trained_ids.extend(self._gather_ids([t.id for t in batch.trajectories] if batch is not None else []))
         if self.latest is None or not self.cfg.checkpoint_every:
-            self.acknowledge()  # no checkpoint to wait for: the step itself is the record
+            if self._fetcher is not None:  # no checkpoint to wait for: acknowledged with the next request
+                self._ack_next.extend(self.unacked)
+                self.unacked = []
+            else:
+                self.acknowledge()  # no checkpoint to wait for: the step itself is the record
         elif self.step % self.cfg.checkpoint_every == 0:
             if self._background is not None:
                 self.checkpoint(background=True)  # acknowledged with a later request, once written
@@ -344,8 +380,13 @@ class Learner:
         if not ids or self.client is None:  # an SP rank other than 0: its group's SP rank 0 acknowledges
             return
         client = self.client
-        acked, _ = self._until_stopped(lambda t: client.ack(ids, timeout=t), 60.0,
+
+        def ack() -> tuple[bool, Any]:
+            return self._until_stopped(lambda t: client.ack(ids, timeout=t), 60.0,
                                        f"the buffer did not confirm the ack of {', '.join(ids[:3])}")
+
+        # prefetching: on the client's thread, after the request in flight (stopped, it ends within 2 s)
+        acked, _ = self._fetcher.submit(ack).result() if self._fetcher is not None else ack()
         if not acked:
             log.warning("stopping before the buffer confirmed the ack of %d batches (recorded as trained)", len(ids))
 
@@ -458,6 +499,8 @@ class Learner:
         self.wait_published()
         if self._background is not None:
             self._background.shutdown(wait=True)
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
         if self.sender is not None:

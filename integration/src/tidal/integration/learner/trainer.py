@@ -20,6 +20,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -64,6 +65,17 @@ def needs_critic(cfg: TrainConfig) -> bool:
     of itself (`needs_values`, tidal.core.interfaces.AdvantageEstimator)."""
     est = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
     return bool(getattr(est, "needs_values", False))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A batch made ready for `Trainer.step` (see `Trainer.prepare`): its samples, micro-batches and,
+    without a critic, per-sample advantages and returns."""
+
+    samples: list[Sample]
+    micros: list[Any]
+    advantages: list[torch.Tensor] | None
+    returns: list[torch.Tensor] | None
 
 
 class Trainer:
@@ -247,22 +259,35 @@ class Trainer:
         row = torch.zeros((1, 2), dtype=torch.long, device=self.backend.device)
         return Micro(row, torch.arange(2, device=self.backend.device)[None], [], [])
 
-    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def prepare(self, samples: Sequence[Sample]) -> Prepared:
+        """What a step does before its first forward and without the parameters: check the sampling,
+        pack the micro-batches, and (an estimator without a critic) the advantages. No collectives, so the
+        learner runs it for the next batch on another thread while this step trains."""
         from tidal.integration.learner.data import pack
 
+        self._check_sampling(samples)
+        micros = pack(samples, self.cfg.micro_batch_tokens, self.backend.device, share_prefix=self.share_prefix,
+                      fallback=self.fallback)
+        adv, returns = self.advantages(samples) if samples and not self.critic else (None, None)
+        return Prepared(list(samples), micros, adv, returns)
+
+    def step(self, samples: Sequence[Sample] | Prepared) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch (`samples`, or `prepare(samples)`)."""
+        prepared = samples if isinstance(samples, Prepared) else self.prepare(samples)
+        samples, micros = prepared.samples, prepared.micros
         be = self.backend
         tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
         seqs = float(sum(1 for s in samples if s.loss_mask.any()))
         sp = self.sp.size if self.sp is not None else 1  # the ranks of an SP group hold the same samples
         g_tokens, g_seqs = (x / sp for x in self._global([tokens, seqs]))
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self._check_sampling(samples)
-        micros = pack(samples, self.cfg.micro_batch_tokens, be.device, share_prefix=self.share_prefix,
-                      fallback=self.fallback)
         # every rank must run the same number of forwards under FSDP (collectives in each)
         n_micro = int(max(self._global_max(len(micros)), 1))
         old_values = self._old_values(samples, micros, n_micro) if self.critic else None
-        adv, returns = self.advantages(samples, old_values) if samples else ([], None)
+        if prepared.advantages is not None:
+            adv, returns = prepared.advantages, prepared.returns
+        else:  # PPO mode: GAE reads the critic's values from just now
+            adv, returns = self.advantages(samples, old_values) if samples else ([], None)
         sums: dict[str, float] = defaultdict(float)
         for k in range(n_micro):
             if k >= len(micros):  # this rank has no more data: a zero-weight forward keeps collectives in step
