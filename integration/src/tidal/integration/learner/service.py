@@ -227,11 +227,15 @@ class Learner:
 
     def run(self) -> int:
         cfg = self.cfg
-        while cfg.max_steps == 0 or self.step < cfg.max_steps:
-            if not self._everyone(not self._stop):
-                break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
-            if self.train_one() is None:
-                break  # stopped while waiting for a batch
+        try:
+            while cfg.max_steps == 0 or self.step < cfg.max_steps:
+                if not self._everyone(not self._stop):
+                    break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
+                if self.train_one() is None:
+                    break  # stopped while waiting for a batch
+        except BaseException:
+            self._stop = True  # a prefetch still waiting for data gives up within a wait slice: the process exits
+            raise
         self.wait_published()
         if self.latest is not None:
             self.checkpoint()
