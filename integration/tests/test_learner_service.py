@@ -250,3 +250,41 @@ def test_one_prefetching_learner_killed_and_stopped_mid_prefetch_trains_every_sa
     assert len(trained) == len(set(trained)) == steps * G, "a sample was trained twice, or lost"
     assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] == steps * G, status
     assert stop_s < 30, f"stopping took {stop_s:.1f} s: the pending prefetch held the learner"
+
+
+@pytest.mark.slow
+def test_a_learner_whose_step_fails_exits_while_its_prefetch_waits_for_data(tmp_path):
+    """A step that raises (here: a token id the model's vocabulary does not have, from a producer with
+    another tokenizer) while the next batch's prefetch waits for data that never comes: the learner exits
+    with the error within seconds, not after `batch_timeout_s` (the prefetch thread is told to stop)."""
+    from tidal.rollout.tiny import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "model", seed=3)
+    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
+    buffer = subprocess.Popen(
+        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
+         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}"],
+        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        with AckedPusher(ingest, publish, "producer", resend_after=1.0) as out:
+            for k in range(G):  # one batch; its completion holds an id far outside the 79-token vocabulary
+                out.send(Trajectory(
+                    id=f"g0:{k}", group_id="g0", sample_index=k, task="arithmetic",
+                    prompt_ids=Array.from_numpy(np.asarray([1, 5, 6], np.int32)),
+                    completion_ids=Array.from_numpy(np.asarray([7, 50_000], np.int32)),
+                    logprobs=Array.from_numpy(np.full(2, -1.0, np.float32)),
+                    versions=Array.from_numpy(np.zeros(2, np.int32)),
+                    reward=float(k % 2), finish_reason="stop", source="producer", group_size=G))
+            out.flush(timeout=60)
+        t0 = time.monotonic()
+        learner = subprocess.run(
+            [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
+             f'publish="{announce}"', "weights.every=0", "prefetch=true", "batch_timeout_s=600"],
+            capture_output=True, text=True, timeout=240)
+        took = time.monotonic() - t0
+    finally:
+        buffer.terminate()
+        buffer.wait(timeout=30)
+    assert learner.returncode != 0, learner.stdout[-2000:] + learner.stderr[-2000:]
+    assert "IndexError" in learner.stderr + learner.stdout, learner.stderr[-2000:]
+    assert took < 120, f"the learner took {took:.0f} s to exit after its step failed"
