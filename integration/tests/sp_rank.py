@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tidal.core.config import PluginRef
 from tidal.core.plugins import registry
+from tidal.core.process import exit_now
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.backends import BackendConfig
 from tidal.integration.learner.data import Sample
@@ -83,3 +84,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done

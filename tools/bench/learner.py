@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from tidal.core.config import PluginRef
+from tidal.core.process import exit_now
 from tidal.integration.learner.backends import BackendConfig, OptimConfig, SingleBackend
 from tidal.integration.learner.data import Sample, pad_rows
 from tidal.integration.learner.trainer import TrainConfig, Trainer
@@ -251,7 +252,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sp_worker:
         sp_worker(args)
-        return
+        exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done
 
     from tidal.integration.learner.data import pack
     from tidal.rollout.tiny import build_tiny_model

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from tidal.core.process import exit_now
+
 
 def _status(field: str) -> int:
     """A /proc/self/status field in bytes."""
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
-        return 0
+        exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done
     lengths = [int(x) for x in a.lengths.split(",")]
     ranks = [int(x) for x in a.ranks.split(",")]
     modes = a.modes.split(",")

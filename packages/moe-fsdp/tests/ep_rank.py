@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from moe_tiny import EP_CASES, block_config, block_loss, full_block, rank_inputs
 
+from tidal.core.process import exit_now
 from tidal.moe_fsdp import MoEBlock
 
 
@@ -44,4 +45,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # no interpreter finalization: gloo's threads can abort it after the work is done

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from moe_tiny import STEPS, batch, lm_loss, optimizer, tiny_mixtral
 
+from tidal.core.process import exit_now
 from tidal.moe_fsdp import iter_full_weights, moe_mesh, shard_moe_model
 
 
@@ -48,4 +49,4 @@ def train(rank: int, out: Path, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # no interpreter finalization: gloo's threads can abort it after the work is done

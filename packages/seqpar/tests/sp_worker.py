@@ -19,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import attention as ref_attention
 
+from tidal.core.process import exit_now
 from tidal.seqpar import make_mesh, plan_layout, shard, sp_attention, sp_cross_entropy, sum_grads, unshard
 
 DEVICE = os.environ.get("TIDAL_SP_DEVICE", "cpu")  # "cuda" with NCCL: tools/gpu/seqpar_check.sh
@@ -143,3 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done

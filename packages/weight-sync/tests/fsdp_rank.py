@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from tidal.core.process import exit_now
 from tidal.weight_sync import WeightSender
 from tidal.weight_sync.fsdp import sync_from_sharded
 
@@ -51,4 +52,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # no interpreter finalization: gloo's threads can abort it after the work is done

@@ -6,7 +6,9 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from tidal.core.errors import ConfigError, PluginNotFound
 
@@ -25,6 +27,23 @@ def setup_role_process(log_level: str | int = "INFO") -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if hasattr(signal, "SIGUSR1"):  # not on Windows
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End this process with `code` once its work is done, skipping the interpreter's finalization
+    (logging and stdio are flushed first; atexit handlers do not run). For a process that ran
+    torch.distributed over gloo: a C++ thread of the process group or its store that is still joinable
+    when finalization destroys it aborts the process with 'terminate called without an active exception'
+    (exit -6) after all its work succeeded. CI saw it on 2-rank FSDP2 and DeepSpeed ZeRO-3 jobs even after
+    a barrier and destroy_process_group. Call it after those, on the clean path only: an error should
+    still unwind and print its traceback."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to save
+            pass
+    os._exit(code)
 
 
 def write_role_error(message: str) -> None:
