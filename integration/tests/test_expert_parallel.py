@@ -115,6 +115,7 @@ def test_ep2_on_two_ranks_gives_the_loss_and_gradients_of_ep1(oss, ep1, tmp_path
     assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) <= 1e-5
 
 
+@pytest.mark.slow  # ~35 s on 2 ranks; the default tier is at its budget
 def test_ep2_checkpoint_resumes_bit_identical(oss, tmp_path):
     """2 steps, checkpoint (each rank its own experts' shards), kill -9, new processes load it and train
     1 step == 3 uninterrupted steps, bit for bit."""

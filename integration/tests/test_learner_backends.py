@@ -67,7 +67,9 @@ def test_sharded_backends_on_two_ranks_match_single(model, single_run, tmp_path,
     assert max_diff(single_run, tmp_path / f"{backend}.safetensors") <= 1e-5
 
 
-@pytest.mark.parametrize(("backend", "world"), [("single", 1), ("fsdp2", 2)])
+@pytest.mark.parametrize(("backend", "world"), [("single", 1),
+                                               # 2 ranks: ~40 s, in the slow tier (the default one is at its budget)
+                                               pytest.param("fsdp2", 2, marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(model, tmp_path, backend, world):
     """k=2 steps, checkpoint, kill -9, new processes load it and train 1 step == 3 uninterrupted steps,
     bit for bit."""
