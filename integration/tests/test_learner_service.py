@@ -114,6 +114,31 @@ def _push_groups(ingest: str, publish: str, tok, n_groups: int) -> None:
         out.flush(timeout=60)
 
 
+def _start_buffer(tmp_path: Path, batch_samples: int) -> tuple[subprocess.Popen, tuple[str, str, str, str]]:
+    """A buffer process (groups of G, `batch_samples` a batch; log in tmp_path) and four endpoints:
+    its ingest, serve and publish, and one for the learner's announcements."""
+    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
+    buffer = subprocess.Popen(
+        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
+         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={batch_samples}"],
+        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    return buffer, (ingest, serve, publish, announce)
+
+
+def _stop(learner: subprocess.Popen | None, buffer: subprocess.Popen) -> None:
+    """Whatever still runs: the learner's process group killed (it started its own session), the buffer
+    terminated."""
+    import os
+    import signal
+
+    if learner is not None and learner.poll() is None:
+        os.killpg(learner.pid, signal.SIGKILL)
+        learner.wait(timeout=30)
+    if buffer.poll() is None:
+        buffer.terminate()
+        buffer.wait(timeout=30)
+
+
 @pytest.mark.slow
 def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_path):
     """Two learner ranks (FSDP2, gloo) acknowledge at their checkpoints: killed one step past a
@@ -128,11 +153,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
 
     steps = 5
     model_path = build_tiny_model(tmp_path / "model", seed=3)
-    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
-    buffer = subprocess.Popen(
-        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
-         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={2 * G}"],
-        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    buffer, (ingest, serve, publish, announce) = _start_buffer(tmp_path, 2 * G)
     learner: subprocess.Popen | None = None
 
     def start_learner(max_steps: int) -> subprocess.Popen:
@@ -164,13 +185,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
         with BatchClient(serve) as probe:
             status = probe.status(timeout=30).scalars
     finally:
-        for p in (learner, buffer):
-            if p is not None and p.poll() is None:
-                if p is learner:
-                    os.killpg(p.pid, signal.SIGKILL)
-                else:
-                    p.terminate()
-                p.wait(timeout=30)
+        _stop(learner, buffer)
     text = (tmp_path / "learner.log").read_text()
     assert "resumed from" in text and "at step 2 " in text, text[-3000:]
     progress = json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())
@@ -196,11 +211,7 @@ def test_one_prefetching_learner_killed_and_stopped_mid_prefetch_trains_every_sa
 
     steps = 5
     model_path = build_tiny_model(tmp_path / "model", seed=3)
-    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
-    buffer = subprocess.Popen(
-        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
-         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}"],
-        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    buffer, (ingest, serve, publish, announce) = _start_buffer(tmp_path, G)
     learner: subprocess.Popen | None = None
     log_path = tmp_path / "learner.log"
 
@@ -235,13 +246,7 @@ def test_one_prefetching_learner_killed_and_stopped_mid_prefetch_trains_every_sa
         with BatchClient(serve) as probe:
             status = probe.status(timeout=30).scalars
     finally:
-        for p in (learner, buffer):
-            if p is not None and p.poll() is None:
-                if p is learner:
-                    os.killpg(p.pid, signal.SIGKILL)
-                else:
-                    p.terminate()
-                p.wait(timeout=30)
+        _stop(learner, buffer)
     text = log_path.read_text()
     assert "resumed from" in text and "at step 2 " in text, text[-3000:]
     progress = json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())
@@ -260,11 +265,7 @@ def test_a_learner_whose_step_fails_exits_while_its_prefetch_waits_for_data(tmp_
     from tidal.rollout.tiny import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / "model", seed=3)
-    ingest, serve, publish, announce = (free_endpoint() for _ in range(4))
-    buffer = subprocess.Popen(
-        [sys.executable, "-m", "tidal.buffer", f'ingest="{ingest}"', f'serve="{serve}"', f'publish="{publish}"',
-         f'wal_dir="{tmp_path / "wal"}"', f"group_size={G}", f"batch_samples={G}"],
-        stdout=open(tmp_path / "buffer.log", "w"), stderr=subprocess.STDOUT)
+    buffer, (ingest, serve, publish, announce) = _start_buffer(tmp_path, G)
     try:
         with AckedPusher(ingest, publish, "producer", resend_after=1.0) as out:
             for k in range(G):  # one batch; its completion holds an id far outside the 79-token vocabulary
