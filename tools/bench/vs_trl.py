@@ -309,6 +309,17 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
             "torch_threads_per_role": threads, "run_dir": str(run_dir)}
 
 
+def throughput_run(mode: str, model_path: Path, out: Path, name: str, w: dict, a: argparse.Namespace,
+                   targets: list[float]) -> dict:
+    """TRL's evaluation is timed out of its clock; Tidal's runs on its rollout workers during the run. The
+    same mode again with held-out rounds at the start and the end only gives the throughput with evaluation
+    out of the clock too: what the samples/s and busy goals read."""
+    print(f"[{name}] {mode}, evaluation out of the clock (held-out rounds at the start and the end only)", flush=True)
+    t = summarize(run_tidal(mode, model_path, out, name, w, a, eval_every=w["steps"], tag="-noeval"), targets)
+    return {k: t.get(k) for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "learner_busy",
+                                  "learner_compute_s", "final_acc", "run_dir")}
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -510,15 +521,7 @@ def main() -> None:
             r = run_trl(model, out / name, w, a) if s == "trl" else run_tidal(s, model, out, name, w, a)
             res[s] = summarize(r, targets)
             if s != "trl" and a.throughput_runs and a.eval_every < w["steps"]:
-                # TRL's evaluation is timed out of its clock; Tidal's runs on its rollout workers during the
-                # run. The same mode again with held-out rounds at the start and the end only gives the
-                # throughput with evaluation out of the clock too: what the samples/s and busy goals read
-                print(f"[{name}] {s}, evaluation out of the clock (held-out rounds at the start and the end only)",
-                      flush=True)
-                t = summarize(run_tidal(s, model, out, name, w, a, eval_every=w["steps"], tag="-noeval"), targets)
-                res[s]["no_eval"] = {k: t.get(k) for k in ("samples_per_s", "steady_samples_per_s", "wall_s",
-                                                           "learner_busy", "learner_compute_s", "final_acc",
-                                                           "run_dir")}
+                res[s]["no_eval"] = throughput_run(s, model, out, name, w, a, targets)
         table(name, w, res, targets)
         g = goals(name, res)
         all_goals += g
