@@ -134,6 +134,34 @@ def test_state_survives_restart_and_is_refused_when_corrupt(tmp_path):
         DepthGate(2, 4, path)
 
 
+def test_journal_compacts_and_a_line_cut_by_a_crash_is_skipped(tmp_path, monkeypatch):
+    """Each change appends one line; every COMPACT_EVERY lines the file is rewritten to its last one. A
+    crash mid-write leaves a partial last line: the restart takes the complete line before it. A file of
+    one state with no newline (as written before the journal) loads."""
+    from tidal.staleness import depth
+
+    monkeypatch.setattr(depth, "COMPACT_EVERY", 8)
+    path = tmp_path / "gate.json"
+    g = DepthGate(2, 4, path)
+    for v in range(10):  # 30 changes: compacted three times
+        assert g.try_acquire(4)
+        g.accept(4)
+        g.set_version(v + 1)
+    lines = path.read_bytes().splitlines()
+    assert 1 <= len(lines) <= 8
+    assert DepthGate(2, 4, path).state == g.state
+    g.close()
+    before = g.state
+    with open(path, "ab") as f:  # a crash in the middle of the next write
+        f.write(b'{"version":11,"accepted":4')
+    assert DepthGate(2, 4, path).state == before
+    path.write_bytes(lines[-1])  # the pre-journal format: one state, no newline
+    assert DepthGate(2, 4, path).state == before
+    path.write_bytes(b'{"version":3,"accepted":1,"in_flight":0,"granted":1,"rejected":0}\n{"version":4,"acc\n')
+    with pytest.raises(RuntimeError, match="unreadable"):  # a whole line that does not decode is corruption
+        DepthGate(2, 4, path)
+
+
 def test_checkpoint_round_trip_and_invalid_transitions(tmp_path):
     g = DepthGate(1, 2)
     assert g.try_acquire(2)

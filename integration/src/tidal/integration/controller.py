@@ -491,3 +491,4 @@ class Controller:
     def close(self) -> None:
         for ch in (self.ch, self.learner_sub, self.buffer_sub):
             ch.close()
+        self.gate.close()
