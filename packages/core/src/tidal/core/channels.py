@@ -368,15 +368,55 @@ def _core_version() -> str:
     return __version__
 
 
-def poll(channels: Iterable[Channel], timeout: float | None) -> list[Channel]:
-    """The channels among `channels` that have a message waiting, after at most `timeout` seconds."""
+class Waker:
+    """Something `poll` waits on beside channels, set from any thread: a thread that hands a polling loop
+    work (a finished generation, applied weights) wakes it at once instead of at its next timeout. A pipe:
+    `wake` writes a byte (a full pipe already wakes), `poll` drains it."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"w")
+        except (BlockingIOError, OSError):  # full (a wake is pending anyway) or closed (shutting down)
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def poll(channels: Iterable[Channel], timeout: float | None, waker: Waker | None = None) -> list[Channel]:
+    """The channels among `channels` that have a message waiting, after at most `timeout` seconds; returns
+    early (possibly with none) when `waker` is woken, and clears it."""
     poller = zmq.Poller()
     by_socket = {}
     for ch in channels:
         ch._check_open()
         poller.register(ch.socket, zmq.POLLIN)
         by_socket[ch.socket] = ch
-    return [by_socket[s] for s, _ in poller.poll(_ms(timeout))]
+    if waker is not None:
+        poller.register(waker.fileno(), zmq.POLLIN)
+    ready = poller.poll(_ms(timeout))
+    if waker is not None:
+        waker.clear()
+    return [by_socket[s] for s, _ in ready if s in by_socket]
 
 
 # Factories: the default of bind/connect follows how Tidal uses each pattern (the long-lived
@@ -416,6 +456,7 @@ __all__ = [
     "PushChannel",
     "RouterChannel",
     "SubChannel",
+    "Waker",
     "dealer",
     "make_hello",
     "poll",

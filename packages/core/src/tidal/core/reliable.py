@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from tidal.core.channels import push, sub
+from tidal.core.channels import Channel, push, sub
 from tidal.core.errors import ChannelTimeout
 from tidal.core.protocol import Ack, Trajectory, TrajectoryGroup
 from tidal.core.security import Curve
@@ -59,6 +59,11 @@ class AckedPusher:
         self.acked = 0  # trajectories (members of groups counted one by one) acknowledged
         self.rejected: dict[str, str] = {}  # trajectory id -> why the receiver refused it (not resent)
         self.resent = 0
+
+    @property
+    def acks(self) -> Channel:
+        """The channel acknowledgements arrive on: poll it beside others, then call `poll(timeout=0)`."""
+        return self._acks
 
     def send(self, msg: Acked, timeout: float | None = None) -> None:
         """Queue `msg` (a Trajectory or a TrajectoryGroup: what has an `id`). Waits while `window` messages are unacknowledged;

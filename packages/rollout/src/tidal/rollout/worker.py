@@ -42,7 +42,7 @@ import msgspec
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.channels import dealer, make_hello, poll, sub
+from tidal.core.channels import Waker, dealer, make_hello, poll, sub
 from tidal.core.config import load_config
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ChannelTimeout, ProtocolError
@@ -68,6 +68,7 @@ from tidal.core.protocol import (
 from tidal.core.reliable import AckedPusher
 from tidal.rollout.engines.common import submit_all
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
+from tidal.rollout.results import ResultForwarder
 from tidal.rollout.worker_config import WorkerConfig
 
 log = logging.getLogger("tidal.rollout.worker")
@@ -148,6 +149,9 @@ class RolloutWorker:
         self._applied = threading.Event()  # set by the weights thread: report the new version at once
         self._applied_at = 0.0  # wall clock of the last apply (the controller measures apply -> grant)
         self._weights_thread = threading.Thread(target=self._weights_loop, name="tidal-weights", daemon=True)
+        # the loop waits on its sockets; finished generations and applied weights wake it at once
+        self._waker = Waker()
+        self._results = ResultForwarder(self.engine, self._waker)
         self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum",
                                        "updates", "update_failures"), 0.0)
         self._window_start = time.monotonic()
@@ -216,14 +220,21 @@ class RolloutWorker:
             if not is_episodic(self.env(name)):  # an episode's outcome is its own verifier's
                 self.scorer(name)
         self._weights_thread.start()
+        self._results.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
                  self.cfg.max_groups)
         next_hb = next_metrics = time.monotonic()
-        channels = [self.ctl] + ([self.wsub] if self.wsub else [])
+        channels = [self.ctl, self.pusher.acks] + ([self.wsub] if self.wsub else [])
         try:
             while not self._stop.is_set():
                 self._ask_for_work()
-                for ch in poll(channels, timeout=0.005):
+                # Event-driven: sockets, engine results and applied weights wake the wait. Episode
+                # environments (their own sockets) and the reliable pusher's resends are polled on a
+                # short period.
+                wait = 0.005 if self.multiturn is not None else min(0.05, max(0.0, min(next_hb, next_metrics) - time.monotonic()))
+                for ch in poll(channels, timeout=wait, waker=self._waker):
+                    if ch is self.pusher.acks:
+                        continue  # processed by pusher.poll below
                     try:
                         if ch is self.ctl:
                             self._on_controller(self.ctl.recv(timeout=0))
@@ -238,7 +249,7 @@ class RolloutWorker:
                         # the controller cannot see this otherwise: an assignment it sent just vanished
                         self._send_ctl(Error(code="protocol", detail=f"{self.cfg.name} dropped a bad message from "
                                                                      f"{source}: {e}"))
-                for res in self.engine.poll(timeout=0):
+                for res in self._results.take():
                     self._on_result(res)
                 self._poll_episodes()
                 self.pusher.poll(timeout=0)
@@ -497,6 +508,7 @@ class RolloutWorker:
                 held = self.engine.receive_weights(ann)
                 self._applied_at = time.time()
                 self._applied.set()
+                self._waker.wake()
                 self.counters["updates"] += 1
                 log.info("%s: weights version %d applied in %.1f ms", self.cfg.name, held,
                          (time.perf_counter() - t0) * 1e3)
@@ -562,6 +574,7 @@ class RolloutWorker:
     def _close(self, ctl_linger: float | None = None) -> None:
         if self.multiturn is not None:
             self.multiturn.pool.close()
+        self._results.close()
         self.engine.close()
         self.pusher.close()
         self.ctl.close(linger=ctl_linger)
@@ -569,6 +582,7 @@ class RolloutWorker:
             self.wsub.close()
         if self._acked_log is not None:
             self._acked_log.close()
+        self._waker.close()
 
     def stop(self) -> None:
         self._stop.set()
