@@ -1,5 +1,7 @@
 """Learner checkpoints: model + optimizer + scheduler through torch.distributed.checkpoint (sharded
-state is written by every rank, never gathered), plus per-rank RNG state and the learner's progress
+state is written by every rank, never gathered; one process writes it with torch.save into one file,
+`state.pt`: ~5 ms against DCP's ~21 ms of Python that, from the background writer, slowed the next
+training step by about as much), plus per-rank RNG state and the learner's progress
 (policy version, steps, data cursor) in a small JSON file. `export_hf` writes a Hugging Face folder
 (safetensors) that transformers and vLLM load.
 
@@ -19,8 +21,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
+SINGLE_FILE = "state.pt"  # a one-process checkpoint's model + optimizer + scheduler
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def snapshot(backend: Any) -> dict[str, Any]:
@@ -50,6 +59,8 @@ def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any],
         dist.barrier()
     if getattr(backend, "native_checkpoints", False):  # deepspeed, expert parallelism: their own format
         backend.save_native(str(tmp / "native"))
+    elif _world() == 1:
+        torch.save(backend.state_dict() if state is None else state["state"], tmp / SINGLE_FILE)
     else:
         dcp.save(backend.state_dict() if state is None else state["state"], checkpoint_id=str(tmp))
     rng = {"cpu": torch.get_rng_state() if state is None else state["rng"]}
@@ -78,6 +89,11 @@ def load_checkpoint(path: str | Path, backend: Any) -> dict[str, Any]:
                                 f"leaves {path.name}.tmp, which is never loaded)")
     if getattr(backend, "native_checkpoints", False):
         backend.load_native(str(path / "native"))
+    elif (path / SINGLE_FILE).is_file():
+        if _world() != 1:
+            raise ValueError(f"the checkpoint at {path} was written by a one-process learner ({SINGLE_FILE}); "
+                             f"resume it with one process, not {_world()}")
+        backend.load_state_dict(torch.load(path / SINGLE_FILE, weights_only=True))
     else:
         state = backend.state_dict()
         dcp.load(state, checkpoint_id=str(path))

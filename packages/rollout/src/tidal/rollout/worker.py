@@ -58,6 +58,7 @@ from tidal.core.protocol import (
     Heartbeat,
     Hello,
     Metrics,
+    SamplingParams,
     Trajectory,
     TrajectoryGroup,
     WeightsAvailable,
@@ -66,7 +67,7 @@ from tidal.core.protocol import (
     trajectory_id,
 )
 from tidal.core.reliable import AckedPusher
-from tidal.rollout.engines.common import submit_all
+from tidal.rollout.engines.common import generate, submit_all
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
 from tidal.rollout.results import ResultForwarder
 from tidal.rollout.worker_config import WorkerConfig
@@ -201,6 +202,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
+        self._warm_up()
         # refuses a controller of another protocol major version with an error naming both; asks again
         # every 2 s (a stop request is seen meanwhile) until connect_timeout_s
         deadline = time.monotonic() + self.cfg.connect_timeout_s
@@ -265,6 +267,20 @@ class RolloutWorker:
         finally:
             self._shutdown()
         return 0
+
+    def _warm_up(self) -> None:
+        """`warmup_samples` samples of a 16-token prompt (token ids 1 and 2), 4 tokens each, on the
+        engine: nothing is sent or kept."""
+        n = self.cfg.warmup_samples
+        if n <= 0:
+            return
+        t0 = time.perf_counter()
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
+        reqs = [GenerationRequest(request_id=f"warmup-{i}", prompt_ids=[1 + j % 2 for j in range(16)], sampling=sampling)
+                for i in range(n)]
+        for _ in generate(self.engine, reqs, timeout=self.cfg.connect_timeout_s):
+            pass
+        log.info("%s: engine warmed up (%d samples) in %.0f ms", self.cfg.name, n, (time.perf_counter() - t0) * 1e3)
 
     def _ask_for_work(self) -> None:
         training = sum(1 for g in self.groups.values() if not g.eval)

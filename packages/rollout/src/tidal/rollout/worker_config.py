@@ -40,6 +40,10 @@ class WorkerConfig(ConfigStruct):
     resend_after_s: float = 5.0  # trajectory resend period while unacknowledged
     stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
     connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
+    # one small generation (a group of 8, 4 tokens each) before saying Hello: the engine's first-call costs
+    # (allocations, kernel choices: ~150 ms for the demo's model, 8x a warm step) are paid while the other
+    # roles start, not by the first batch the learner waits for; 0 skips it
+    warmup_samples: int = 8
     episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
     # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
     # (audits and fault tests: the producer's own record of what the buffer promised to keep);
