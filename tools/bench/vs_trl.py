@@ -26,10 +26,11 @@ Systems, all on the same cores (the process and its children are pinned to the f
 Both evaluate with the same code: greedy, exact answer, the same held-out problems, the embedded engine
 (TRL: its policy saved to a folder and read by `tidal.integration.sft.accuracy`). Clocks: TRL from the
 trainer's construction (model load) to its last optimizer step, minus evaluation; Tidal over its RL
-phase, from its roles being up (the first rollout worker connected: engine built, model loaded) to the
-learner's last version. Tidal's start-up (spawning the role processes, which import torch and load the
-model, ~10 s on 2 cores) is printed beside it (`startup_s`), outside the clock, as TRL's imports are.
-Also printed: steady samples/s between the first and last step, which leaves start-up out of both.
+phase, from its roles being up (the first rollout worker connected: engine built, model loaded, one
+warm-up group generated) to the learner's last version. Tidal's start-up (spawning the role processes,
+which import torch and load the model, ~10 s on 2 cores) is printed beside it (`startup_s`), outside the
+clock, as TRL's imports are; TRL's first generation (its warm-up) is inside its clock. Also printed:
+steady samples/s between the first and last step, which leaves start-up out of both.
 
 Prints per workload a table (accuracy against time and samples, samples/s, time to 90 % / 95 % held-out,
 final accuracy, Tidal's learner-busy fraction), the settings that could not be matched, the issue's goals
@@ -444,7 +445,8 @@ UNMATCHED = [
     "held-out rounds at the start and the end only (--no-throughput-runs: from the first)",
     "clock start: TRL from the trainer's construction (model load) in a process that already imported "
     "torch/transformers/trl; Tidal from its roles being up (first worker connected); the spawning of its role "
-    "processes (imports, model loads) is reported as startup_s, outside the clock",
+    "processes (imports, model loads, the rollout engine's warm-up generation of one group) is reported as "
+    "startup_s, outside the clock",
     "per-step extras in Tidal's clock only: weights shipped to the workers over ZeroMQ after every step, a "
     "checkpoint every 10 versions (the demo's), the buffer's WAL (fsync never)",
     "monitoring: TRL report_to none; Tidal progress display and TensorBoard off, metrics.jsonl on",

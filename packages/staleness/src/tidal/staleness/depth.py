@@ -27,7 +27,6 @@ import msgspec
 
 from tidal.staleness.config import DepthGateConfig
 
-
 COMPACT_EVERY = 4096  # journal lines before the file is rewritten to one
 
 
