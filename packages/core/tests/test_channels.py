@@ -204,3 +204,24 @@ def test_sending_to_a_peer_that_left_names_it_and_keeps_the_error_that_led_there
                     assert time.monotonic() < deadline, "the router never saw the peer leave"
                     time.sleep(0.01)
         assert isinstance(e.value.__context__, RuntimeError) and not e.value.__suppress_context__
+
+
+def test_a_waker_ends_a_poll_at_once_from_another_thread_and_is_cleared_by_it():
+    from tidal.core.channels import Waker
+
+    waker = Waker()
+    with pull("tcp://127.0.0.1:*") as inbox:
+        timer = threading.Timer(0.1, waker.wake)
+        timer.start()
+        t0 = time.monotonic()
+        assert poll([inbox], timeout=10, waker=waker) == []  # woken, no message
+        assert time.monotonic() - t0 < 5
+        timer.join()
+        for _ in range(3):  # several wakes before the poll: one poll clears them all
+            waker.wake()
+        assert poll([inbox], timeout=0, waker=waker) == []
+        t0 = time.monotonic()
+        assert poll([inbox], timeout=0.2, waker=waker) == []  # cleared: this one waits its timeout
+        assert time.monotonic() - t0 >= 0.15
+    waker.close()
+    waker.wake()  # closed: a late wake from a thread still running is harmless

@@ -307,3 +307,37 @@ def msgspec_replace(req, **sampling):
 
     return GenerationRequest(request_id=req.request_id, prompt_ids=req.prompt_ids,
                              sampling=msgspec.structs.replace(req.sampling, **sampling))
+
+
+def test_result_forwarder_hands_over_results_wakes_the_poll_and_reports_a_closed_engine(tiny_model):
+    """The worker loop's view of an engine: results arrive through `take()` and each batch of them wakes
+    a `poll` on the loop's sockets; an engine that stops is raised from `take()`, not swallowed."""
+    from tidal.core.channels import Waker, poll, pull
+    from tidal.rollout.results import ResultForwarder
+
+    engine = EmbeddedEngine(tiny_model)
+    waker = Waker()
+    fwd = ResultForwarder(engine, waker, wait_s=0.05)
+    fwd.start()
+    try:
+        reqs = [GenerationRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3))
+                for i in range(4)]
+        for r in reqs:
+            engine.submit(r)
+        got: list = []
+        deadline = time.monotonic() + 60
+        with pull("tcp://127.0.0.1:*") as idle:  # a socket with nothing on it: only the waker ends the poll
+            while len(got) < len(reqs) and time.monotonic() < deadline:
+                poll([idle], timeout=30, waker=waker)
+                got += fwd.take()
+        assert sorted(r.request_id for r in got) == [r.request_id for r in reqs]
+        engine.close()
+        deadline = time.monotonic() + 10
+        with pytest.raises(EngineError, match="closed"):
+            while time.monotonic() < deadline:
+                fwd.take()
+                time.sleep(0.02)
+    finally:
+        fwd.close()
+        engine.close()
+        waker.close()

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-
 SINGLE_FILE = "state.pt"  # a one-process checkpoint's model + optimizer + scheduler
 
 
