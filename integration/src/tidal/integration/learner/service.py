@@ -295,7 +295,12 @@ class Learner:
         timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
                   "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9)}
         samples = work.samples if isinstance(work, Prepared) else work
-        self._report(metrics, timing, ready_to_step, samples, batch.trajectories if batch is not None else [])
+        report = (dict(metrics), timing, ready_to_step, samples, batch.trajectories if batch is not None else [],
+                  self.step, self.version, self.samples_trained)
+        if self._background is not None:  # off the step: it runs while the next step's backward frees the GIL
+            self._background.submit(self._report, *report).add_done_callback(_log_failure)
+        else:
+            self._report(*report)
         self._last_step_end = time.time()
         return metrics
 
@@ -346,18 +351,18 @@ class Learner:
                 self.acknowledge()
 
     def _report(self, metrics: dict[str, float], timing: dict[str, float], ready_to_step: float | None,
-                samples: list[Any], trajectories: list[Any]) -> None:
-        """Add the send's stats, `timing`, the run's counters, staleness and rewards to `metrics`; rank 0
-        publishes and logs them."""
+                samples: list[Any], trajectories: list[Any], step: int, version: int, samples_total: int) -> None:
+        """Add the send's stats, `timing`, the run's counters (as they were after `step`), staleness and
+        rewards to `metrics`; rank 0 publishes and logs them."""
         if self.sender is not None:
             metrics.update(self.sender.last_stats)  # of the latest completed send
         # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
-        lags = (np.concatenate([self.version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
+        lags = (np.concatenate([version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
                 if samples else np.zeros(0))
         metrics.update({
             **timing,
-            "train/version": float(self.version),
-            "train/samples_total": float(self.samples_trained),
+            "train/version": float(version),
+            "train/samples_total": float(samples_total),
             "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
             "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
         })
@@ -370,9 +375,9 @@ class Learner:
             metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
         if self.pub is not None:
             self._publish(TOPIC_METRICS, Metrics(
-                source=f"learner-{self.rank}", step=self.version, time=time.time(), scalars=metrics,
+                source=f"learner-{self.rank}", step=version, time=time.time(), scalars=metrics,
                 histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
-            log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", self.step, self.version,
+            log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", step, version,
                      metrics.get("loss/total", 0.0), metrics["reward/mean"], metrics["train/tokens_per_s"])
 
     def acknowledge(self) -> None:
@@ -516,6 +521,13 @@ class Learner:
             self.sender.close()
         if self.pub is not None:
             self.pub.close()
+
+
+def _log_failure(fut: Future) -> None:
+    """A background report that raised: logged (a metrics row lost), never fatal to training."""
+    e = fut.exception()
+    if e is not None:
+        log.error("reporting a step's metrics failed: %r", e)
 
 
 def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
