@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket as _pysocket
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -377,15 +378,21 @@ class Waker:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        # a wake after close must not write: the descriptor number may already name another file
+        self._lock = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         return self._r
 
     def wake(self) -> None:
-        try:
-            os.write(self._w, b"w")
-        except (BlockingIOError, OSError):  # full (a wake is pending anyway) or closed (shutting down)
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._w, b"w")
+            except BlockingIOError:  # full: a wake is pending anyway
+                pass
 
     def clear(self) -> None:
         try:
@@ -395,11 +402,12 @@ class Waker:
             pass
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._r)
+            os.close(self._w)
 
 
 def poll(channels: Iterable[Channel], timeout: float | None, waker: Waker | None = None) -> list[Channel]:

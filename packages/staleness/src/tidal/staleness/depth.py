@@ -159,9 +159,9 @@ class DepthGate:
 
     def close(self) -> None:
         """Close the journal (the state stays on disk; a later change reopens it)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = getattr(self, "_fd", None), None  # (also from __del__ of a half-built gate)
+        if fd is not None:
+            os.close(fd)
 
     def __del__(self) -> None:
         self.close()
