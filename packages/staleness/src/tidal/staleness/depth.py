@@ -146,7 +146,7 @@ class DepthGate:
     def _rewrite(self, line: bytes) -> None:
         """The journal replaced by a file holding `line` only (atomic), then kept open for appending."""
         assert self.state_path is not None
-        self.close()
+        self._close_fd()
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(line)
@@ -159,12 +159,16 @@ class DepthGate:
 
     def close(self) -> None:
         """Close the journal (the state stays on disk; a later change reopens it)."""
+        with self._lock:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
         fd, self._fd = getattr(self, "_fd", None), None  # (also from __del__ of a half-built gate)
         if fd is not None:
             os.close(fd)
 
     def __del__(self) -> None:
-        self.close()
+        self._close_fd()
 
     def __repr__(self) -> str:
         s = self._state
