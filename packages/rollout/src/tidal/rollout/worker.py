@@ -58,7 +58,6 @@ from tidal.core.protocol import (
     Heartbeat,
     Hello,
     Metrics,
-    SamplingParams,
     Trajectory,
     TrajectoryGroup,
     WeightsAvailable,
@@ -67,7 +66,7 @@ from tidal.core.protocol import (
     trajectory_id,
 )
 from tidal.core.reliable import AckedPusher
-from tidal.rollout.engines.common import generate, submit_all
+from tidal.rollout.engines.common import submit_all, warm_up
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
 from tidal.rollout.results import ResultForwarder
 from tidal.rollout.worker_config import WorkerConfig
@@ -202,22 +201,12 @@ class RolloutWorker:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
-        self._warm_up()
-        # refuses a controller of another protocol major version with an error naming both; asks again
-        # every 2 s (a stop request is seen meanwhile) until connect_timeout_s
-        deadline = time.monotonic() + self.cfg.connect_timeout_s
-        while True:
-            try:
-                self.ctl.handshake(make_hello("rollout", self.cfg.name, _software()),
-                                   timeout=min(2.0, max(0.01, deadline - time.monotonic())))
-                break
-            except ChannelTimeout:
-                if self._stop.is_set():
-                    self._shutdown_early()
-                    return 0
-                if time.monotonic() >= deadline:
-                    raise ChannelTimeout(f"no answer from the controller at {self.cfg.controller} within "
-                                         f"{self.cfg.connect_timeout_s:g} s") from None
+        if self.cfg.warmup_samples > 0:
+            ms = warm_up(self.engine, self.cfg.warmup_samples, timeout=self.cfg.connect_timeout_s)
+            log.info("%s: engine warmed up (%d samples) in %.0f ms", self.cfg.name, self.cfg.warmup_samples, ms)
+        if not self._handshake():
+            self._shutdown_early()
+            return 0
         for name in self.cfg.domains:  # a bad option fails here, once, not on the first sample
             if not is_episodic(self.env(name)):  # an episode's outcome is its own verifier's
                 self.scorer(name)
@@ -235,22 +224,8 @@ class RolloutWorker:
                 # short period.
                 wait = 0.005 if self.multiturn is not None else min(0.05, max(0.0, min(next_hb, next_metrics) - time.monotonic()))
                 for ch in poll(channels, timeout=wait, waker=self._waker):
-                    if ch is self.pusher.acks:
-                        continue  # processed by pusher.poll below
-                    try:
-                        if ch is self.ctl:
-                            self._on_controller(self.ctl.recv(timeout=0))
-                        else:
-                            assert self.wsub is not None  # the other channel polled
-                            _, msg = self.wsub.recv(timeout=0)
-                            if isinstance(msg, WeightsAvailable):
-                                self._announce(msg)
-                    except ProtocolError as e:  # a malformed message is dropped, not fatal
-                        source = "the controller" if ch is self.ctl else "the weights publisher"
-                        log.error("%s: dropped a bad message from %s: %s", self.cfg.name, source, e)
-                        # the controller cannot see this otherwise: an assignment it sent just vanished
-                        self._send_ctl(Error(code="protocol", detail=f"{self.cfg.name} dropped a bad message from "
-                                                                     f"{source}: {e}"))
+                    if ch is not self.pusher.acks:  # acks are processed by pusher.poll below
+                        self._on_channel(ch)
                 for res in self._results.take():
                     self._on_result(res)
                 self._poll_episodes()
@@ -268,19 +243,37 @@ class RolloutWorker:
             self._shutdown()
         return 0
 
-    def _warm_up(self) -> None:
-        """`warmup_samples` samples of a 16-token prompt (token ids 1 and 2), 4 tokens each, on the
-        engine: nothing is sent or kept."""
-        n = self.cfg.warmup_samples
-        if n <= 0:
-            return
-        t0 = time.perf_counter()
-        sampling = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
-        reqs = [GenerationRequest(request_id=f"warmup-{i}", prompt_ids=[1 + j % 2 for j in range(16)], sampling=sampling)
-                for i in range(n)]
-        for _ in generate(self.engine, reqs, timeout=self.cfg.connect_timeout_s):
-            pass
-        log.info("%s: engine warmed up (%d samples) in %.0f ms", self.cfg.name, n, (time.perf_counter() - t0) * 1e3)
+    def _handshake(self) -> bool:
+        """Hello to the controller; False when stopped first. Refuses a controller of another protocol
+        major version with an error naming both; asks again every 2 s until connect_timeout_s."""
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            try:
+                self.ctl.handshake(make_hello("rollout", self.cfg.name, _software()),
+                                   timeout=min(2.0, max(0.01, deadline - time.monotonic())))
+                return True
+            except ChannelTimeout:
+                if self._stop.is_set():
+                    return False
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"no answer from the controller at {self.cfg.controller} within "
+                                         f"{self.cfg.connect_timeout_s:g} s") from None
+
+    def _on_channel(self, ch: Any) -> None:
+        """One message from the controller or the weights publisher; a malformed one is dropped, not fatal."""
+        try:
+            if ch is self.ctl:
+                self._on_controller(self.ctl.recv(timeout=0))
+            else:
+                assert self.wsub is not None  # the other channel polled
+                _, msg = self.wsub.recv(timeout=0)
+                if isinstance(msg, WeightsAvailable):
+                    self._announce(msg)
+        except ProtocolError as e:
+            source = "the controller" if ch is self.ctl else "the weights publisher"
+            log.error("%s: dropped a bad message from %s: %s", self.cfg.name, source, e)
+            # the controller cannot see this otherwise: an assignment it sent just vanished
+            self._send_ctl(Error(code="protocol", detail=f"{self.cfg.name} dropped a bad message from {source}: {e}"))
 
     def _ask_for_work(self) -> None:
         training = sum(1 for g in self.groups.values() if not g.eval)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult
+from tidal.core.protocol import SamplingParams
 
 
 def generate(engine: Any, requests: Iterable[GenerationRequest], timeout: float | None = None
@@ -36,3 +37,15 @@ def submit_all(engine: Any, requests: list[GenerationRequest]) -> None:
         return
     for r in requests:
         engine.submit(r)
+
+
+def warm_up(engine: Any, n: int, timeout: float | None = None) -> float:
+    """`n` samples of a 16-token prompt (token ids 1 and 2), 4 tokens each, through `engine`, nothing
+    kept: its first-call costs (allocations, kernel choices) paid now. Returns the milliseconds taken."""
+    t0 = time.perf_counter()
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True, seed=0)
+    reqs = [GenerationRequest(request_id=f"warmup-{i}", prompt_ids=[1 + j % 2 for j in range(16)], sampling=sampling)
+            for i in range(n)]
+    for _ in generate(engine, reqs, timeout):
+        pass
+    return (time.perf_counter() - t0) * 1e3
