@@ -29,7 +29,7 @@ import msgspec
 from tidal.buffer.config import BufferConfig
 from tidal.core.config import ConfigStruct, PluginRef, load_config
 from tidal.core.errors import ConfigError
-from tidal.integration.learner.service import LearnerConfig
+from tidal.integration.learner.config import LearnerConfig
 from tidal.rollout.worker_config import WorkerConfig
 
 

@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,61 +35,16 @@ import msgspec
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.config import ConfigStruct, load_config
+from tidal.core.config import load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
+from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, Metrics
 from tidal.integration.learner.backends import BackendConfig
+from tidal.integration.learner.config import LearnerConfig
 from tidal.integration.learner.parallel import ParallelConfig
-from tidal.integration.learner.trainer import Prepared, TrainConfig, needs_critic, needs_reference
+from tidal.integration.learner.publisher import Publisher
+from tidal.integration.learner.trainer import Prepared, needs_critic, needs_reference
 
 log = logging.getLogger("tidal.learner")
-
-
-class MoEOptions(ConfigStruct):
-    # the learner's forward sends every completion token to the experts its sampler used (the routing
-    # recorded in Trajectory.routing: needs sampling.return_routing); the routing-mismatch metrics are
-    # reported either way whenever routing was recorded
-    replay: bool = False
-
-
-class WeightsConfig(ConfigStruct):
-    transport: str = "zmq"  # weight transport plugin: zmq, shm, fs, torch_dist, ...
-    options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
-    every: int = 1  # publish after every N steps; 0 = never
-    final_wait_s: float = 30.0  # at exit, keep serving the last version until a generator reports it (zmq, shm)
-    reannounce_s: float = 2.0  # re-announce the latest version this often, for generators that (re)joined late
-
-
-class LearnerConfig(ConfigStruct):
-    model: str = ""  # local Hugging Face folder to start from
-    reference_model: str = ""  # frozen reference for a KL penalty / distillation; "" = the starting model
-    backend: str = "single"  # train_backend plugin: single, fsdp2, ...
-    backend_options: BackendConfig = msgspec.field(default_factory=BackendConfig)
-    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
-    buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
-    publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
-    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
-    moe: MoEOptions = msgspec.field(default_factory=MoEOptions)
-    # sequence parallelism { sp = P, sp_mode = "ulysses" | "ring" | "hybrid" }: the ranks form dp x sp, each
-    # packed row split over the P ranks of an SP group (tidal-seqpar); ep: expert parallelism
-    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
-    # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
-    # each one, so a learner killed in between is served them again on resume; 0 = only at the end
-    # (batches acknowledged each step; under `tidal run` a learner that fails then ends the run, as there
-    # is no checkpoint to restart it from)
-    checkpoint_every: int = 10
-    max_steps: int = 0  # stop after this many steps; 0 = run until stopped
-    simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
-    record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)
-    batch_timeout_s: float = 600.0  # how long to wait for the buffer to have a batch
-    # one process: ask for the next batch and pack it (and its advantages, without a critic) on a thread
-    # while this step trains, so a batch the buffer already holds costs the step nothing; its acks go
-    # with the request after. Ignored with several ranks (their batch exchange is collective)
-    prefetch: bool = True
-    wait_for_subscriber_s: float = 0.0  # before the first step, wait this long for a metrics subscriber (a driver)
-    device: str = "cpu"
-    seed: int = 0
 
 
 class Learner:
@@ -109,7 +63,6 @@ class Learner:
         self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp)
         self._resume()
         self._connect()
-        self._start_weights()
         # Off the step's critical path (one process; with several ranks the gathers and the checkpoint
         # are collective and stay on the step): weights are packed and staged while the next step's
         # forward and backward run (the optimizer waits for it, see Trainer.before_update), and a
@@ -123,11 +76,10 @@ class Learner:
             if self.world == 1 and cfg.prefetch and self.client is not None else None
         self._prefetched: Future | None = None
         self._last_step_end = 0.0  # time.time() when the previous step ended (the learner free again)
-        self._publishing: Future | None = None
         self._checkpointing: Future | None = None
         self._ack_next: list[str] = []  # checkpointed batches, acknowledged with the next request
         self._checkpoint_covers: list[str] = []  # the batches the background checkpoint records
-        self.trainer.before_update = self.wait_published
+        self.trainer.before_update = self.wait_published  # the weights in flight are packed first
         self._stop = False
         if self.rank == 0:
             log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
@@ -191,36 +143,15 @@ class Learner:
             log.info("resumed from %s at step %d (version %d)", self.latest, self.step, self.version)
 
     def _connect(self) -> None:
-        """The buffer client (one per data-parallel share) and, on rank 0, the PUB socket."""
+        """The buffer client (one per data-parallel share) and, on rank 0, the publisher (metrics and
+        weights)."""
         from tidal.buffer.client import BatchClient
-        from tidal.core.channels import pub
 
         cfg = self.cfg
         self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
                                   trained=list(self.trained)) if self.sp is None or self.sp.leader else None
-        self.pub = pub(cfg.publish, linger=1.0, watch_subscriptions=True) if self.rank == 0 else None
-        if self.pub is not None and cfg.wait_for_subscriber_s > 0:
-            # PUB/SUB drops what is published before a subscription arrives: a step that comes at once
-            # (the buffer already holds a batch) would lose its metrics
-            if not self.pub.wait_for_subscriber(TOPIC_METRICS, cfg.wait_for_subscriber_s):
-                log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", cfg.publish,
-                            cfg.wait_for_subscriber_s)
-        self._pub_lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
-
-    def _start_weights(self) -> None:
-        """Rank 0's weight sender, and the thread that re-announces the latest version."""
-        from tidal.core.plugins import registry
-
-        cfg = self.cfg
-        self.sender = None
-        self._announced = None  # the latest WeightsAvailable, re-published every weights.reannounce_s
-        self._announcer_stop = threading.Event()
-        self._announcer: threading.Thread | None = None
-        if cfg.weights.every > 0 and self.rank == 0:
-            self.sender = registry.create("weight_transport", cfg.weights.transport).sender(dict(cfg.weights.options))
-            if cfg.weights.reannounce_s > 0:
-                self._announcer = threading.Thread(target=self._reannounce_loop, name="tidal-reannounce", daemon=True)
-                self._announcer.start()
+        self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s) \
+            if self.rank == 0 else None
 
     def stop(self) -> None:
         self._stop = True
@@ -354,8 +285,8 @@ class Learner:
                 samples: list[Any], trajectories: list[Any], step: int, version: int, samples_total: int) -> None:
         """Add the send's stats, `timing`, the run's counters (as they were after `step`), staleness and
         rewards to `metrics`; rank 0 publishes and logs them."""
-        if self.sender is not None:
-            metrics.update(self.sender.last_stats)  # of the latest completed send
+        if self.publisher is not None:
+            metrics.update(self.publisher.send_stats)  # of the latest completed send
         # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
         lags = (np.concatenate([version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
                 if samples else np.zeros(0))
@@ -373,8 +304,8 @@ class Learner:
             by_task.setdefault(t.task, []).append(float(t.reward))
         if len(by_task) > 1:
             metrics.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
-        if self.pub is not None:
-            self._publish(TOPIC_METRICS, Metrics(
+        if self.publisher is not None:
+            self.publisher.publish(TOPIC_METRICS, Metrics(
                 source=f"learner-{self.rank}", step=version, time=time.time(), scalars=metrics,
                 histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
             log.info("step %d  version %d  loss %.4f  reward %.3f  tokens/s %.0f", step, version,
@@ -401,57 +332,17 @@ class Learner:
 
     def publish_weights(self) -> None:
         weights = self.backend.named_weights()  # every rank iterates: FSDP2 gathers are collective
-        if self.sender is None:
+        if self.publisher is None or self.publisher.sender is None:
             for _ in weights:
                 pass
             return
-        if self._background is None:
-            self._send_weights(weights, self.version)
-            return
-        self.wait_published()
-        self._publishing = self._background.submit(self._send_weights, weights, self.version)
-
-    def _send_weights(self, weights: Any, version: int) -> None:
-        assert self.sender is not None
-        ann = self.sender.send(weights, version)
-        self._announced = ann
-        self._publish(TOPIC_WEIGHTS, ann)
+        self.publisher.send_weights(weights, self.version, self._background)
 
     def wait_published(self) -> None:
         """Block until the weights being sent in the background are packed and announced (before the
         optimizer changes them); raises what the send raised."""
-        fut, self._publishing = self._publishing, None
-        if fut is not None:
-            fut.result()
-
-    def _publish(self, topic: str, msg: Metrics | WeightsAvailable) -> None:
-        assert self.pub is not None  # rank 0's
-        with self._pub_lock:
-            self.pub.publish(topic, msg)
-
-    def _reannounce_loop(self) -> None:
-        """A generator that subscribed after an announcement (late start, restart, slow joiner) would
-        otherwise wait for the next version; receivers ignore versions they already hold."""
-        while not self._announcer_stop.wait(self.cfg.weights.reannounce_s):
-            ann = self._announced
-            if ann is not None:
-                try:
-                    self._publish(TOPIC_WEIGHTS, ann)
-                except Exception as e:  # never take the learner down for a repeat
-                    log.debug("re-announcing version %d failed: %s", ann.version, e)
-
-    def _wait_for_last_version(self) -> None:
-        """Transports that serve from this process (zmq, shm) stop serving when it exits: give the
-        generators `final_wait_s` to fetch the last version, ending early once one reports it."""
-        sender = self.sender
-        if sender is None or self.cfg.weights.transport not in ("zmq", "shm") or sender.version < 0:
-            return
-        deadline = time.monotonic() + self.cfg.weights.final_wait_s
-        while time.monotonic() < deadline and not sender.reports(sender.version):
-            time.sleep(0.05)
-        if not sender.reports(sender.version):
-            log.warning("no generator reported version %d within %.0f s of the end", sender.version,
-                        self.cfg.weights.final_wait_s)
+        if self.publisher is not None:
+            self.publisher.wait()
 
     def checkpoint(self, background: bool = False) -> None:
         """Write the checkpoint (collective). `background`: from a snapshot, on the background thread;
@@ -512,15 +403,8 @@ class Learner:
             self._fetcher.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
-        if self.sender is not None:
-            if not self._stop:  # finished its steps: the generators should get the last version
-                self._wait_for_last_version()
-            self._announcer_stop.set()
-            if self._announcer is not None:
-                self._announcer.join(timeout=10)
-            self.sender.close()
-        if self.pub is not None:
-            self.pub.close()
+        if self.publisher is not None:
+            self.publisher.close(finished=not self._stop)
 
 
 def _log_failure(fut: Future) -> None:

@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 
-from tidal.core.arrays import Array
 from tidal.core.channels import Waker, dealer, make_hello, poll, sub
 from tidal.core.config import load_config
 from tidal.core.episodes import is_episodic
@@ -66,9 +64,11 @@ from tidal.core.protocol import (
     trajectory_id,
 )
 from tidal.core.reliable import AckedPusher
+from tidal.rollout.applier import WeightApplier
 from tidal.rollout.engines.common import submit_all, warm_up
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
-from tidal.rollout.results import ResultForwarder
+from tidal.rollout.results import ResultForwarder, trajectory_of
+from tidal.rollout.scoring import Domains, SampleError
 from tidal.rollout.worker_config import WorkerConfig
 
 log = logging.getLogger("tidal.rollout.worker")
@@ -100,14 +100,6 @@ class _Group:
     episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
 
 
-class SampleError(Exception):
-    """Scoring or decoding one sample failed: its group is dropped (`reason`), the worker goes on."""
-
-    def __init__(self, reason: str, cause: BaseException) -> None:
-        super().__init__(f"{reason}: {type(cause).__name__}: {cause}")
-        self.reason, self.cause = reason, cause
-
-
 def sample_seed(group_id: str, index: int, base: int | None) -> int:
     """The seed of one sample: from the assignment's seed when given, else from the group id."""
     if base is not None:
@@ -131,8 +123,7 @@ class RolloutWorker:
         from tidal.rollout.tiny import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
-        self._envs: dict[str, Any] = {}
-        self._rewards: dict[str, Any] = {}
+        self.domains = Domains(cfg, self.tokenizer)
         self.dropped_by_reason: dict[str, int] = {}
         self._logged_kinds: set[tuple[str, str]] = set()  # (reason, exception type) already logged with traceback
         self.groups: dict[str, _Group] = {}
@@ -144,16 +135,11 @@ class RolloutWorker:
         self._requested = 0  # assignments asked for and not yet received
         self._rejections_seen = 0
         self._stop = threading.Event()
-        self._latest_ann: WeightsAvailable | None = None
-        self._ann_cond = threading.Condition()
-        self._applied = threading.Event()  # set by the weights thread: report the new version at once
-        self._applied_at = 0.0  # wall clock of the last apply (the controller measures apply -> grant)
-        self._weights_thread = threading.Thread(target=self._weights_loop, name="tidal-weights", daemon=True)
         # the loop waits on its sockets; finished generations and applied weights wake it at once
         self._waker = Waker()
         self._results = ResultForwarder(self.engine, self._waker)
-        self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum",
-                                       "updates", "update_failures"), 0.0)
+        self.weights = WeightApplier(self.engine, self._waker, cfg.name)
+        self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum"), 0.0)
         self._window_start = time.monotonic()
         self._window_tokens = 0.0
         self._window_samples = 0.0
@@ -164,33 +150,6 @@ class RolloutWorker:
         self.multiturn: MultiTurn | None = None  # started with the first episodic group
 
     # ------------------------------------------------------------------ helpers
-
-    def env(self, name: str) -> Any:
-        """The environment instance of domain `name` (one per domain, so one env plugin can serve two
-        domains with different options)."""
-        if name not in self._envs:
-            spec = self.cfg.domains.get(name)
-            if spec is not None:
-                self._envs[name] = registry.build("env", spec.env, spec.options, field=f"domains.{name}", name_key="env")
-            else:
-                self._envs[name] = registry.build("env", name, self.cfg.envs.get(name, {}), field=f"envs.{name}")
-        return self._envs[name]
-
-    def scorer(self, name: str) -> Any:
-        """What scores domain `name`: its reward plugin when it names one, else its env's `score`."""
-        if name not in self._rewards:
-            spec = self.cfg.domains.get(name)
-            if spec is not None and spec.reward is not None:
-                self._rewards[name] = registry.build("reward", spec.reward.name, spec.reward.options,
-                                                     field=f"domains.{name}.reward")
-            else:
-                self._rewards[name] = self.env(name).score
-        return self._rewards[name]
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(map(str, ids))
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _send_ctl(self, msg: Any) -> None:
         try:
@@ -208,9 +167,9 @@ class RolloutWorker:
             self._shutdown_early()
             return 0
         for name in self.cfg.domains:  # a bad option fails here, once, not on the first sample
-            if not is_episodic(self.env(name)):  # an episode's outcome is its own verifier's
-                self.scorer(name)
-        self._weights_thread.start()
+            if not is_episodic(self.domains.env(name)):  # an episode's outcome is its own verifier's
+                self.domains.scorer(name)
+        self.weights.start()
         self._results.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
                  self.cfg.max_groups)
@@ -232,8 +191,7 @@ class RolloutWorker:
                 self.pusher.poll(timeout=0)
                 self._settle_rejections()
                 now = time.monotonic()
-                if self._applied.is_set() or now >= next_hb:
-                    self._applied.clear()
+                if self.weights.take_applied() or now >= next_hb:
                     self._heartbeat()
                     next_hb = now + self.cfg.heartbeat_interval_s
                 if now >= next_metrics:
@@ -268,7 +226,7 @@ class RolloutWorker:
                 assert self.wsub is not None  # the other channel polled
                 _, msg = self.wsub.recv(timeout=0)
                 if isinstance(msg, WeightsAvailable):
-                    self._announce(msg)
+                    self.weights.announce(msg)
         except ProtocolError as e:
             source = "the controller" if ch is self.ctl else "the weights publisher"
             log.error("%s: dropped a bad message from %s: %s", self.cfg.name, source, e)
@@ -288,7 +246,7 @@ class RolloutWorker:
                 self._requested = max(0, self._requested - 1)
             self._start_group(msg)
         elif isinstance(msg, WeightsAvailable):
-            self._announce(msg)
+            self.weights.announce(msg)
         elif isinstance(msg, Control):
             if msg.command == "stop":
                 log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
@@ -309,7 +267,7 @@ class RolloutWorker:
         group = _Group(a, task, eval=EVAL_KEY in a.metadata)
         self.groups[a.group_id] = group
         try:
-            group.episodic = is_episodic(self.env(a.task))
+            group.episodic = is_episodic(self.domains.env(a.task))
         except Exception as e:  # a bad env plugin or options: this group is dropped, counted, logged once
             self._drop(group, "env_error", f"environment of domain {a.task!r} could not be built", e)
             return
@@ -366,27 +324,12 @@ class RolloutWorker:
             self._drop(group, "abort", "a sample was aborted (partial_mode=drop drops groups caught by a weight update)")
             return
         try:
-            rewards = [self._score(group, group.results[i]) for i in range(group.assignment.num_samples)]
+            rewards = [self.domains.score(group.assignment.task, group.task, group.results[i])
+                       for i in range(group.assignment.num_samples)]
         except SampleError as e:
             self._drop(group, e.reason, str(e), e.cause)
             return
         self._deliver(group, rewards)
-
-    def _score(self, group: _Group, res: GenerationResult) -> float:
-        """The reward of one sample. Whatever a plugin raises here costs this group, never the worker."""
-        try:
-            text = self.decode(res.completion_ids)
-        except Exception as e:
-            raise SampleError("decode_error", e) from e
-        spec = self.cfg.domains.get(group.assignment.task)
-        reason = "reward_error" if spec is not None and spec.reward is not None else "score_error"
-        try:
-            reward = float(self.scorer(group.assignment.task)(group.task, text))
-        except Exception as e:
-            raise SampleError(reason, e) from e
-        if reward != reward:  # NaN would poison every advantage of its group
-            raise SampleError(reason, ValueError(f"the reward is NaN for completion {text[:80]!r}"))
-        return reward
 
     def _drop(self, group: _Group, reason: str, why: str, cause: BaseException | None = None) -> None:
         gid = group.assignment.group_id
@@ -418,18 +361,7 @@ class RolloutWorker:
         for i in range(a.num_samples):
             res = group.results[i]
             reward = rewards[i]
-            traj = Trajectory(
-                id=trajectory_id(a.group_id, i), group_id=a.group_id, sample_index=i, task=a.task,
-                prompt_ids=a.prompt_ids,
-                completion_ids=Array.from_numpy(np.asarray(res.completion_ids, np.int32)),
-                logprobs=Array.from_numpy(np.asarray(res.logprobs, np.float32)),
-                versions=Array.from_numpy(np.asarray(res.versions, np.int32)),
-                reward=reward, finish_reason=res.finish_reason,
-                sampling_mask=None if res.sampling_mask is None else Array.from_numpy(np.ascontiguousarray(res.sampling_mask)),
-                routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
-                metadata=dict(a.metadata), source=self.cfg.name, group_size=a.num_samples,
-                sampling=a.sampling,  # the learner recomputes logprobs under the same processing
-            )
+            traj = trajectory_of(a, i, res, reward, self.cfg.name)
             if group.eval:
                 self._send_ctl(traj)
                 continue
@@ -496,42 +428,12 @@ class RolloutWorker:
                                       f"{self.pusher.rejected[rejected[0]]}" if rejected else "",
                                reason="refused" if rejected else ""))
 
-    # ------------------------------------------------------------------ weights
-
-    def _announce(self, ann: WeightsAvailable) -> None:
-        with self._ann_cond:
-            if self._latest_ann is None or ann.version > self._latest_ann.version:
-                self._latest_ann = ann
-                self._ann_cond.notify()
-
-    def _weights_loop(self) -> None:
-        while not self._stop.is_set():
-            with self._ann_cond:
-                while self._latest_ann is None and not self._stop.is_set():
-                    self._ann_cond.wait(0.5)
-                ann, self._latest_ann = self._latest_ann, None
-            if ann is None or ann.version <= self.engine.version:
-                continue
-            t0 = time.perf_counter()
-            try:
-                held = self.engine.receive_weights(ann)
-                self._applied_at = time.time()
-                self._applied.set()
-                self._waker.wake()
-                self.counters["updates"] += 1
-                log.info("%s: weights version %d applied in %.1f ms", self.cfg.name, held,
-                         (time.perf_counter() - t0) * 1e3)
-            except Exception as e:  # keep generating on the old weights; the sender has been told
-                self.counters["update_failures"] += 1
-                log.error("%s: weights version %d rejected, keeping version %d: %s", self.cfg.name, ann.version,
-                          self.engine.version, e)
-
     # ------------------------------------------------------------------ reporting
 
     def _heartbeat(self) -> None:
         self._hb_seq += 1
         status = {"groups": float(len(self.groups)), "unacked": float(len(self.pusher.pending)),
-                  "weights_applied_at": self._applied_at}
+                  "weights_applied_at": self.weights.applied_at}
         status.update({k: float(v) for k, v in self.engine.load_state().items() if k in ("running", "waiting")})
         self._send_ctl(Heartbeat(role="rollout", name=self.cfg.name, seq=self._hb_seq, time=time.time(),
                                  version=self.engine.version, status=status))
@@ -547,8 +449,8 @@ class RolloutWorker:
             "rollout/groups_done": c["groups_done"],
             "rollout/groups_dropped": c["groups_dropped"],
             "rollout/reward_mean": c["reward_sum"] / c["samples"] if c["samples"] else 0.0,
-            "rollout/weight_updates": c["updates"],
-            "rollout/weight_update_failures": c["update_failures"],
+            "rollout/weight_updates": float(self.weights.updates),
+            "rollout/weight_update_failures": float(self.weights.failures),
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
             **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
@@ -574,8 +476,7 @@ class RolloutWorker:
             self.pusher.flush(timeout=0.0 if orphaned else self.cfg.stop_timeout_s)
         except ChannelTimeout:
             log.warning("%s: %d trajectories still unacknowledged at stop", self.cfg.name, len(self.pusher.pending))
-        if self._weights_thread.is_alive():
-            self._weights_thread.join(timeout=1 if orphaned else 10)
+        self.weights.close(timeout=1 if orphaned else 10)
         if not orphaned:
             self._metrics()  # the final counters (the driver keeps the last report of each worker)
         self._close(ctl_linger=0.5)

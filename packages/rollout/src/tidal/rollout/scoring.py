@@ -1,0 +1,74 @@
+"""What a rollout worker builds per domain (its environment, its scorer) and how one sample is scored.
+
+A domain (``[domains.<name>]`` in the worker's config, or a bare env name under ``envs``) gets one
+environment instance, so one env plugin can serve two domains with different options, and one scorer:
+the domain's reward plugin when it names one, else its environment's ``score``. Whatever a plugin
+raises while scoring costs the sample's group (`SampleError`, with the reason the worker counts), never
+the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.core.interfaces import GenerationResult, Task
+from tidal.core.plugins import registry
+from tidal.rollout.worker_config import WorkerConfig
+
+
+class SampleError(Exception):
+    """Scoring or decoding one sample failed: its group is dropped (`reason`), the worker goes on."""
+
+    def __init__(self, reason: str, cause: BaseException) -> None:
+        super().__init__(f"{reason}: {type(cause).__name__}: {cause}")
+        self.reason, self.cause = reason, cause
+
+
+class Domains:
+    def __init__(self, cfg: WorkerConfig, tokenizer: Any | None) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self._envs: dict[str, Any] = {}
+        self._scorers: dict[str, Any] = {}
+
+    def env(self, name: str) -> Any:
+        """The environment instance of domain `name`, built on first use."""
+        if name not in self._envs:
+            spec = self.cfg.domains.get(name)
+            if spec is not None:
+                self._envs[name] = registry.build("env", spec.env, spec.options, field=f"domains.{name}", name_key="env")
+            else:
+                self._envs[name] = registry.build("env", name, self.cfg.envs.get(name, {}), field=f"envs.{name}")
+        return self._envs[name]
+
+    def scorer(self, name: str) -> Any:
+        """What scores domain `name`: its reward plugin when it names one, else its env's `score`."""
+        if name not in self._scorers:
+            spec = self.cfg.domains.get(name)
+            if spec is not None and spec.reward is not None:
+                self._scorers[name] = registry.build("reward", spec.reward.name, spec.reward.options,
+                                                     field=f"domains.{name}.reward")
+            else:
+                self._scorers[name] = self.env(name).score
+        return self._scorers[name]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score(self, domain: str, task: Task, res: GenerationResult) -> float:
+        """The reward of one sample of `domain`; SampleError (decode_error, reward_error or score_error)
+        when decoding or the plugin fails, or the reward is NaN (it would poison its group's advantages)."""
+        try:
+            text = self.decode(res.completion_ids)
+        except Exception as e:
+            raise SampleError("decode_error", e) from e
+        spec = self.cfg.domains.get(domain)
+        reason = "reward_error" if spec is not None and spec.reward is not None else "score_error"
+        try:
+            reward = float(self.scorer(domain)(task, text))
+        except Exception as e:
+            raise SampleError(reason, e) from e
+        if reward != reward:
+            raise SampleError(reason, ValueError(f"the reward is NaN for completion {text[:80]!r}"))
+        return reward
