@@ -4,9 +4,12 @@ embedded engine and replayed in the learner: the run finishes, the replayed forw
 sampler's experts at every step, the learner's own router agrees with the sampler's at the first step
 (same weights: the routes land on the right tokens across the all-to-all), and held-out accuracy rises
 by at least 10 points in 45 versions. Over 30 versions it rose 0.51 -> 0.65, 0.39 -> 0.51, 0.355 -> 0.465
-and, once in CI (after issue 16's faster loop; cause not established), only 0.384 -> 0.477 (+9.3 points).
-Over 45 versions: 0.50 -> 0.855, which leaves the margin well above the run-to-run noise (the warm start's
-accuracy varies between runs, 0.36-0.51). The same run with sequence parallelism 2 instead of
+and, once in CI, only 0.384 -> 0.477 (+9.3 points). That was the warm start, not the loop: the warm start
+is not bit-reproducible between runs (0.30-0.51 held-out), and a run is about as good as the start it
+gets. Three paired runs at 30 versions, before issue 16's faster loop (ee324ff) and after it: before
++15.2, +4.6 (from 0.297) and +9.3 (0.384 -> 0.477, the CI figures exactly); after +14.5, +12.2, +18.0; the
+mean staleness lag 1.9 in all six. Over 45 versions: 0.50 -> 0.855, which leaves the margin well above
+that noise. The same run with sequence parallelism 2 instead of
 expert parallelism (each packed row split over the 2 ranks, sinks through tidal-seqpar): 0.465 -> 0.669
 in 30 versions, 0.50 -> 0.866 in 45.
 """
