@@ -29,14 +29,26 @@ def setup_role_process(log_level: str | int = "INFO") -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def exit_now(code: int = 0) -> NoReturn:
+def exit_now(code: int = 0, zmq_flush_s: float = 2.0) -> NoReturn:
     """End this process with `code` once its work is done, skipping the interpreter's finalization
     (logging and stdio are flushed first; atexit handlers do not run). For a process that ran
     torch.distributed over gloo: a C++ thread of the process group or its store that is still joinable
     when finalization destroys it aborts the process with 'terminate called without an active exception'
     (exit -6) after all its work succeeded. CI saw it on 2-rank FSDP2 and DeepSpeed ZeRO-3 jobs even after
     a barrier and destroy_process_group. Call it after those, on the clean path only: an error should
-    still unwind and print its traceback."""
+    still unwind and print its traceback.
+
+    Messages still queued on ZeroMQ sockets the process closed (a last metrics row, a last announcement)
+    leave first: the global context is terminated on a thread, which returns once they are sent or their
+    sockets' linger is over, waited for up to `zmq_flush_s` (a socket left open would make it wait for
+    ever: then the process ends anyway)."""
+    zmq = sys.modules.get("zmq")
+    if zmq is not None and zmq_flush_s > 0:
+        import threading
+
+        t = threading.Thread(target=zmq.Context.instance().term, name="tidal-zmq-flush", daemon=True)
+        t.start()
+        t.join(zmq_flush_s)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
