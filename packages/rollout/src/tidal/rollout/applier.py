@@ -72,10 +72,14 @@ class WeightApplier:
             self.updates += 1
             log.info("%s: weights version %d applied in %.1f ms", self.name, held, (time.perf_counter() - t0) * 1e3)
 
-    def close(self, timeout: float) -> None:
-        """Stop the thread; an apply in progress is waited for up to `timeout` s."""
+    def stop(self) -> None:
+        """Apply nothing more (an apply in progress finishes); returns at once."""
         self._stop.set()
         with self._cond:
             self._cond.notify()
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread; an apply in progress is waited for up to `timeout` s."""
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)

@@ -466,6 +466,7 @@ class RolloutWorker:
 
     def _shutdown(self) -> None:
         self._stop.set()
+        self.weights.stop()  # no new version while in-flight trajectories are delivered
         # Started by a driver that is now gone (killed: its death signal brought this stop): every peer is
         # going down at once, so nothing waits for acknowledgements that cannot come.
         orphaned = self._parent_pid != 1 and os.getppid() != self._parent_pid
