@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from tidal.core.testing import free_port
-from tidal.integration.learner.backends import BackendConfig, SingleBackend
+from tidal.integration.learner.backends import SingleBackend
+from tidal.integration.learner.config import BackendConfig
 from tidal.integration.learner.parallel import ParallelConfig, check_ep_model, ep_backend_options
 
 pytestmark = pytest.mark.timeout(600)

@@ -12,7 +12,8 @@ import torch
 from tidal.core.arrays import Array
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams, Trajectory
-from tidal.integration.learner.backends import BackendConfig, SingleBackend
+from tidal.integration.learner.backends import SingleBackend
+from tidal.integration.learner.config import BackendConfig
 from tidal.integration.learner.data import Sample, pack, token_logprobs
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,7 +102,8 @@ def test_keep_sampling_mask_renormalises_over_the_samplers_own_vocabulary(sample
 
 def test_a_greedy_trajectory_is_refused_by_name(sampled):
     from tidal.core.config import PluginRef
-    from tidal.integration.learner.trainer import TrainConfig, Trainer
+    from tidal.integration.learner.config import TrainConfig
+    from tidal.integration.learner.trainer import Trainer
 
     model, samples = sampled
     be = SingleBackend(str(model), BackendConfig())
@@ -118,7 +120,8 @@ def test_tokens_outside_the_learners_support_leave_the_loss_counted_never_as_inf
     import math
 
     from tidal.core.config import PluginRef
-    from tidal.integration.learner.trainer import TrainConfig, Trainer
+    from tidal.integration.learner.config import TrainConfig
+    from tidal.integration.learner.trainer import Trainer
 
     model, samples = sampled
     be = SingleBackend(str(model), BackendConfig())

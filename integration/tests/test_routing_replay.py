@@ -14,9 +14,10 @@ from tidal.core.arrays import Array
 from tidal.core.config import PluginRef
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams, Trajectory
-from tidal.integration.learner.backends import BackendConfig, OptimConfig, SingleBackend
+from tidal.integration.learner.backends import SingleBackend
+from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample
-from tidal.integration.learner.trainer import TrainConfig, Trainer
+from tidal.integration.learner.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,10 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tidal.core.config import PluginRef
-from tidal.integration.learner.backends import BackendConfig, OptimConfig, SingleBackend
+from tidal.integration.learner.backends import SingleBackend
 from tidal.integration.learner.checkpoint import export_hf
+from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample, completion_logprobs, pack
-from tidal.integration.learner.trainer import TrainConfig, Trainer
+from tidal.integration.learner.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -43,9 +43,10 @@ import torch
 
 from tidal.core.config import PluginRef
 from tidal.core.process import exit_now
-from tidal.integration.learner.backends import BackendConfig, OptimConfig, SingleBackend
+from tidal.integration.learner.backends import SingleBackend
+from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample, pad_rows
-from tidal.integration.learner.trainer import TrainConfig, Trainer
+from tidal.integration.learner.trainer import Trainer
 
 
 def make_batch(n: int, max_len: int, vocab: int, seed: int = 0, group: int = 8) -> list[Sample]:

@@ -18,37 +18,10 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
-from tidal.core.config import ConfigStruct
-
-
-class OptimConfig(ConfigStruct):
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    warmup_steps: int = 0
-    schedule: str = "constant"  # "constant", "linear" or "cosine" decay after warmup
-    total_steps: int = 1000  # for the decaying schedules
-    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
-
-
-class BackendConfig(ConfigStruct):
-    dtype: str = "float32"  # parameter dtype of the model
-    mixed_precision: str = ""  # fsdp2: compute dtype ("bfloat16"), params kept in `dtype`; "" = off
-    # "auto": flash_attention_2 on GPU when installed, else tidal_varlen (packed rows cost what their
-    # sequences cost, see tidal.seqpar.varlen); or any transformers name: "sdpa", "eager", ...
-    attn: str = "auto"
-    grad_checkpointing: bool = False
-    value_head: bool = False  # PPO: a scalar critic head on the last hidden state (trained, never published)
-    # Hugging Face sparse MoE blocks (Mixtral / Qwen3-MoE layout) become tidal-moe-fsdp MoEBlocks (same
-    # parameter names, dropless): what routing replay and the routing-mismatch metric need
-    moe_blocks: bool = True
-    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+from tidal.integration.learner.config import BackendConfig, OptimConfig
 
 
 def pick_attention(requested: str, device: torch.device, sinks: bool = False) -> str:

@@ -5,10 +5,53 @@ from __future__ import annotations
 
 import msgspec
 
-from tidal.core.config import ConfigStruct
-from tidal.integration.learner.backends import BackendConfig
+from tidal.core.config import ConfigStruct, PluginRef
 from tidal.integration.learner.parallel import ParallelConfig
-from tidal.integration.learner.trainer import TrainConfig
+
+# No torch here: a recipe is checked (`tidal run` with a misspelt field) without importing it.
+
+
+class OptimConfig(ConfigStruct):
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 0
+    schedule: str = "constant"  # "constant", "linear" or "cosine" decay after warmup
+    total_steps: int = 1000  # for the decaying schedules
+    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
+
+
+class BackendConfig(ConfigStruct):
+    dtype: str = "float32"  # parameter dtype of the model
+    mixed_precision: str = ""  # fsdp2: compute dtype ("bfloat16"), params kept in `dtype`; "" = off
+    # "auto": flash_attention_2 on GPU when installed, else tidal_varlen (packed rows cost what their
+    # sequences cost, see tidal.seqpar.varlen); or any transformers name: "sdpa", "eager", ...
+    attn: str = "auto"
+    grad_checkpointing: bool = False
+    value_head: bool = False  # PPO: a scalar critic head on the last hidden state (trained, never published)
+    # Hugging Face sparse MoE blocks (Mixtral / Qwen3-MoE layout) become tidal-moe-fsdp MoEBlocks (same
+    # parameter names, dropless): what routing replay and the routing-mismatch metric need
+    moe_blocks: bool = True
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+
+class TrainConfig(ConfigStruct):
+    loss: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="ppo"))
+    advantage: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="grpo"))
+    correction: PluginRef | None = None  # staleness correction, e.g. {name = "tis", options = {cap = 2.0}}
+    # the sampler's temperature for trajectories that do not carry their own sampling parameters (older
+    # producers); every other trajectory is recomputed under the processing it records (Trajectory.sampling)
+    temperature: float = 1.0
+    micro_batch_tokens: int = 4096  # packed tokens per forward; gradients accumulate over micro-batches
+    # a group's samples share their prompt in the packed row (computed once, not G times); needs the
+    # backend's attention to be tidal_varlen (attn "auto" on CPU), ignored otherwise
+    share_prompts: bool = True
+    value_coef: float = 0.5  # PPO mode (advantage "gae"): weight of the critic's value loss
+    value_clip: float = 0.2  # PPO value clipping; 0 disables it
+
+
 
 
 class MoEOptions(ConfigStruct):

@@ -38,8 +38,7 @@ from tidal.core.arrays import Array
 from tidal.core.config import load_config
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, Metrics
-from tidal.integration.learner.backends import BackendConfig
-from tidal.integration.learner.config import LearnerConfig
+from tidal.integration.learner.config import BackendConfig, LearnerConfig
 from tidal.integration.learner.parallel import ParallelConfig
 from tidal.integration.learner.publisher import Publisher
 from tidal.integration.learner.trainer import Prepared, needs_critic, needs_reference

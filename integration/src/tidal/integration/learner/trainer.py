@@ -23,34 +23,18 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
+from tidal.integration.learner.config import TrainConfig
 from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
 from tidal.integration.learner.parallel import SequenceParallel, Shard
 from tidal.moe_fsdp.replay import replay_routing
 
 log = logging.getLogger("tidal.learner")
-
-
-class TrainConfig(ConfigStruct):
-    loss: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="ppo"))
-    advantage: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="grpo"))
-    correction: PluginRef | None = None  # staleness correction, e.g. {name = "tis", options = {cap = 2.0}}
-    # the sampler's temperature for trajectories that do not carry their own sampling parameters (older
-    # producers); every other trajectory is recomputed under the processing it records (Trajectory.sampling)
-    temperature: float = 1.0
-    micro_batch_tokens: int = 4096  # packed tokens per forward; gradients accumulate over micro-batches
-    # a group's samples share their prompt in the packed row (computed once, not G times); needs the
-    # backend's attention to be tidal_varlen (attn "auto" on CPU), ignored otherwise
-    share_prompts: bool = True
-    value_coef: float = 0.5  # PPO mode (advantage "gae"): weight of the critic's value loss
-    value_clip: float = 0.2  # PPO value clipping; 0 disables it
 
 
 def needs_reference(cfg: TrainConfig) -> bool:
