@@ -50,15 +50,28 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=96)
     ap.add_argument("--advantage", default="grpo", help="gae: PPO with a critic (its values gathered too)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", default="", help="a JSON list of runs, each a dict of the options above (model and "
+                                               "micro from here): one step each, in order, in this one process "
+                                               "group (a launch of torch + transformers costs more than a step)")
     args = ap.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
+    base = {"backend": args.backend, "sp": args.sp, "sp_mode": args.sp_mode, "loss": args.loss,
+            "advantage": args.advantage, "out": args.out}
+    for run in json.loads(args.runs) if args.runs else [{}]:
+        one_step(args.model, args.micro, **{**base, **run})
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
+        dist.destroy_process_group()
+
+
+def one_step(model: str, micro: int, backend: str, sp: int, sp_mode: str, loss: str, advantage: str, out: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
-    be = registry.create("train_backend", args.backend, args.model, BackendConfig(value_head=args.advantage == "gae"))
-    sp = setup_sequence_parallel(ParallelConfig(sp=args.sp, sp_mode=args.sp_mode), be)
-    trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
-                                      advantage=PluginRef(name=args.advantage)), sp=sp)
+    be = registry.create("train_backend", backend, model, BackendConfig(value_head=advantage == "gae"))
+    par = setup_sequence_parallel(ParallelConfig(sp=sp, sp_mode=sp_mode), be)
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=micro, loss=PluginRef(name=loss),
+                                      advantage=PluginRef(name=advantage)), sp=par)
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads() -> None:  # after every reduction, before clipping and the optimizer
@@ -68,18 +81,15 @@ def main() -> None:
 
     trainer.before_update = keep_grads
     # the data-parallel split: over SP groups, not ranks (the ranks of a group share their samples)
-    dp_rank, dp = (sp.dp_rank, sp.dp) if sp is not None else (rank, dist.get_world_size() if dist.is_initialized() else 1)
+    dp_rank, dp = (par.dp_rank, par.dp) if par is not None else (rank, dist.get_world_size() if dist.is_initialized() else 1)
     mine = [s for s in batch(be.model.config.vocab_size) if int(s.group_id[1:]) % dp == dp_rank]
     metrics = trainer.step(mine)
     if rank == 0:
         from safetensors.torch import save_file
 
-        save_file(grads, args.out)
-        with open(args.out + ".json", "w") as f:
+        save_file(grads, out)
+        with open(out + ".json", "w") as f:
             json.dump(metrics, f)
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears gloo down while another still has work in flight (a crash at exit under load)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def sinks_model(tmp_path_factory):
     return path
 
 
-def step(model: Path, out: Path, *args: str, world: int = 1) -> tuple[dict, dict]:
-    """Run sp_rank.py on `world` ranks; (metrics, gradients) of its one step."""
+def step(model: Path, out: Path, *args: str, world: int = 1, runs: list[dict] | None = None) -> tuple[dict, dict]:
+    """Run sp_rank.py on `world` ranks; (metrics, gradients) of its one step. `runs`: several steps in the
+    one launch (sp_rank.py --runs), each written to its own "out"; the first one's result is returned."""
+    if runs is not None:
+        args = (*args, "--runs", json.dumps(runs))
     port = free_port()
     procs = []
     for rank in range(world):
@@ -80,6 +83,10 @@ def step(model: Path, out: Path, *args: str, world: int = 1) -> tuple[dict, dict
                 p.wait()
     for p, o in zip(procs, outs, strict=True):
         assert p.returncode == 0, o[-3000:]
+    return result(Path(runs[0]["out"]) if runs else out)
+
+
+def result(out: Path) -> tuple[dict, dict]:
     return json.loads(Path(f"{out}.json").read_text()), load_file(str(out))
 
 
@@ -97,30 +104,38 @@ def assert_same_step(one: tuple[dict, dict], two: tuple[dict, dict], dp: int = 1
     assert worst <= 1e-5 * scale, (worst, scale)
 
 
+# every sp2 case below, stepped in one 2-rank launch (each case builds its own backend and SP groups): a
+# launch of torch + transformers costs more than a step, and one per case cost ~30 s each on CI's 2 cores
+SP2_CASES = [("ulysses", "single", "ppo", "grpo"), ("ring", "fsdp2", "ppo", "grpo"), ("ring", "single", "gspo", "grpo"),
+             ("ulysses", "single", "ppo", "gae")]
+
+
 @pytest.fixture(scope="module")
 def one_rank(model, tmp_path_factory):
-    """The sp = 1 step on one rank, once per (loss, advantage)."""
-    done: dict[tuple[str, str], tuple[dict, dict]] = {}
-
-    def get(loss: str, advantage: str) -> tuple[dict, dict]:
-        if (loss, advantage) not in done:
-            out = tmp_path_factory.mktemp("one") / "one.safetensors"
-            done[loss, advantage] = step(model, out, "--loss", loss, "--advantage", advantage)
-        return done[loss, advantage]
-
-    return get
+    """The sp = 1 step on one rank for every (loss, advantage) the tests use, in one launch."""
+    folder = tmp_path_factory.mktemp("one")
+    pairs = sorted({(loss, advantage) for *_, loss, advantage in SP2_CASES})
+    runs = [{"loss": loss, "advantage": adv, "out": str(folder / f"{loss}-{adv}.safetensors")} for loss, adv in pairs]
+    step(model, folder / "unused", runs=runs)
+    return lambda loss, advantage: result(folder / f"{loss}-{advantage}.safetensors")
 
 
-@pytest.mark.parametrize(("mode", "backend", "loss", "advantage"), [
-    ("ulysses", "single", "ppo", "grpo"), ("ring", "fsdp2", "ppo", "grpo"), ("ring", "single", "gspo", "grpo"),
-    ("ulysses", "single", "ppo", "gae")])
-def test_sp2_step_on_two_ranks_equals_one_rank(model, one_rank, tmp_path, mode, backend, loss, advantage):
+@pytest.fixture(scope="module")
+def two_ranks(model, tmp_path_factory):
+    """The sp = 2 step of every SP2_CASES case on two ranks, in one launch."""
+    folder = tmp_path_factory.mktemp("two")
+    runs = [{"sp_mode": mode, "backend": backend, "loss": loss, "advantage": adv, "sp": 2,
+             "out": str(folder / f"{'-'.join(case)}.safetensors")} for case in SP2_CASES for mode, backend, loss, adv in [case]]
+    step(model, folder / "unused", runs=runs, world=2)
+    return lambda case: result(folder / f"{'-'.join(case)}.safetensors")
+
+
+@pytest.mark.parametrize(("mode", "backend", "loss", "advantage"), SP2_CASES)
+def test_sp2_step_on_two_ranks_equals_one_rank(one_rank, two_ranks, mode, backend, loss, advantage):
     """ppo is a token mean; gspo's ratio is per sequence (the mean log-ratio of every token of it), so a
     sample split between the two ranks must still get its whole sequence's ratio; gae adds a critic whose
     per-token values (before the step, and in the loss) are gathered like the logprobs."""
-    two = step(model, tmp_path / "two.safetensors", "--loss", loss, "--advantage", advantage, "--sp", "2",
-               "--sp-mode", mode, "--backend", backend, world=2)
-    assert_same_step(one_rank(loss, advantage), two)
+    assert_same_step(one_rank(loss, advantage), two_ranks((mode, backend, loss, advantage)))
 
 
 @pytest.mark.slow  # 4 gloo ranks on CI's 2 cores: the slow tier (CI runs it)
