@@ -138,15 +138,26 @@ def test_sp2_step_on_two_ranks_equals_one_rank(one_rank, two_ranks, mode, backen
     assert_same_step(one_rank(loss, advantage), two_ranks((mode, backend, loss, advantage)))
 
 
+FOUR_CASES = [(2, "ring", 2), (4, "hybrid", 1)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(model, tmp_path_factory):
+    """Each FOUR_CASES step on four ranks (fsdp2), in one launch."""
+    folder = tmp_path_factory.mktemp("four")
+    runs = [{"sp": sp, "sp_mode": mode, "backend": "fsdp2", "out": str(folder / f"{sp}-{mode}.safetensors")}
+            for sp, mode, _ in FOUR_CASES]
+    step(model, folder / "unused", runs=runs, world=4)
+    return lambda sp, mode: result(folder / f"{sp}-{mode}.safetensors")
+
+
 @pytest.mark.slow  # 4 gloo ranks on CI's 2 cores: the slow tier (CI runs it)
-@pytest.mark.parametrize(("sp", "mode", "dp"), [(2, "ring", 2), (4, "hybrid", 1)])
-def test_four_ranks_equal_one_rank(model, one_rank, tmp_path, sp, mode, dp):
+@pytest.mark.parametrize(("sp", "mode", "dp"), FOUR_CASES)
+def test_four_ranks_equal_one_rank(one_rank, four_ranks, sp, mode, dp):
     """dp 2 x sp 2: the batch is split over the two SP groups by GRPO group, each group's rows over its
     two ranks (fsdp2 over all four). sp 4 "hybrid": Ulysses 2 x ring 2 (hybrid keeps both above 1).
     Losses, metrics and gradients are the whole batch's, each token counted once."""
-    four = step(model, tmp_path / "four.safetensors", "--sp", str(sp), "--sp-mode", mode, "--backend", "fsdp2",
-                world=4)
-    assert_same_step(one_rank("ppo", "grpo"), four, dp=dp)
+    assert_same_step(one_rank("ppo", "grpo"), four_ranks(sp, mode), dp=dp)
 
 
 def test_attention_sinks_under_sp2_equal_one_rank(sinks_model, tmp_path):
