@@ -27,7 +27,8 @@ Both evaluate with the same code: greedy, exact answer, the same held-out proble
 (TRL: its policy saved to a folder and read by `tidal.integration.sft.accuracy`). Clocks: TRL from the
 trainer's construction (model load) to its last optimizer step, minus evaluation; Tidal over its RL
 phase, from its roles being up (the first rollout worker connected: engine built, model loaded, one
-warm-up group generated) to the learner's last version. Tidal's start-up (spawning the role processes,
+warm-up group generated; and the learner at its first step: model loaded, optimizer built, whichever
+came last) to the learner's last version. Tidal's start-up (spawning the role processes,
 which import torch and load the model, ~10 s on 2 cores) is printed beside it (`startup_s`), outside the
 clock, as TRL's imports are; TRL's first generation (its warm-up) is inside its clock. Also printed:
 steady samples/s between the first and last step, which leaves start-up out of both.
@@ -281,9 +282,15 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     if not learner:
         raise SystemExit(f"Tidal {mode}: no learner metrics in {run_dir / 'metrics.jsonl'}")
     at = {int(r["step"]): r for r in learner}
-    last = learner[-1]
-    startup = result.rl_start - t0 if result.rl_start else 0.0
-    t0 = result.rl_start or t0  # the RL phase: roles up -> last step (start-up reported on its own)
+    last, first = learner[-1], learner[0]
+    # The RL phase: every role up -> last step (start-up reported on its own). Up: the first rollout worker
+    # connected (result.rl_start) and the learner at its first step's start (its first metrics row's time
+    # minus that step's duration: the step starts as the learner's set-up ends). Whichever came last; the
+    # learner, loading its model beside the other roles on the same cores, is often 1-2 s after the worker.
+    learner_up = first["time"] - first["scalars"].get("train/step_s", 0.0)
+    roles_up = max(result.rl_start, learner_up) if result.rl_start else learner_up
+    startup = roles_up - t0
+    t0 = roles_up
     wall = last["time"] - t0
     samples = int(last["scalars"]["train/samples_total"])
     curve = []
@@ -293,7 +300,6 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
         elif v in at:
             curve.append({"version": v, "samples": int(at[v]["scalars"]["train/samples_total"]),
                           "t": at[v]["time"] - t0, "acc": acc})
-    first = learner[0]
     steady = None
     if len(learner) > 1 and last["time"] > first["time"]:
         steady = (samples - first["scalars"]["train/samples_total"]) / (last["time"] - first["time"])
@@ -304,8 +310,9 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
             "steady_samples_per_s": steady, "curve": curve, "evals": len(result.eval),
             "learner_busy": compute / wall if wall > 0 else None, "learner_compute_s": compute,
             "mean_completion_tokens": tokens / seqs if seqs else None,
-            "first_step_at_s": first["time"] - first["scalars"].get("train/step_s", 0.0) - t0,
             "startup_s": startup,
+            # the learner's start-up beyond the first worker's (0 when the learner was up first)
+            "learner_up_after_worker_s": max(0.0, learner_up - result.rl_start) if result.rl_start else None,
             "lag_mean": sum(r["scalars"].get("staleness/lag_mean", 0.0) for r in learner) / len(learner),
             "torch_threads_per_role": threads, "run_dir": str(run_dir)}
 
@@ -318,7 +325,7 @@ def throughput_run(mode: str, model_path: Path, out: Path, name: str, w: dict, a
     print(f"[{name}] {mode}, evaluation out of the clock (held-out rounds at the start and the end only)", flush=True)
     t = summarize(run_tidal(mode, model_path, out, name, w, a, eval_every=w["steps"], tag="-noeval"), targets)
     return {k: t.get(k) for k in ("samples_per_s", "steady_samples_per_s", "wall_s", "learner_busy",
-                                  "learner_compute_s", "final_acc", "run_dir")}
+                                  "learner_compute_s", "final_acc", "startup_s", "learner_up_after_worker_s", "run_dir")}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -365,6 +372,10 @@ def table(name: str, w: dict, res: dict[str, dict], targets: list[float]) -> Non
                   f"{fmt(t['steady_samples_per_s']):>9}{'':>{8 * len(keys) + 7}}"
                   f"{fmt(100 * t['final_acc'] if t['final_acc'] is not None else None):>7}"
                   f"{fmt(100 * t['learner_busy'] if t.get('learner_busy') is not None else None, '.0f') + '%':>13}")
+        if r.get("startup_s") is not None:  # Tidal: what its clock leaves out
+            late = r.get("learner_up_after_worker_s")
+            print(f"{'  start-up':<16}{r['startup_s']:.1f} s before the clock (role processes: imports, model loads, "
+                  f"engine warm-up){f'; the learner was up {late:.1f} s after the first worker' if late else ''}")
     print("held-out accuracy % @ clock s (samples trained), by policy version:")
     versions = sorted({c["version"] for r in res.values() for c in r["curve"]})
     print(f"{'version':>8}" + "".join(f"{r['system']:>26}" for r in res.values()))
@@ -444,7 +455,8 @@ UNMATCHED = [
     "to 95% come from that run); samples/s and learner busy come from a second run of each Tidal mode with "
     "held-out rounds at the start and the end only (--no-throughput-runs: from the first)",
     "clock start: TRL from the trainer's construction (model load) in a process that already imported "
-    "torch/transformers/trl; Tidal from its roles being up (first worker connected); the spawning of its role "
+    "torch/transformers/trl; Tidal from its roles being up (the first worker connected and the learner at its "
+    "first step, whichever came last: a worker may generate ahead while the learner loads); the spawning of its role "
     "processes (imports, model loads, the rollout engine's warm-up generation of one group) is reported as "
     "startup_s, outside the clock",
     "per-step extras in Tidal's clock only: weights shipped to the workers over ZeroMQ after every step, a "
