@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 TRL_MIN = (1, 16)
 ARITH_TOKENS, LONGTAIL_TOKENS = 6, 64
@@ -277,6 +278,12 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     if result.versions < w["steps"]:  # the time budget stopped it: its numbers would not compare
         raise SystemExit(f"Tidal {mode} stopped at version {result.versions} of {w['steps']} (--minutes "
                          f"{a.minutes:g} reached); logs in {run_dir / 'logs'}")
+    return tidal_summary(mode, run_dir, result, t0, threads)
+
+
+def tidal_summary(mode: str, run_dir: Path, result: Any, t0: float, threads: int) -> dict:
+    """A finished Tidal run's figures over its RL phase, from its metrics.jsonl; `t0`: when its roles were
+    spawned (time.time())."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     learner = sorted((r for r in rows if r["source"] == "learner-0"), key=lambda r: r["step"])
     if not learner:
