@@ -125,7 +125,7 @@ def two_ranks(model, tmp_path_factory):
     """The sp = 2 step of every SP2_CASES case on two ranks, in one launch."""
     folder = tmp_path_factory.mktemp("two")
     runs = [{"sp_mode": mode, "backend": backend, "loss": loss, "advantage": adv, "sp": 2,
-             "out": str(folder / f"{'-'.join(case)}.safetensors")} for case in SP2_CASES for mode, backend, loss, adv in [case]]
+             "out": str(folder / f"{mode}-{backend}-{loss}-{adv}.safetensors")} for mode, backend, loss, adv in SP2_CASES]
     step(model, folder / "unused", runs=runs, world=2)
     return lambda case: result(folder / f"{'-'.join(case)}.safetensors")
 

@@ -52,8 +52,6 @@ class TrainConfig(ConfigStruct):
     value_clip: float = 0.2  # PPO value clipping; 0 disables it
 
 
-
-
 class MoEOptions(ConfigStruct):
     # the learner's forward sends every completion token to the experts its sampler used (the routing
     # recorded in Trajectory.routing: needs sampling.return_routing); the routing-mismatch metrics are
