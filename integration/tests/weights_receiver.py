@@ -13,6 +13,7 @@ from tidal.core.channels import sub
 from tidal.core.errors import ChannelTimeout
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync import WeightReceiver, load_into
+from tidal.weight_sync.errors import WeightSyncError
 
 
 def main() -> None:
@@ -26,9 +27,23 @@ def main() -> None:
                 _, ann = announcements.recv(timeout=120)
             except ChannelTimeout:
                 break
-            if not isinstance(ann, WeightsAvailable):
+            # as a rollout worker's WeightApplier does: the newest announcement only (a sender holds a few
+            # versions; one that fell behind would ask for a version already dropped), and a version that
+            # cannot be had is skipped, the old weights kept
+            while True:
+                try:
+                    _, newer = announcements.recv(timeout=0)
+                except ChannelTimeout:
+                    break
+                if isinstance(newer, WeightsAvailable) and (not isinstance(ann, WeightsAvailable) or newer.version > ann.version):
+                    ann = newer
+            if not isinstance(ann, WeightsAvailable) or ann.version <= receiver.version:
                 continue
-            receiver.receive(ann, load_into(model))
+            try:
+                receiver.receive(ann, load_into(model))
+            except WeightSyncError as e:
+                print(f"version {ann.version} skipped: {e}", flush=True)
+                continue
             with torch.no_grad():
                 ids = torch.tensor([prompt_ids + completion_ids])
                 logp = torch.log_softmax(model(ids).logits[0, len(prompt_ids) - 1 : -1].float(), -1)
