@@ -159,3 +159,19 @@ def test_stop_strings_reach_the_workers_whole_and_single_token_ones_as_ids(tmp_p
     finally:
         worker.close()
         ctl.close()
+
+
+def test_the_learners_first_step_marks_when_it_was_up(tmp_path):
+    """The RL phase starts once every role is up: for the learner, when its first step began (its first
+    metrics row's time minus that step's duration); later rows move only the newest step's time."""
+    from tidal.core.protocol import Metrics
+
+    ctl = _controller(tmp_path)
+    try:
+        for version, at in ((1, 100.0), (2, 100.5), (3, 101.0)):
+            ctl._on_published("metrics", Metrics(source="learner-0", step=version, time=at,
+                                                 scalars={"train/version": version, "train/step_s": 0.25}))
+        assert ctl.learner_up_at == 99.75
+        assert ctl.learner_step_at == 101.0 and ctl.learner_version == 3
+    finally:
+        ctl.close()

@@ -290,12 +290,12 @@ def tidal_summary(mode: str, run_dir: Path, result: Any, t0: float, threads: int
         raise SystemExit(f"Tidal {mode}: no learner metrics in {run_dir / 'metrics.jsonl'}")
     at = {int(r["step"]): r for r in learner}
     last, first = learner[-1], learner[0]
-    # The RL phase: every role up -> last step (start-up reported on its own). Up: the first rollout worker
-    # connected (result.rl_start) and the learner at its first step's start (its first metrics row's time
-    # minus that step's duration: the step starts as the learner's set-up ends). Whichever came last; the
-    # learner, loading its model beside the other roles on the same cores, is often 1-2 s after the worker.
+    # The RL phase: every role up -> last step (start-up reported on its own), as `tidal run` clocks it:
+    # the first rollout worker connected (result.worker_up) and the learner at its first step's start,
+    # whichever came last (result.rl_start); the learner, loading its model beside the other roles on the
+    # same cores, is often 1-2 s after the worker.
     learner_up = first["time"] - first["scalars"].get("train/step_s", 0.0)
-    roles_up = max(result.rl_start, learner_up) if result.rl_start else learner_up
+    roles_up = result.rl_start or learner_up
     startup = roles_up - t0
     t0 = roles_up
     wall = last["time"] - t0
@@ -319,7 +319,7 @@ def tidal_summary(mode: str, run_dir: Path, result: Any, t0: float, threads: int
             "mean_completion_tokens": tokens / seqs if seqs else None,
             "startup_s": startup,
             # the learner's start-up beyond the first worker's (0 when the learner was up first)
-            "learner_up_after_worker_s": max(0.0, learner_up - result.rl_start) if result.rl_start else None,
+            "learner_up_after_worker_s": max(0.0, learner_up - result.worker_up) if result.worker_up else None,
             "lag_mean": sum(r["scalars"].get("staleness/lag_mean", 0.0) for r in learner) / len(learner),
             "torch_threads_per_role": threads, "run_dir": str(run_dir)}
 

@@ -167,6 +167,7 @@ class Controller:
         self.learner_version = 0
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
         self.learner_step_at = 0.0  # its wall clock
+        self.learner_up_at = 0.0  # wall clock when the learner's first step (of this run) began
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
@@ -284,6 +285,8 @@ class Controller:
                 self.learner_version = max(self.learner_version, version)
                 if version > self.learner_metrics_version:
                     self.learner_step_at = msg.time  # wall clock of the newest learner step
+                if not self.learner_up_at:  # its first row: the step began as the learner's set-up ended
+                    self.learner_up_at = msg.time - msg.scalars.get("train/step_s", 0.0)
                 self.learner_metrics_version = max(self.learner_metrics_version, version)
             self._record(msg)
 

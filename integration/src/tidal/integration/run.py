@@ -47,8 +47,10 @@ class RunResult:
     restarts: dict[str, int]
     wall_s: float
     samples: int = 0  # trajectories the learner trained on
-    rl_s: float = 0.0  # the RL phase: first worker connected -> the learner's last step (wall clock)
-    rl_start: float = 0.0  # its start: time.time() when the first rollout worker connected (roles up)
+    rl_s: float = 0.0  # the RL phase: every role up -> the learner's last step (wall clock)
+    rl_start: float = 0.0  # its start (time.time()): the first rollout worker connected and the learner
+    # began its first step, whichever came last (the learner loads its model beside the other roles)
+    worker_up: float = 0.0  # time.time() when the first rollout worker connected
 
     @property
     def samples_per_s(self) -> float:
@@ -166,10 +168,13 @@ def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortRe
         for s, h in old.items():
             signal.signal(s, h)
     samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
-    rl_s = controller.learner_step_at - sup.rl_start if sup.rl_start is not None and controller.learner_step_at else 0.0
+    worker_up = sup.rl_start or 0.0
+    rl_start = max(worker_up, controller.learner_up_at) if worker_up else 0.0
+    rl_s = controller.learner_step_at - rl_start if rl_start and controller.learner_step_at else 0.0
     return RunResult(run_dir=run_dir, status=sup.status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
-                     wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=sup.rl_start or 0.0)
+                     wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=rl_start,
+                     worker_up=worker_up)
 
 
 def _buffer_status(endpoint: str) -> dict[str, float]:
