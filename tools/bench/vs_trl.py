@@ -142,11 +142,10 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     """GRPO with TRL's GRPOTrainer in this process; accuracy every --eval-every steps, timed out of the clock."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, PrinterCallback
+    from trl import GRPOTrainer
 
     from tidal.core.interfaces import Task
-    from tidal.integration.sft import accuracy
     from tidal.rollout.tasks import first_tasks
     from tidal.rollout.tiny import load_tokenizer
 
@@ -167,9 +166,34 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     newline = tok.encode("\n", add_special_tokens=False)
     if len(newline) != 1:
         raise SystemExit(f"the tokenizer splits a newline into {newline}: stop-on-newline needs one token")
-    cfg = GRPOConfig(
+    out.mkdir(parents=True, exist_ok=True)
+    clock = TrlClock(tok, env, Path(tempfile.mkdtemp(prefix="trl-eval-", dir=out)), w, a)
+    clock.t0 = time.perf_counter()
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # stop on newline: TRL ends a completion (and its mask) at any of the model's eos ids
+    policy.generation_config.eos_token_id = [tok.eos_token_id, newline[0]]
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=trl_config(out, w, a), train_dataset=data,
+                          processing_class=tok, callbacks=[clock.callback()])
+    trainer.remove_callback(PrinterCallback)
+    if trainer.args.bf16 or trainer.args.activation_checkpointing or getattr(policy, "is_activation_checkpointing", False):
+        raise SystemExit("TRL: bf16 or gradient checkpointing is on; the comparison needs both off")
+    prompt_ids = tok(text=[tasks[0].prompt])["input_ids"][0]
+    if prompt_ids != tok.encode(tasks[0].prompt):
+        raise SystemExit(f"TRL would tokenize {tasks[0].prompt!r} as {prompt_ids}, Tidal as {tok.encode(tasks[0].prompt)}")
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(clock.folder, ignore_errors=True)
+    return clock.summary(a)
+
+
+def trl_config(out: Path, w: dict, a: argparse.Namespace):
+    """GRPOConfig with every setting the comparison matches (UNMATCHED lists what it cannot)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
         output_dir=str(out / "trl"), use_cpu=True, seed=a.seed, report_to="none", save_strategy="no",
-        logging_strategy="steps", logging_steps=a.eval_every, disable_tqdm=True, max_steps=steps,
+        logging_strategy="steps", logging_steps=a.eval_every, disable_tqdm=True, max_steps=w["steps"],
         per_device_train_batch_size=a.batch_samples, gradient_accumulation_steps=1, num_generations=a.group_size,
         steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
         max_completion_length=w["max_tokens"], temperature=1.0, top_p=1.0, top_k=0,
@@ -181,66 +205,66 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
         # TRL defaults gradient checkpointing on; transformers 5 names it activation_checkpointing
         activation_checkpointing=False, gradient_checkpointing=False,
     )
-    curve: list[dict] = []
-    step_end: dict[int, float] = {}
-    seen: list[dict] = []  # TRL's own logs (reward, completion lengths), every --eval-every steps
-    clock = {"t0": 0.0, "eval_s": 0.0, "evals": 0}
-    out.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="trl-eval-", dir=out))
 
-    def evaluate(policy, step: int) -> None:
+
+class TrlClock:
+    """TRL's training clock (evaluation taken out of it) and its held-out curve: held-out accuracy at the
+    start and every --eval-every steps, each evaluation timed and subtracted."""
+
+    def __init__(self, tok, env, folder: Path, w: dict, a: argparse.Namespace) -> None:
+        self.tok, self.env, self.folder, self.w, self.a = tok, env, folder, w, a
+        self.t0 = self.eval_s = 0.0
+        self.evals = 0
+        self.curve: list[dict] = []
+        self.step_end: dict[int, float] = {}
+        self.seen: list[dict] = []  # TRL's own logs (reward, completion lengths), every --eval-every steps
+
+    def evaluate(self, policy, step: int) -> None:
+        from tidal.integration.sft import accuracy
+
         t = time.perf_counter()
-        policy.save_pretrained(folder)
-        tok.save_pretrained(folder)
-        acc = accuracy(folder, env, n=a.eval_size, seed=a.seed, max_tokens=w["max_tokens"])
-        clock["eval_s"] += time.perf_counter() - t
-        clock["evals"] += 1
-        curve.append({"version": step, "samples": step * a.batch_samples, "t": step_end.get(step, 0.0), "acc": acc})
-        print(f"      TRL step {step:>4}  held-out {100 * acc:5.1f}%  train clock {step_end.get(step, 0.0):7.1f} s",
-              flush=True)
+        policy.save_pretrained(self.folder)
+        self.tok.save_pretrained(self.folder)
+        acc = accuracy(self.folder, self.env, n=self.a.eval_size, seed=self.a.seed, max_tokens=self.w["max_tokens"])
+        self.eval_s += time.perf_counter() - t
+        self.evals += 1
+        at = self.step_end.get(step, 0.0)
+        self.curve.append({"version": step, "samples": step * self.a.batch_samples, "t": at, "acc": acc})
+        print(f"      TRL step {step:>4}  held-out {100 * acc:5.1f}%  train clock {at:7.1f} s", flush=True)
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            evaluate(model, 0)
+    def callback(self):
+        from transformers import TrainerCallback
 
-        def on_step_end(self, args, state, control, model=None, **kw):
-            s = state.global_step
-            step_end[s] = time.perf_counter() - clock["t0"] - clock["eval_s"]
-            if s % a.eval_every == 0 or s == steps:
-                evaluate(model, s)
+        clock, every, steps = self, self.a.eval_every, self.w["steps"]
 
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                seen.append(dict(logs))
+        class Clock(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kw):
+                clock.evaluate(model, 0)
 
-    clock["t0"] = time.perf_counter()
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    # stop on newline: TRL ends a completion (and its mask) at any of the model's eos ids
-    policy.generation_config.eos_token_id = [tok.eos_token_id, newline[0]]
-    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
-                          callbacks=[Clock()])
-    trainer.remove_callback(PrinterCallback)
-    if trainer.args.bf16 or trainer.args.activation_checkpointing or getattr(policy, "is_activation_checkpointing", False):
-        raise SystemExit("TRL: bf16 or gradient checkpointing is on; the comparison needs both off")
-    prompt_ids = tok(text=[tasks[0].prompt])["input_ids"][0]
-    if prompt_ids != tok.encode(tasks[0].prompt):
-        raise SystemExit(f"TRL would tokenize {tasks[0].prompt!r} as {prompt_ids}, Tidal as {tok.encode(tasks[0].prompt)}")
-    try:
-        trainer.train()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    last = max(step_end)
-    wall = step_end[last]
-    first = step_end[min(step_end)]
-    return {"system": "TRL GRPOTrainer", "steps": last, "samples": last * a.batch_samples, "wall_s": wall,
-            "steady_samples_per_s": (last - 1) * a.batch_samples / (wall - first) if last > 1 and wall > first else None,
-            "curve": curve, "eval_s_excluded": clock["eval_s"], "evals": clock["evals"],
-            "train_reward_logged": [x["reward"] for x in seen],
-            # TRL logs means over each logging window: the mean length, and the mean of each step's longest
-            "mean_completion_tokens": mean([x.get("completions/mean_length") for x in seen]),
-            "longest_completion_tokens_step_mean": mean([x.get("completions/max_length") for x in seen]),
-            "at_token_cap": mean([x.get("completions/clipped_ratio") for x in seen]),
-            "torch_threads": a.threads}
+            def on_step_end(self, args, state, control, model=None, **kw):
+                s = state.global_step
+                clock.step_end[s] = time.perf_counter() - clock.t0 - clock.eval_s
+                if s % every == 0 or s == steps:
+                    clock.evaluate(model, s)
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "reward" in logs:
+                    clock.seen.append(dict(logs))
+
+        return Clock()
+
+    def summary(self, a: argparse.Namespace) -> dict:
+        last = max(self.step_end)
+        wall, first, seen = self.step_end[last], self.step_end[min(self.step_end)], self.seen
+        return {"system": "TRL GRPOTrainer", "steps": last, "samples": last * a.batch_samples, "wall_s": wall,
+                "steady_samples_per_s": (last - 1) * a.batch_samples / (wall - first) if last > 1 and wall > first else None,
+                "curve": self.curve, "eval_s_excluded": self.eval_s, "evals": self.evals,
+                "train_reward_logged": [x["reward"] for x in seen],
+                # TRL logs means over each logging window: the mean length, and the mean of each step's longest
+                "mean_completion_tokens": mean([x.get("completions/mean_length") for x in seen]),
+                "longest_completion_tokens_step_mean": mean([x.get("completions/max_length") for x in seen]),
+                "at_token_cap": mean([x.get("completions/clipped_ratio") for x in seen]),
+                "torch_threads": a.threads}
 
 
 # ---------------------------------------------------------------------------------------------- Tidal
@@ -474,7 +498,22 @@ UNMATCHED = [
 ]
 
 
-def main() -> None:
+def run_workload(name: str, w: dict, systems: list[str], out: Path, a: argparse.Namespace, targets: list[float]) -> dict:
+    """Every system on one workload from the same warm start; prints its table, returns its report."""
+    model = warm_start(out, name, w, a)
+    res: dict[str, dict] = {}
+    for s in systems:
+        print(f"[{name}] {s}: {w['steps']} steps x {a.batch_samples} samples", flush=True)
+        r = run_trl(model, out / name, w, a) if s == "trl" else run_tidal(s, model, out, name, w, a)
+        res[s] = summarize(r, targets)
+        if s != "trl" and a.throughput_runs and a.eval_every < w["steps"]:
+            res[s]["no_eval"] = throughput_run(s, model, out, name, w, a, targets)
+    table(name, w, res, targets)
+    return {"steps": w["steps"], "max_tokens": w["max_tokens"], "domain": w["domain"], "systems": res,
+            "goals": goals(name, res)}
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["arithmetic", "longtail", "both"], default="arithmetic")
     ap.add_argument("--systems", default="trl,async,sync", help="comma list of trl, async, sync")
@@ -499,7 +538,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for the Tidal runs (repeatable), e.g. --set learner.prefetch=false")
     ap.add_argument("--out", default="runs/bench-vs-trl", help="warm starts (reused) and run folders")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     trl_version = require_trl()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     a.threads = a.threads or len(cores)
@@ -531,23 +574,8 @@ def main() -> None:
           f"{a.threads} cores {cores[: a.threads]}: TRL {a.threads} torch threads, Tidal "
           f"{max(1, a.threads // (a.workers + 1))} per role x {a.workers + 1} roles; machine has {os.cpu_count()} CPUs",
           flush=True)
-    report: dict = {}
-    all_goals: list[dict] = []
-    for name in names:
-        w = ws[name]
-        model = warm_start(out, name, w, a)
-        res: dict[str, dict] = {}
-        for s in systems:
-            print(f"[{name}] {s}: {w['steps']} steps x {a.batch_samples} samples", flush=True)
-            r = run_trl(model, out / name, w, a) if s == "trl" else run_tidal(s, model, out, name, w, a)
-            res[s] = summarize(r, targets)
-            if s != "trl" and a.throughput_runs and a.eval_every < w["steps"]:
-                res[s]["no_eval"] = throughput_run(s, model, out, name, w, a, targets)
-        table(name, w, res, targets)
-        g = goals(name, res)
-        all_goals += g
-        report[name] = {"steps": w["steps"], "max_tokens": w["max_tokens"],
-                        "domain": w["domain"], "systems": res, "goals": g}
+    report = {name: run_workload(name, ws[name], systems, out, a, targets) for name in names}
+    all_goals = [g for r in report.values() for g in r["goals"]]
     print("\nsettings that could not be matched:")
     for u in UNMATCHED:
         print(f"  - {u}")
