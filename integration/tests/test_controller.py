@@ -161,17 +161,24 @@ def test_stop_strings_reach_the_workers_whole_and_single_token_ones_as_ids(tmp_p
         ctl.close()
 
 
-def test_the_learners_first_step_marks_when_it_was_up(tmp_path):
+def test_the_learners_first_step_marks_when_it_was_up_and_its_rows_give_the_trained_rate(tmp_path):
     """The RL phase starts once every role is up: for the learner, when its first step began (its first
-    metrics row's time minus that step's duration); later rows move only the newest step's time."""
+    metrics row's time minus that step's duration); later rows move only the newest step's time. The live
+    view's samples/s is what the learner trained per second over its last 10 s of rows."""
     from tidal.core.protocol import Metrics
 
     ctl = _controller(tmp_path)
     try:
+        assert ctl.trained_per_s() == 0.0
         for version, at in ((1, 100.0), (2, 100.5), (3, 101.0)):
-            ctl._on_published("metrics", Metrics(source="learner-0", step=version, time=at,
-                                                 scalars={"train/version": version, "train/step_s": 0.25}))
+            ctl._on_published("metrics", Metrics(source="learner-0", step=version, time=at, scalars={
+                "train/version": version, "train/step_s": 0.25, "train/sequences": 64,
+                "train/samples_total": 64 * version}))
         assert ctl.learner_up_at == 99.75
         assert ctl.learner_step_at == 101.0 and ctl.learner_version == 3
+        assert ctl.trained_per_s() == 192 / 1.25  # from the first step's start
+        ctl._on_published("metrics", Metrics(source="learner-0", step=4, time=120.0, scalars={
+            "train/version": 4, "train/step_s": 0.25, "train/sequences": 64, "train/samples_total": 256}))
+        assert ctl.trained_per_s() == 64 / 19.0  # one step in the window: from the row before it
     finally:
         ctl.close()

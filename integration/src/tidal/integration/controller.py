@@ -168,6 +168,7 @@ class Controller:
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
         self.learner_step_at = 0.0  # its wall clock
         self.learner_up_at = 0.0  # wall clock when the learner's first step (of this run) began
+        self._trained: deque[tuple[float, float]] = deque(maxlen=512)  # (wall clock, samples trained) per step
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
@@ -287,8 +288,23 @@ class Controller:
                     self.learner_step_at = msg.time  # wall clock of the newest learner step
                 if not self.learner_up_at:  # its first row: the step began as the learner's set-up ended
                     self.learner_up_at = msg.time - msg.scalars.get("train/step_s", 0.0)
+                    self._trained.append((self.learner_up_at, msg.scalars.get("train/samples_total", 0.0)
+                                          - msg.scalars.get("train/sequences", 0.0)))
+                if "train/samples_total" in msg.scalars:
+                    self._trained.append((msg.time, msg.scalars["train/samples_total"]))
                 self.learner_metrics_version = max(self.learner_metrics_version, version)
             self._record(msg)
+
+    def trained_per_s(self, window_s: float = 10.0) -> float:
+        """Samples the learner trained per second over its steps of the last `window_s` seconds (wall
+        clock of its metrics rows; its first step counted from when it began)."""
+        if len(self._trained) < 2:
+            return 0.0
+        t1, n1 = self._trained[-1]
+        t0, n0 = next(((t, n) for t, n in self._trained if t >= t1 - window_s), self._trained[0])
+        if (t0, n0) == (t1, n1):  # one step in the window: from the row before it
+            t0, n0 = self._trained[-2]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
     def _record(self, msg: Metrics) -> None:
         self.last.setdefault(msg.source, {}).update(msg.scalars)

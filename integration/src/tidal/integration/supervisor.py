@@ -297,9 +297,12 @@ def summary(c: Controller, elapsed: float) -> dict[str, str]:
     acc = f"{100 * c.eval_results[-1][1]:.1f}% @v{c.eval_results[-1][0]}" if c.eval_results else "-"
     return {
         "elapsed": f"{elapsed / 60:.1f} min",
-        "samples/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
+        # trained by the learner over its last 10 s of steps; generated: the workers' own rates, each
+        # measured over its last metrics interval (0 until a worker's second report)
+        "samples/s": f"{c.trained_per_s():.1f}",
         "trained": f"{learner.get('train/samples_total', 0.0):.0f}",
-        "tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
+        "generated/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
+        "gen tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
         "reward": f"{learner.get('reward/mean', float('nan')):.3f}",
         "eval acc": acc,
         "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
