@@ -59,7 +59,9 @@ def test_benchmark_runs_and_reports(script, tmp_path):
 @pytest.mark.parametrize("transport", ["zmq", "torch_dist"])
 def test_weight_sync_raw_baseline_and_transport_move_the_same_bytes(transport, monkeypatch):
     """The weight-sync bench's ratio compares like with like: its raw stream and the bucketed transport
-    carry bit-identical bytes for the 3,000-tensor state (tiny tensors here), equal to what was sent."""
+    carry bit-identical bytes for the 3,000-tensor state (tiny tensors here), equal to what was sent; for
+    gloo, the verified floor's pieces reach the receiver with the checksums the sender computed (the bench
+    raises otherwise)."""
     monkeypatch.syspath_prepend(str(ROOT / "tools" / "bench"))  # the spawned receiver imports it by name
     import weight_sync as bench
 
@@ -67,3 +69,7 @@ def test_weight_sync_raw_baseline_and_transport_move_the_same_bytes(transport, m
     result = bench.time_transport(transport, state, 1, 64 * 1024, raw=True)
     assert result["identical"] is True
     assert result["raw_s"] > 0 and result["vs_raw"] > 0
+    if transport == "torch_dist":
+        assert result["floor_s"] > 0 and result["floor_vs_raw"] > 0
+    else:
+        assert "floor_s" not in result
