@@ -263,6 +263,17 @@ class RawSource:
 # ----------------------------------------------------------------------------- measurements
 
 
+def endpoint_options(transport: str, receiver_options: dict) -> tuple[dict, dict]:
+    """The sender's and the receiver's transport options for a two-process run."""
+    if transport == "fs":
+        return {"root": tempfile.mkdtemp(prefix="tidal-bench-ws-"), "fsync": False}, dict(receiver_options)
+    if transport == "torch_dist":
+        address = f"127.0.0.1:{free_port()}"
+        return ({"address": address, "world_size": 2},
+                {"address": address, "rank": 1, "world_size": 2, **receiver_options})
+    return {}, dict(receiver_options)
+
+
 def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, raw: bool = False,
                    **receiver_options) -> dict:
     """Median seconds from send() to the receiver's verified apply (`s`), the median of the sender's
@@ -270,14 +281,7 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
     transport; pack_s + stage_s > send_s where they overlap). With `raw`: the raw stream of the same
     bytes between the same two processes (`raw_s`), trials alternating, `vs_raw` the median of the
     per-trial ratios, and `identical`: raw bytes, received state and sent state all hash the same."""
-    sopts: dict = {}
-    ropts: dict = dict(receiver_options)
-    if transport == "fs":
-        sopts = {"root": tempfile.mkdtemp(prefix="tidal-bench-ws-"), "fsync": False}
-    if transport == "torch_dist":
-        address = f"127.0.0.1:{free_port()}"
-        sopts = {"address": address, "world_size": 2}
-        ropts = {"address": address, "rank": 1, "world_size": 2, **ropts}
+    sopts, ropts = endpoint_options(transport, receiver_options)
     source = RawSource(transport, flat(state)) if raw else None
     proc, conn = start(receiver_main, transport, ropts,
                        (transport, source.where, source.data.size) if source else None)
@@ -291,31 +295,18 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
         verified = source is not None and transport == "torch_dist"
         warmup = 3  # steady state: every reused buffer (3 sender generations, 2 receiver sets) faulted in
         for v in range(trials + warmup):
-            if source:
-                t0 = time.perf_counter()
-                conn.send_bytes(b"raw")
-                source.give()
-                wait_done(conn)
-                if v >= warmup:
-                    raw_times.append(time.perf_counter() - t0)
-            if verified:
-                t0 = time.perf_counter()
-                conn.send_bytes(b"rawv:%d" % bucket_bytes)
-                sums = source.give_verified(bucket_bytes)
-                wait_done(conn)
-                if v >= warmup:
-                    floor_times.append(time.perf_counter() - t0)
-                if json.loads(conn.recv_bytes()) != sums:
-                    raise AssertionError("verified raw stream: the receiver's checksums differ from the sender's")
-            last = v == trials + warmup - 1
+            raw_t = time_raw(conn, source) if source else 0.0
+            floor_t = time_floor(conn, source, bucket_bytes) if verified else 0.0
             t0 = time.perf_counter()
             ann = sender.send(state, v)
-            # msgpack, as announcements travel on Tidal's wire
-            conn.send_bytes((b"check:" if last else b"ann:") + msgspec.msgpack.encode(ann))
+            # msgpack, as announcements travel on Tidal's wire; the last version is hashed where it lands
+            conn.send_bytes((b"check:" if v == trials + warmup - 1 else b"ann:") + msgspec.msgpack.encode(ann))
             wait_done(conn)
             if v >= warmup:
                 times.append(time.perf_counter() - t0)
                 stats.append(dict(sender.last_stats))
+                raw_times.append(raw_t)
+                floor_times.append(floor_t)
         conn.send_bytes(b"digest")
         got = json.loads(conn.recv_bytes())
         sent = state_digest((s.name, state[s.name]) for s in ann.manifest)
@@ -335,7 +326,7 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
         out["raw_s"] = round(statistics.median(raw_times), 4)
         out["vs_raw"] = round(statistics.median(t / r for t, r in zip(times, raw_times, strict=True)), 3)
         out["identical"] = got["raw"] == got["state"] == sent == xxhash.xxh3_128(source.data).hexdigest()
-        if floor_times:
+        if verified:
             out["floor_s"] = round(statistics.median(floor_times), 4)
             out["floor_vs_raw"] = round(statistics.median(f / r for f, r in zip(floor_times, raw_times, strict=True)), 3)
     else:
@@ -343,6 +334,28 @@ def time_transport(transport: str, state: dict, trials: int, bucket_bytes: int, 
     if not out["identical"]:
         raise AssertionError(f"{transport}: bytes differ: sent {sent}, received {got}")
     return out
+
+
+def time_raw(conn, source: RawSource) -> float:
+    """Seconds for one raw stream of the state's bytes, until the receiver has them."""
+    t0 = time.perf_counter()
+    conn.send_bytes(b"raw")
+    source.give()
+    wait_done(conn)
+    return time.perf_counter() - t0
+
+
+def time_floor(conn, source: RawSource, chunk: int) -> float:
+    """Seconds for one verified raw stream (`RawSource.give_verified`), until the receiver has checked it;
+    raises unless the receiver's checksums are the sender's."""
+    t0 = time.perf_counter()
+    conn.send_bytes(b"rawv:%d" % chunk)
+    sums = source.give_verified(chunk)
+    wait_done(conn)
+    took = time.perf_counter() - t0
+    if json.loads(conn.recv_bytes()) != sums:
+        raise AssertionError("verified raw stream: the receiver's checksums differ from the sender's")
+    return took
 
 
 def time_memcpy(state: dict, trials: int) -> float:
@@ -373,6 +386,39 @@ def delta_fraction(params_m: int = 20) -> float:
         sent += a.nbytes if enc is None else len(enc)
         dense += a.nbytes
     return sent / dense
+
+
+def small_table(n_small: int, trials: int, bucket: int, bucket_mib: int) -> dict:
+    """The small state over zmq and gloo: bucketed against the raw stream, the per-parameter baseline,
+    and (gloo) the verified floor; printed as a table, returned for the JSON line."""
+    small = small_state(n_small)
+    sbytes = sum(t.numel() * 4 for t in small.values())
+    print(f"\nsmall state: {len(small)} tensors, {sbytes / 2**20:.0f} MiB; goal: bucketed <= {GOAL_VS_RAW}x raw")
+    print(f"{'transport':<22}{'raw s':>8}{'bucketed s':>12}{'vs raw':>8}{'goal':>6}{'per-param s':>13}{'speed-up':>10}"
+          f"{'send s':>8}{'pack s':>8}")
+    out: dict = {"tensors": len(small), "bytes": sbytes}
+    bucketed: dict[str, dict] = {}
+    for label, tr, opts in (("zmq (pipelined)", "zmq", {}), ("zmq (serial)", "zmq", {"window": 1}),
+                            ("torch_dist (gloo)", "torch_dist", {})):
+        # the bucketed sync (all requests in flight) is measured once per transport; the rows differ in
+        # how the per-parameter baseline requests its tensors
+        if tr not in bucketed:
+            bucketed[tr] = time_transport(tr, small, trials, bucket, raw=True)
+        b = bucketed[tr]
+        n = time_transport(tr, small, trials, 1, **opts)["s"]  # every tensor in a bucket of its own
+        ok = b["vs_raw"] <= GOAL_VS_RAW
+        out[label] = {"raw_s": b["raw_s"], "bucketed_s": b["s"], "vs_raw": b["vs_raw"],
+                      "goal": verdict(ok), "per_param_s": round(n, 3), "speedup": round(n / b["s"], 2),
+                      "send_s": b["send_s"], "pack_s": b["pack_s"], "identical": b["identical"]}
+        print(f"{label:<22}{b['raw_s']:>8.3f}{b['s']:>12.3f}{b['vs_raw']:>8.2f}{verdict(ok):>6}{n:>13.3f}"
+              f"{n / b['s']:>10.2f}{b['send_s']:>8.3f}{b['pack_s']:>8.3f}")
+        if "floor_s" in b:
+            out[label].update(floor_s=b["floor_s"], floor_vs_raw=b["floor_vs_raw"],
+                              vs_floor=round(b["s"] / b["floor_s"], 3))
+            print(f"{'  verified floor':<22}{'':>8}{b['floor_s']:>12.3f}{b['floor_vs_raw']:>8.2f}"
+                  f"   (the raw stream in {bucket_mib} MiB pieces, each checksummed on both ends as the "
+                  f"transport does; bucketed = {b['s'] / b['floor_s']:.2f}x this)")
+    return out
 
 
 def verdict(ok: bool) -> str:
@@ -407,33 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['send_s']:>9.3f}{r['pack_s']:>9.3f}{r['stage_s']:>9.3f}")
         del big
 
-    small = small_state(args.small)
-    sbytes = sum(t.numel() * 4 for t in small.values())
-    print(f"\nsmall state: {len(small)} tensors, {sbytes / 2**20:.0f} MiB; goal: bucketed <= {GOAL_VS_RAW}x raw")
-    print(f"{'transport':<22}{'raw s':>8}{'bucketed s':>12}{'vs raw':>8}{'goal':>6}{'per-param s':>13}{'speed-up':>10}"
-          f"{'send s':>8}{'pack s':>8}")
-    results["small"] = {"tensors": len(small), "bytes": sbytes}
-    bucketed: dict[str, dict] = {}
-    for label, tr, opts in (("zmq (pipelined)", "zmq", {}), ("zmq (serial)", "zmq", {"window": 1}),
-                            ("torch_dist (gloo)", "torch_dist", {})):
-        # the bucketed sync (all requests in flight) is measured once per transport; the rows differ in
-        # how the per-parameter baseline requests its tensors
-        if tr not in bucketed:
-            bucketed[tr] = time_transport(tr, small, args.trials, bucket, raw=True)
-        b = bucketed[tr]
-        n = time_transport(tr, small, args.trials, 1, **opts)["s"]  # every tensor in a bucket of its own
-        ok = b["vs_raw"] <= GOAL_VS_RAW
-        results["small"][label] = {"raw_s": b["raw_s"], "bucketed_s": b["s"], "vs_raw": b["vs_raw"],
-                                   "goal": verdict(ok), "per_param_s": round(n, 3), "speedup": round(n / b["s"], 2),
-                                   "send_s": b["send_s"], "pack_s": b["pack_s"], "identical": b["identical"]}
-        print(f"{label:<22}{b['raw_s']:>8.3f}{b['s']:>12.3f}{b['vs_raw']:>8.2f}{verdict(ok):>6}{n:>13.3f}"
-              f"{n / b['s']:>10.2f}{b['send_s']:>8.3f}{b['pack_s']:>8.3f}")
-        if "floor_s" in b:
-            results["small"][label].update(floor_s=b["floor_s"], floor_vs_raw=b["floor_vs_raw"],
-                                           vs_floor=round(b["s"] / b["floor_s"], 3))
-            print(f"{'  verified floor':<22}{'':>8}{b['floor_s']:>12.3f}{b['floor_vs_raw']:>8.2f}"
-                  f"   (the raw stream in {args.bucket_mib} MiB pieces, each checksummed on both ends as the "
-                  f"transport does; bucketed = {b['s'] / b['floor_s']:.2f}x this)")
+    results["small"] = small_table(args.small, args.trials, bucket, args.bucket_mib)
 
     frac = delta_fraction()
     results["delta_fraction_lr1e-6_bf16"] = round(frac, 4)
