@@ -230,7 +230,7 @@ def sp_section(a: argparse.Namespace, tmp: str) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -250,11 +250,11 @@ def main() -> None:
     ap.add_argument("--mode", default="ulysses", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.sp_worker:
-        sp_worker(args)
-        exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done
+    return ap.parse_args()
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """One step of the batch with each attention / batching variant, then the row-budget sweep."""
     from tidal.integration.learner.data import pack
     from tidal.rollout.tiny import build_tiny_model
 
@@ -273,23 +273,26 @@ def main() -> None:
                          "dense": trainer("sdpa", args.micro_tokens),
                          "padded": trainer("sdpa", args.micro_tokens, cls=PaddedTrainer, pad_batch=args.pad_batch)}
         batch = make_batch(args.samples, args.max_len, main_variants["varlen"].backend.model.config.vocab_size)
-        real = sum(s.length for s in batch)
-        sum_sq = sum(s.length ** 2 for s in batch)
-        padded_tokens = sum(len(batch[i : i + args.pad_batch]) * max(s.length for s in batch[i : i + args.pad_batch])
-                            for i in range(0, len(batch), args.pad_batch))
         t = timed(main_variants, batch, args.reps)
         del main_variants
         sweep = []
         for budget in [int(x) for x in args.sweep.split(",") if x]:
             budget = max(budget, max(s.length for s in batch))
             rows = pack(batch, budget)
-            row_sq = sum(r.tokens ** 2 for r in rows)
             ts = timed({"varlen": trainer("tidal_varlen", budget, share=False), "dense": trainer("sdpa", budget)},
                        batch, args.reps)
-            sweep.append({"row_budget": budget, "rows": len(rows), "sum_row_len_sq": row_sq,
+            sweep.append({"row_budget": budget, "rows": len(rows), "sum_row_len_sq": sum(r.tokens ** 2 for r in rows),
                           "varlen_s": ts["varlen"], "dense_s": ts["dense"]})
+    padded = sum(len(batch[i : i + args.pad_batch]) * max(s.length for s in batch[i : i + args.pad_batch])
+                 for i in range(0, len(batch), args.pad_batch))
+    return {"t": t, "sweep": sweep, "real": sum(s.length for s in batch), "sum_sq": sum(s.length ** 2 for s in batch),
+            "padded_tokens": padded}
+
+
+def report(args: argparse.Namespace, m: dict) -> None:
+    t, sweep, real, sum_sq = m["t"], m["sweep"], m["real"], m["sum_sq"]
     print(f"batch: {args.samples} sequences in groups of 8 sharing a prompt, {real} real tokens, Σ len² {sum_sq} "
-          f"(padding would make {padded_tokens} tokens); model hidden {args.hidden} x {args.layers} layers; "
+          f"(padding would make {m['padded_tokens']} tokens); model hidden {args.hidden} x {args.layers} layers; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'':18}{'seconds':>10}{'tokens/s':>12}{'vs varlen':>11}")
     for k, v in t.items():
@@ -304,14 +307,24 @@ def main() -> None:
         d_growth = sweep[-1]["dense_s"] / sweep[0]["dense_s"]
         print(f"largest / smallest budget: Σ row_len² x{sweep[-1]['sum_row_len_sq'] / sweep[0]['sum_row_len_sq']:.1f}, "
               f"varlen time x{v_growth:.2f}, dense time x{d_growth:.2f}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.sp_worker:
+        sp_worker(args)
+        exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done
+    m = measure(args)
+    report(args, m)
     sp = None
     if args.sp_modes:
         with tempfile.TemporaryDirectory() as tmp:
             sp = sp_section(args, tmp)
-    print(json.dumps({"bench": "learner", "real_tokens": real, "padded_tokens": padded_tokens, "sum_len_sq": sum_sq,
-                      **{f"{k.replace('/', '_')}_tok_s": real / v for k, v in t.items()},
+    t = m["t"]
+    print(json.dumps({"bench": "learner", "real_tokens": m["real"], "padded_tokens": m["padded_tokens"],
+                      "sum_len_sq": m["sum_sq"], **{f"{k.replace('/', '_')}_tok_s": m["real"] / v for k, v in t.items()},
                       "dense_over_varlen": t["dense"] / t["varlen"], "padded_over_varlen": t["padded"] / t["varlen"],
-                      "sweep": sweep, "sp": sp}))
+                      "sweep": m["sweep"], "sp": sp}))
 
 
 if __name__ == "__main__":
