@@ -420,7 +420,7 @@ def ep_load(path: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, e
         raise ValueError(f"the checkpoint at {path} was written by {layout['world']} ranks with ep={layout['ep']}; "
                          f"this learner has {world} ranks with ep={ep}: resume with the same learner.parallel.ep "
                          "and --nproc")
-    state = torch.load(folder / f"rank-{rank}.pt", weights_only=False)
+    state = torch.load(folder / f"rank-{rank}.pt", weights_only=True)  # never unpickle code from a file
     with torch.no_grad():
         for name, t in model.state_dict().items():
             (t.to_local() if isinstance(t, DTensor) else t).copy_(state["model"][name])

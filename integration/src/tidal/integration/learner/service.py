@@ -434,15 +434,23 @@ def _spawn(nproc: int, argv: list[str]) -> int:
     a stalled run) would leave the ranks running, holding their ports (measured with torch 2.15); and
     a SIGTERM'd agent raises SignalException without the ranks' codes, while the driver needs 0 from a
     clean stop and 78 from a refused configuration. These ranks stay in our process group."""
-    from tidal.core.net import PortReservation
+    import socket
 
-    ports = PortReservation()  # held while the ranks run: rank 0's TCPStore binds it, nobody else can
-    port = str(ports.port())
+    # The ranks' rendezvous store listens on loopback alone: a socket bound and listening here, handed to
+    # rank 0 (TCPStore on its own listens on every interface). Listening from now on, the port is held.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = str(listener.getsockname()[1])
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tidal.integration.learner", *argv], env=env))
+        env[STORE_FD_ENV] = str(listener.fileno()) if rank == 0 else "-"  # the others connect to it
+        fds = (listener.fileno(),) if rank == 0 else ()
+        procs.append(subprocess.Popen([sys.executable, "-m", "tidal.integration.learner", *argv], env=env,
+                                      pass_fds=fds))
+    listener.close()  # rank 0 holds its copy
 
     def forward(sig, _frame):
         for p in procs:
@@ -451,8 +459,27 @@ def _spawn(nproc: int, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     codes = [p.wait() for p in procs]
-    ports.close()
     return max(codes, key=abs)
+
+
+STORE_FD_ENV = "TIDAL_STORE_FD"  # rank 0 of a `_spawn`: the listening socket its rendezvous store serves on
+
+
+def _init_distributed(backend: str) -> None:
+    """torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT). Ranks started by
+    `_spawn` rendezvous through a store whose rank 0 serves on the loopback socket it was handed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    fd = os.environ.pop(STORE_FD_ENV, "")
+    if fd == "":  # torchrun, Ray: the usual env:// rendezvous
+        dist.init_process_group(backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(minutes=10), master_listen_fd=int(fd) if rank == 0 else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,9 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+        _init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo")
     learner = Learner(cfg)
     signal.signal(signal.SIGTERM, lambda *_: learner.stop())
     signal.signal(signal.SIGINT, lambda *_: learner.stop())

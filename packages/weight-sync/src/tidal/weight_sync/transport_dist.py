@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,11 +54,30 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def listening_fd(host: str, port: int) -> int:
+    """A socket listening on exactly `host`:`port`, as a descriptor for a TCPStore server to take over
+    (``master_listen_fd``; the store closes it). TCPStore itself listens on every interface whatever host
+    it is given, so a store meant for loopback would be reachable from the network. SO_REUSEADDR lets it
+    join a port held by a `tidal.core.net.PortReservation`."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def _group(address: str, rank: int, world_size: int, backend: str, timeout_s: float) -> tuple[Any, Any]:
-    """The rendezvous store (kept: it also carries the per-version keys) and the process group."""
+    """The rendezvous store (kept: it also carries the per-version keys) and the process group. Rank 0's
+    store listens on `address`'s host alone."""
     host, port = _host_port(address)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout,
+                          master_listen_fd=listening_fd(host, port) if rank == 0 else None)
     if backend == "gloo":
         return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
