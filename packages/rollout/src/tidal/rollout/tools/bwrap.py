@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 
 INSTALL = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`) "
            "and check that `bwrap --unshare-all --die-with-parent --ro-bind / / true` exits 0 as the user "
@@ -67,7 +68,7 @@ def command(bwrap: str, folder: str, argv: list[str]) -> list[str]:
         if os.path.exists("/etc/" + name):
             cmd += ["--ro-bind", "/etc/" + name, "/etc/" + name]
     base = os.path.realpath(sys.base_prefix)
-    if not base.startswith("/usr/"):
+    if base != "/usr" and not base.startswith("/usr/"):  # pyenv, uv's pythons: only that folder shows
         cmd += ["--ro-bind", base, base]
     for site in _site_packages(base):  # an empty folder over it, then read-only
         cmd += ["--tmpfs", site, "--remount-ro", site]
@@ -88,12 +89,14 @@ def find() -> str:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(f"the python tool needs bubblewrap (bwrap), which is not on PATH: {INSTALL}")
-    folder = os.path.realpath(os.environ.get("TMPDIR", "/tmp"))
+    folder = os.path.realpath(tempfile.mkdtemp(prefix="tidal-bwrap-probe-"))
     try:
         done = subprocess.run(command(bwrap, folder, [interpreter(), "-I", "-c", "print(6*7)"]),
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SandboxUnavailable(f"{bwrap} could not start a sandbox: {e}; {INSTALL}") from e
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # empty: the probe only prints
     if done.returncode != 0 or done.stdout != b"42\n":
         why = done.stderr.decode(errors="replace").strip()[-500:]
         raise SandboxUnavailable(f"{bwrap} could not start a sandbox here (exit status {done.returncode}: "
