@@ -237,10 +237,17 @@ def test_environment_holds_no_secret_of_ours(tool: PythonTool, victim: subproces
     assert "swordfish" not in seen and "hunter2" not in seen and seen.startswith("None\nFileNotFoundError"), seen
 
 
-def test_it_runs_as_nobody_without_capabilities_in_a_read_only_root(tool: PythonTool) -> None:
+def test_it_runs_as_nobody_without_capabilities_and_cannot_write_proc(tool: PythonTool) -> None:
+    # writes back the value it read: the control, run by root, must not change the machine
+    sysctl = ("try:\n    v = open('/proc/sys/vm/overcommit_ratio').read()\n"
+              "    open('/proc/sys/vm/overcommit_ratio', 'w').write(v); print('wrote sysctl')\n"
+              "except OSError as e:\n    print(type(e).__name__)\n")
+    if os.geteuid() == 0:  # (any other user cannot write it outside either)
+        assert "wrote sysctl" in plain(sysctl)
     probe = ("import os\nprint(os.getuid(), os.getgid())\n"
              "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0])\n"
-             "print(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/proc'))[:3])\n")
+             "print(sorted(os.listdir('/')))\n" + sysctl)
     seen = sandboxed(tool, probe).splitlines()
-    assert seen[0] == "65534 65534" and int(seen[1], 16) == 0
-    assert "work" not in seen[2] and "home" not in seen[2]
+    assert seen[0] == "65534 65534" and int(seen[1], 16) == 0, seen
+    assert "work" not in seen[2] and "home" not in seen[2], seen
+    assert seen[3] == "OSError", seen  # EROFS: its /proc is read-only

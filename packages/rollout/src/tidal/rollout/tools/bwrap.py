@@ -6,7 +6,7 @@ What the program sees (everything else does not exist for it):
   site-packages hidden under an empty read-only folder, so only the standard library imports) — no home,
   no project checkout, no virtualenv, no run folder, no /root, no /tmp beyond the call's own folder;
 - the call's temporary folder (its cwd, HOME and TMPDIR), the only writable place;
-- its own /proc (its own processes only) and a minimal /dev;
+- its own /proc (its own processes only; read-only) and a minimal /dev;
 - namespaces of its own: user (uid and gid 65534, no capabilities), pid (bubblewrap's init is pid 1:
   when the program exits or the sandbox is killed, every process left inside dies with it, daemons
   included), network (only a loopback of its own), ipc, uts and cgroup; a new session (no terminal);
@@ -72,8 +72,10 @@ def command(bwrap: str, folder: str, argv: list[str]) -> list[str]:
         cmd += ["--ro-bind", base, base]
     for site in _site_packages(base):  # an empty folder over it, then read-only
         cmd += ["--tmpfs", site, "--remount-ro", site]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--bind", folder, folder, "--chdir", folder,
-            "--remount-ro", "/"]
+    # /proc read-only as a whole: run by root, the sandbox's uid is root outside it (without
+    # capabilities), and root may write /proc/sys files, which bwrap leaves writable
+    cmd += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--bind", folder, folder,
+            "--chdir", folder, "--remount-ro", "/"]
     env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
