@@ -118,6 +118,15 @@ def test_files_cannot_be_written_into_site_packages_or_the_project(tool: PythonT
     assert not [folder for folder in targets if Path(folder, name).exists()]
 
 
+def test_the_hosts_disk_cannot_be_filled(tmp_path: Path) -> None:
+    fill = ("import os\nwritten = 0\nfor i in range(6):\n    try:\n"
+            "        open(os.path.join(os.environ.get('TMPDIR', '.'), f'fill{i}'), 'wb').write(b'x' * 2**22)\n"
+            "        written += 4\n    except OSError as e:\n        print(e.strerror); break\nprint('wrote', written, 'MB')\n")
+    assert "wrote 24 MB" in plain(fill, env={"TMPDIR": str(tmp_path)})  # tmp_path is removed by pytest
+    seen = sandboxed(PythonTool(timeout_s=5.0, disk_mb=8), fill)
+    assert "No space left on device" in seen and "wrote 24" not in seen, seen
+
+
 def test_programs_it_starts_see_no_files_and_no_network(tool: PythonTool, secrets: list[Path]) -> None:
     """The audit hook of old could not see _posixsubprocess.fork_exec; the sandbox does not need to:
     a program started inside is inside too."""

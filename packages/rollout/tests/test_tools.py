@@ -166,12 +166,13 @@ def test_python_runs_in_a_network_namespace_with_only_a_loopback(python: PythonT
     assert [line.split(":")[0].strip() for line in devices.splitlines()[2:] if line.strip()] == ["lo"]
 
 
-def test_python_folder_is_fresh_and_removed_after_success_and_timeout(python: PythonTool) -> None:
-    result, _ = run_timed(python, "import os; open('f', 'w').write('x'); print(os.getcwd()); print(os.listdir('.'))")
-    folder, listing = result.content.splitlines()
-    assert listing == "['f']" and not Path(folder).exists()
-    result, _ = run_timed(PythonTool(timeout_s=0.5), "import os, time; print(os.getcwd(), flush=True); time.sleep(100)")
-    assert result.error == "timeout" and not Path(result.content.splitlines()[0]).exists()
+def test_python_folder_is_fresh_in_every_call_and_nothing_of_it_reaches_the_host(python: PythonTool) -> None:
+    token = f"tidal-folder-{os.getpid()}-{time.monotonic_ns()}"
+    code = f"import os; print(os.getcwd(), os.listdir('.')); open('{token}', 'w').write('x')"
+    first, _ = run_timed(python, code)
+    second, _ = run_timed(python, code)
+    assert first.content == second.content == "/tmp []\n", (first, second)  # the first call's file is gone
+    assert not list(Path("/tmp").glob(f"**/{token}"))  # and it never was on the host's disk
 
 
 def test_python_environment_is_minimal(python: PythonTool, monkeypatch: pytest.MonkeyPatch) -> None:

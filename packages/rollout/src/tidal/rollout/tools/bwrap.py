@@ -4,8 +4,10 @@ What the program sees (everything else does not exist for it):
 - a read-only root holding /usr, /bin, /lib*, /sbin, the few /etc files the dynamic loader and the C
   library read, and the Python installation the base interpreter runs from (``sys.base_prefix``; its
   site-packages hidden under an empty read-only folder, so only the standard library imports) — no home,
-  no project checkout, no virtualenv, no run folder, no /root, no /tmp beyond the call's own folder;
-- the call's temporary folder (its cwd, HOME and TMPDIR), the only writable place;
+  no project checkout, no virtualenv, no run folder, nothing else of /root or the host's /tmp;
+- /tmp, its cwd, HOME and TMPDIR and the only writable place: an empty tmpfs of `disk_mb` of its own
+  (never the host's disk, which it could fill; its pages count towards a cgroup's memory), gone with the
+  sandbox;
 - its own /proc (its own processes only; read-only) and a minimal /dev;
 - namespaces of its own: user (uid and gid 65534, no capabilities), pid (bubblewrap's init is pid 1:
   when the program exits or the sandbox is killed, every process left inside dies with it, daemons
@@ -21,12 +23,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 
 INSTALL = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`) "
            "and check that `bwrap --unshare-all --die-with-parent --ro-bind / / true` exits 0 as the user "
            "that runs the environment processes")
 UID = 65534  # nobody, inside the sandbox's user namespace
+WORK = "/tmp"  # the sandbox's own, writable folder
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf")
 _TOP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
@@ -52,9 +54,8 @@ def _site_packages(base: str) -> list[str]:
     return sorted({p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)})
 
 
-def command(bwrap: str, folder: str, argv: list[str]) -> list[str]:
-    """bwrap's argv that runs `argv` inside the sandbox, with `folder` (a real folder) writable at the
-    same path."""
+def command(bwrap: str, argv: list[str], disk_mb: int = 64) -> list[str]:
+    """bwrap's argv that runs `argv` inside the sandbox."""
     cmd = [bwrap, "--unshare-user", "--uid", str(UID), "--gid", str(UID), "--unshare-pid", "--unshare-net",
            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox",
            "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
@@ -74,9 +75,10 @@ def command(bwrap: str, folder: str, argv: list[str]) -> list[str]:
         cmd += ["--tmpfs", site, "--remount-ro", site]
     # /proc read-only as a whole: run by root, the sandbox's uid is root outside it (without
     # capabilities), and root may write /proc/sys files, which bwrap leaves writable
-    cmd += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--bind", folder, folder,
-            "--chdir", folder, "--remount-ro", "/"]
-    env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
+    cmd += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
+            "--size", str(disk_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", WORK, "--chdir", WORK,
+            "--remount-ro", "/"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": WORK, "TMPDIR": WORK, "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     for name, value in env.items():
@@ -91,14 +93,11 @@ def find() -> str:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(f"the python tool needs bubblewrap (bwrap), which is not on PATH: {INSTALL}")
-    folder = os.path.realpath(tempfile.mkdtemp(prefix="tidal-bwrap-probe-"))
     try:
-        done = subprocess.run(command(bwrap, folder, [interpreter(), "-I", "-c", "print(6*7)"]),
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        done = subprocess.run(command(bwrap, [interpreter(), "-I", "-c", "print(6*7)"]),
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30, env={})
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SandboxUnavailable(f"{bwrap} could not start a sandbox: {e}; {INSTALL}") from e
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # empty: the probe only prints
     if done.returncode != 0 or done.stdout != b"42\n":
         why = done.stderr.decode(errors="replace").strip()[-500:]
         raise SandboxUnavailable(f"{bwrap} could not start a sandbox here (exit status {done.returncode}: "

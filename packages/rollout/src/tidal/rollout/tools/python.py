@@ -1,11 +1,11 @@
 """The python tool: runs the model's code in a bubblewrap sandbox, and always comes back.
 
-Each call gets a fresh temporary folder and a new sandbox (`tidal.rollout.tools.bwrap`, whose docstring
-lists what the code can see): the base interpreter (``-I``, no virtualenv, the standard library only)
-with a read-only view of the system's programs and libraries and nothing of the user's, the call's folder
-as its only writable place (its cwd, HOME and TMPDIR; removed afterwards whatever happened), its own
-user, pid, network (loopback only), ipc and uts namespaces, uid 65534 with no capabilities, a clean
-environment and stdin at /dev/null. bwrap's init is pid 1 in there, so when the program exits, or the
+Each call gets a new sandbox (`tidal.rollout.tools.bwrap`, whose docstring lists what the code can see):
+the base interpreter (``-I``, no virtualenv, the standard library only) with a read-only view of the
+system's programs and libraries and nothing of the user's; an empty /tmp of `disk_mb` of its own, its cwd,
+HOME and TMPDIR and its only writable place (a tmpfs: nothing lands on the host's disk, and nothing is
+left to remove); its own user, pid, network (loopback only), ipc and uts namespaces, uid 65534 with no
+capabilities, a clean environment and stdin at /dev/null. bwrap's init is pid 1 in there, so when the program exits, or the
 sandbox is killed, every process it started dies with it (``setsid`` daemons too).
 
 Limits, for the call as a whole where the machine lets us make a cgroup (v2, else v1; `limits` says
@@ -37,11 +37,8 @@ import logging
 import os
 import resource  # imported here, not in the child: an import after fork can deadlock
 import selectors
-import shutil
 import signal
-import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -83,17 +80,18 @@ class PythonTool:
 
     def __init__(self, timeout_s: float = 10.0, cpu_seconds: int = 5, memory_mb: int = 512,
                  output_bytes: int = 16384, file_mb: int = 16, open_files: int = 64,
-                 max_code_bytes: int = 65536, processes: int = 32, limits: str = "auto") -> None:
+                 max_code_bytes: int = 65536, processes: int = 32, disk_mb: int = 64,
+                 limits: str = "auto") -> None:
         if limits not in LIMITS_MODES:
             raise ValueError(f"limits must be one of {LIMITS_MODES}, got {limits!r}")
         if min(timeout_s, cpu_seconds, memory_mb, output_bytes, file_mb, open_files, max_code_bytes,
-               processes) <= 0:
+               processes, disk_mb) <= 0:
             raise ValueError("the python tool's limits must all be positive")
         if max_code_bytes > 100_000:  # the code travels as one argv string, which Linux caps at 128 KiB
             raise ValueError(f"max_code_bytes is at most 100000, got {max_code_bytes}")
         self.timeout_s, self.cpu_seconds, self.memory_mb = timeout_s, cpu_seconds, memory_mb
         self.output_bytes, self.file_mb, self.open_files = output_bytes, file_mb, open_files
-        self.max_code_bytes, self.processes = max_code_bytes, processes
+        self.max_code_bytes, self.processes, self.disk_mb = max_code_bytes, processes, disk_mb
         self.bwrap = bwrap.find()
         self.interpreter = bwrap.interpreter()
         self.hierarchy = None if limits == "rlimits" else _hierarchy()
@@ -131,22 +129,17 @@ class PythonTool:
         if "\x00" in code or len(code.encode()) > self.max_code_bytes:
             return ToolResult(content=f"code must be at most {self.max_code_bytes} bytes without NUL characters",
                               error="bad_arguments")
-        # realpath: the sandbox shows the folder at this path, and /tmp may be a link elsewhere
-        folder = os.path.realpath(tempfile.mkdtemp(prefix="tidal-python-"))
-        try:
-            result = self._execute(code, folder, start)
-        finally:
-            _remove(folder)
+        result = self._execute(code, start)
         result.elapsed_s = time.monotonic() - start
         return result
 
     # ------------------------------------------------------------------ the child
 
-    def _command(self, code: str, folder: str) -> list[str]:
+    def _command(self, code: str) -> list[str]:
         argv = [self.interpreter, "-I", "-c", _BOOTSTRAP, str(self.processes + _SANDBOX_PROCESSES), code]
-        return bwrap.command(self.bwrap, folder, argv)
+        return bwrap.command(self.bwrap, argv, self.disk_mb)
 
-    def _execute(self, code: str, folder: str, start: float) -> ToolResult:
+    def _execute(self, code: str, start: float) -> ToolResult:
         try:
             group = cgroups.CallGroup(self.hierarchy, self.memory_mb, self.processes + _SANDBOX_PROCESSES + 1) \
                 if self.hierarchy else None  # + 1: bwrap itself, outside the namespaces
@@ -163,7 +156,7 @@ class PythonTool:
                 resource.setrlimit(which, values)
 
         try:
-            return self._supervise(self._command(code, folder), limits, group, start)
+            return self._supervise(self._command(code), limits, group, start)
         finally:
             if group is not None:
                 group.close()
@@ -298,19 +291,3 @@ def _exited_by(pid: int, deadline: float) -> bool:
 @functools.cache  # probed once per process: it makes and removes a group
 def _hierarchy() -> cgroups.Hierarchy | None:
     return cgroups.probe()
-
-
-def _remove(folder: str) -> None:
-    """Remove the call's folder even where the code took write permission away from its own folders;
-    never raises (what cannot be removed is logged, and the call's result stands)."""
-
-    def retry(function, path, _exc_info) -> None:
-        os.chmod(os.path.dirname(path), stat.S_IRWXU)
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.chmod(path, stat.S_IRWXU)
-        function(path)
-
-    try:
-        shutil.rmtree(folder, onerror=retry)
-    except OSError as e:
-        log.warning("could not remove the python tool's folder %s: %s", folder, e)
