@@ -5,8 +5,9 @@ the base interpreter (``-I``, no virtualenv, the standard library only) with a r
 system's programs and libraries and nothing of the user's; an empty /tmp of `disk_mb` of its own, its cwd,
 HOME and TMPDIR and its only writable place (a tmpfs: nothing lands on the host's disk, and nothing is
 left to remove); its own user, pid, network (loopback only), ipc and uts namespaces, uid 65534 with no
-capabilities, a clean environment and stdin at /dev/null. bwrap's init is pid 1 in there, so when the program exits, or the
-sandbox is killed, every process it started dies with it (``setsid`` daemons too).
+capabilities, a read-only /proc, a clean environment and stdin at /dev/null. bwrap's init is pid 1 in
+there, so when the program exits, or the sandbox is killed, every process it started dies with it
+(``setsid`` daemons too).
 
 Limits, for the call as a whole where the machine lets us make a cgroup (v2, else v1; `limits` says
 which applied, and the first construction logs it): at most `processes` processes and threads, at most
@@ -27,7 +28,10 @@ reports a death by signal N as exit status 128+N, and so does this tool ("killed
 
 What this does not protect against: the sandbox shares the kernel, so a kernel exploit escapes it; the
 code can measure time and CPU contention (side channels on the same machine); it can use its CPU and
-memory budget in full.
+memory budget in full; its /proc still shows machine-wide figures (cpuinfo, meminfo, loadavg). Where the
+environment process runs as root, the sandbox's processes are root outside it too (without
+capabilities, confined by the namespaces): running environment processes as an ordinary user adds a
+layer.
 """
 
 from __future__ import annotations
@@ -56,11 +60,12 @@ _SANDBOX_PROCESSES = 2  # bwrap's init and the interpreter, besides what the cod
 # here, after bwrap made the user namespace, RLIMIT_NPROC counts only the sandbox's processes.
 _BOOTSTRAP = r"""
 import resource, sys
-_n = int(sys.argv.pop(1))
+_n, _hard = int(sys.argv.pop(1)), resource.getrlimit(resource.RLIMIT_NPROC)[1]
+_n = _n if _hard == resource.RLIM_INFINITY else min(_n, _hard)
 resource.setrlimit(resource.RLIMIT_NPROC, (_n, _n))
 _code = sys.argv.pop(1)
 sys.argv[0] = "main.py"
-del _n, resource
+del _n, _hard, resource
 exec(compile(_code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
@@ -102,9 +107,13 @@ class PythonTool:
         self.limits = f"cgroup {self.hierarchy.version}" if self.hierarchy else "rlimits"
         if self.limits not in _reported:
             _reported.add(self.limits)
-            unbounded = " (no bound on the number of processes: they run as root, which RLIMIT_NPROC " \
-                        "exempts)" if self.hierarchy is None and os.geteuid() == 0 else ""
-            log.info("python tool: bubblewrap sandbox, limits on each call by %s%s", self.limits, unbounded)
+            if self.hierarchy is None and os.geteuid() == 0:
+                log.warning("python tool: bubblewrap sandbox, limits by rlimits, and no bound on the number "
+                            "of processes of a call: they run as root outside the sandbox, which RLIMIT_NPROC "
+                            "exempts; run the environment processes as an ordinary user, or where a cgroup "
+                            "can be made (see tidal.rollout.tools.cgroups)")
+            else:
+                log.info("python tool: bubblewrap sandbox, limits on each call by %s", self.limits)
         mb = 1024 * 1024
         cpu_soft = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds)[0]
         cpu_hard = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds + 1)[1]  # SIGXCPU, then SIGKILL
