@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROCESSES = 8
 
 
-@pytest.fixture(scope="module")
-def tool() -> PythonTool:
-    return PythonTool(timeout_s=3.0, cpu_seconds=2, memory_mb=160, processes=PROCESSES)
+@pytest.fixture(scope="module", params=["auto", "rlimits"])
+def tool(request: pytest.FixtureRequest) -> PythonTool:
+    """The sandbox with the limits this machine allows (a cgroup where one can be made), and with rlimits
+    alone: the namespaces must hold in both."""
+    return PythonTool(timeout_s=3.0, cpu_seconds=2, memory_mb=160, processes=PROCESSES, limits=request.param)
 
 
 def plain(code: str, env: dict[str, str] | None = None) -> str:
@@ -152,7 +154,7 @@ def test_programs_it_starts_see_no_files_and_no_network(tool: PythonTool, secret
 
 def test_processes_are_bounded_in_number_and_a_fork_bomb_returns_in_time(tool: PythonTool) -> None:
     if tool.limits == "rlimits" and os.geteuid() == 0:
-        pytest.skip("no cgroup here and the sandbox's processes run as root: nothing bounds their number")
+        pytest.skip("limits by rlimits and the sandbox's processes are root outside it: nothing bounds their number")
     token = unique("forks")
     count = ("import os, time\nn = 0\nfor _ in range(64):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30); os._exit(0)\n"
@@ -201,7 +203,7 @@ def test_signals_cannot_reach_our_processes(tool: PythonTool, victim: subprocess
 
 def test_memory_is_bounded_across_children(tool: PythonTool) -> None:
     if tool.limits == "rlimits":
-        pytest.skip("no cgroup here: memory is limited per process only")
+        pytest.skip("limits by rlimits: memory is limited per process only")
     token = unique("hog")
     # four children of 64 MB each, each within the 160 MB per-process limit, 256 MB together: how many
     # hold theirs at the same time?

@@ -44,7 +44,7 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tidal.core.episodes import ToolResult
@@ -170,7 +170,7 @@ class PythonTool:
             if group is not None:
                 group.close()
 
-    def _supervise(self, cmd: list[str], limits: Any, group: cgroups.CallGroup | None,
+    def _supervise(self, cmd: list[str], limits: Callable[[], None], group: cgroups.CallGroup | None,
                    start: float) -> ToolResult:
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
