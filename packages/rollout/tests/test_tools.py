@@ -86,6 +86,8 @@ def test_python_has_the_standard_library_only_and_says_which_limits_apply() -> N
     result = tool.run({"code": "import json, math; print(json.dumps(math.comb(5, 2)))\nimport numpy"})
     assert result.error == "crash" and result.content.startswith("10\n"), result
     assert "No module named 'numpy'" in result.content  # the virtualenv is not in the sandbox
+    result = tool.run({"code": "import pip"})  # nor the base installation's site-packages
+    assert "No module named 'pip'" in result.content, result
     assert tool.limits in ("cgroup v1", "cgroup v2", "rlimits")
 
 

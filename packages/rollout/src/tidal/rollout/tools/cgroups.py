@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ class CallGroup:
 
     def __init__(self, hierarchy: Hierarchy, memory_mb: int, processes: int) -> None:
         self.hierarchy = hierarchy
-        name = f"tidal-sandbox-{os.getpid()}-{next(_names)}"
+        # random too: processes in other pid namespaces (containers) may share this pid and this hierarchy
+        name = f"tidal-sandbox-{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
         self.folders = {c: os.path.join(parent, name) for c, parent in hierarchy.parents.items()}
         self._made: list[str] = []
         try:
