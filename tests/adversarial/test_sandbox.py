@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tidal.rollout.tools import bwrap
 from tidal.rollout.tools.python import PythonTool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,6 +247,15 @@ def test_environment_holds_no_secret_of_ours(tool: PythonTool, victim: subproces
     assert "swordfish" in seen_plain and "hunter2" in seen_plain
     seen = sandboxed(tool, probe)
     assert "swordfish" not in seen and "hunter2" not in seen and seen.startswith("None\nFileNotFoundError"), seen
+
+
+def test_no_user_namespace_can_be_made_inside(tool: PythonTool) -> None:
+    if "--disable-userns" not in bwrap.options(tool.bwrap):
+        pytest.skip("this bubblewrap is older than 0.8 and cannot forbid user namespaces inside")
+    probe = "import subprocess; print(subprocess.run(['unshare', '--user', 'true']).returncode)"
+    assert plain(probe).strip() == "0"
+    seen = sandboxed(tool, probe)
+    assert seen.startswith("1\n") and "unshare failed" in seen, seen
 
 
 def test_it_runs_as_nobody_without_capabilities_and_cannot_write_proc(tool: PythonTool) -> None:

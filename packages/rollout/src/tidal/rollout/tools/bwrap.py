@@ -12,7 +12,9 @@ What the program sees (everything else does not exist for it):
 - namespaces of its own: user (uid and gid 65534, no capabilities), pid (bubblewrap's init is pid 1:
   when the program exits or the sandbox is killed, every process left inside dies with it, daemons
   included), network (only a loopback of its own), ipc, uts and cgroup; a new session (no terminal);
-- an environment of PATH, HOME, TMPDIR, LANG and thread counts only.
+- an environment of PATH, HOME, TMPDIR, LANG and thread counts only;
+- no user namespaces of its own (``--disable-userns``, bubblewrap 0.8+): they are a favourite way into
+  kernel bugs.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def _site_packages(base: str) -> list[str]:
 
 def command(bwrap: str, argv: list[str], disk_mb: int = 64) -> list[str]:
     """bwrap's argv that runs `argv` inside the sandbox."""
+    nested = ["--disable-userns"] if "--disable-userns" in options(bwrap) else []
     cmd = [bwrap, "--unshare-user", "--uid", str(UID), "--gid", str(UID), "--unshare-pid", "--unshare-net",
            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox",
-           "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+           *nested, "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
     for top in _TOP:
         path = "/" + top
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin
@@ -84,6 +87,15 @@ def command(bwrap: str, argv: list[str], disk_mb: int = 64) -> list[str]:
     for name, value in env.items():
         cmd += ["--setenv", name, value]
     return [*cmd, "--", *argv]
+
+
+@functools.cache
+def options(bwrap: str) -> str:
+    """bwrap's --help: which options this version has."""
+    try:
+        return subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 @functools.cache  # a failure raises, and is not cached
