@@ -58,8 +58,8 @@ def test_tools_are_registered_and_their_options_checked() -> None:
     assert registry.build("tool", "calculator", {"max_exponent": 3}).run({"expression": "2**4"}).error
     with pytest.raises(ConfigError, match="timeout_s"):
         registry.build("tool", "python", {"timeout": 1})
-    with pytest.raises(ConfigError, match="network"):
-        registry.build("tool", "python", {"network": "off"})
+    with pytest.raises(ConfigError, match="limits"):
+        registry.build("tool", "python", {"limits": "none"})
 
 
 # --------------------------------------------------------------------------- python
@@ -81,9 +81,14 @@ def test_python_returns_what_the_program_prints(python: PythonTool) -> None:
     assert result.error == "" and result.content == "42\nnote\n" and result.elapsed_s > 0
 
 
-def test_python_numpy_works_under_the_default_limits() -> None:
-    result = PythonTool().run({"code": "import numpy as np; print(int(np.arange(10).sum()))"})
-    assert (result.error, result.content) == ("", "45\n"), result
+def test_python_has_the_standard_library_only_and_says_which_limits_apply() -> None:
+    tool = PythonTool()
+    result = tool.run({"code": "import json, math; print(json.dumps(math.comb(5, 2)))\nimport numpy"})
+    assert result.error == "crash" and result.content.startswith("10\n"), result
+    assert "No module named 'numpy'" in result.content  # the virtualenv is not in the sandbox
+    result = tool.run({"code": "import pip"})  # nor the base installation's site-packages
+    assert "No module named 'pip'" in result.content, result
+    assert tool.limits in ("cgroup v1", "cgroup v2", "rlimits")
 
 
 def test_python_refuses_arguments_that_are_not_code(python: PythonTool) -> None:
@@ -150,44 +155,26 @@ def test_python_cannot_reach_the_network(python: PythonTool, listener: socket.so
     port = listener.getsockname()[1]
     for code in (f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
                  f"import socket; s = socket.socket(); s.settimeout(1); s.connect(('127.0.0.1', {port}))",
-                 "import socket; socket.getaddrinfo('example.com', 80)",
-                 "import subprocess; subprocess.run(['python3', '-c', 'pass'])"):
+                 "import socket; socket.getaddrinfo('example.com', 80)"):
         result, _ = run_timed(python, code)
-        assert result.error == "crash" and ("PermissionError" in result.content or "OSError" in result.content), result
+        assert result.error == "crash" and ("ConnectionRefusedError" in result.content or "gaierror" in result.content), result
     assert_never_connected(listener)
 
 
-def test_python_runs_in_a_network_namespace_of_its_own_when_the_machine_allows(python: PythonTool) -> None:
-    if not python.namespace:
-        pytest.skip("`unshare -rn` does not work on this machine: the audit hook is the only network guard")
+def test_python_runs_in_a_network_namespace_with_only_a_loopback(python: PythonTool) -> None:
     result, _ = run_timed(python, "import os; print(os.readlink('/proc/self/ns/net')); print(open('/proc/net/dev').read())")
     namespace, devices = result.content.split("\n", 1)
     assert namespace != os.readlink("/proc/self/ns/net")
     assert [line.split(":")[0].strip() for line in devices.splitlines()[2:] if line.strip()] == ["lo"]
 
 
-def test_python_audit_hook_refuses_libc_connect_through_ctypes(listener: socket.socket) -> None:
-    """ctypes would call libc's connect() past the socket audit events: its function look-ups are refused
-    too (checked with the hook alone, no namespace)."""
-    port = listener.getsockname()[1]
-    code = f"""
-import ctypes, socket, struct
-libc = ctypes.CDLL("libc.so.6", use_errno=True)
-fd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
-address = struct.pack("=H", socket.AF_INET) + struct.pack("!H4s8x", {port}, bytes([127, 0, 0, 1]))
-print(libc.connect(fd, address, len(address)), ctypes.get_errno())
-"""
-    result, _ = run_timed(PythonTool(timeout_s=2.0, network="audit"), code)
-    assert result.error == "crash" and "ctypes.dlsym is not allowed" in result.content, result
-    assert_never_connected(listener)
-
-
-def test_python_folder_is_fresh_and_removed_after_success_and_timeout(python: PythonTool) -> None:
-    result, _ = run_timed(python, "import os; open('f', 'w').write('x'); print(os.getcwd()); print(os.listdir('.'))")
-    folder, listing = result.content.splitlines()
-    assert listing == "['f']" and not Path(folder).exists()
-    result, _ = run_timed(PythonTool(timeout_s=0.5), "import os, time; print(os.getcwd(), flush=True); time.sleep(100)")
-    assert result.error == "timeout" and not Path(result.content.splitlines()[0]).exists()
+def test_python_folder_is_fresh_in_every_call_and_nothing_of_it_reaches_the_host(python: PythonTool) -> None:
+    token = f"tidal-folder-{os.getpid()}-{time.monotonic_ns()}"
+    code = f"import os; print(os.getcwd(), os.listdir('.')); open('{token}', 'w').write('x')"
+    first, _ = run_timed(python, code)
+    second, _ = run_timed(python, code)
+    assert first.content == second.content == "/tmp []\n", (first, second)  # the first call's file is gone
+    assert not list(Path("/tmp").glob(f"**/{token}"))  # and it never was on the host's disk
 
 
 def test_python_environment_is_minimal(python: PythonTool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,18 +184,22 @@ def test_python_environment_is_minimal(python: PythonTool, monkeypatch: pytest.M
     assert "TIDAL_SECRET_FOR_TEST" not in names and isolated == "1"
 
 
+def processes_running(token: str) -> list[int]:
+    """Host pids of live processes whose command line holds `token` (the sandbox's processes carry the
+    code in their argv; a zombie's command line is empty)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass  # gone meanwhile
+    return found
+
+
 def test_python_background_children_are_killed_and_not_waited_for(python: PythonTool) -> None:
-    result, took = run_timed(python, "import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(100)\nprint(pid)")
+    token = f"tidal-child-{os.getpid()}-{time.monotonic_ns()}"
+    result, took = run_timed(python, f"import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(100)\nprint('{token}')")
     assert result.error == "" and took < 1.5, result  # not held to the 2 s wall clock by the child
-    pid = int(result.content)
-    for _ in range(100):  # killed with the group; reaped by whoever inherited it
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            break
-        if state == "Z":
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, 9)
-        pytest.fail(f"the program's child {pid} outlived the call")
+    assert processes_running(token) == []  # the pid namespace took it down with the program

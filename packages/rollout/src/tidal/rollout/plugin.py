@@ -70,7 +70,8 @@ def calculator(**options: Any) -> Any:
 
 @declare(signature="tidal.rollout.tools.python:PythonTool")
 def python_tool(**options: Any) -> Any:
-    """Python code in a sandboxed subprocess: rlimits, wall timeout, output cap, no network."""
+    """Python code in a bubblewrap sandbox (bwrap required): per-call cgroup or rlimits, wall timeout,
+    output cap, no network."""
     from tidal.rollout.tools.python import PythonTool
 
     return PythonTool(**options)

@@ -2,7 +2,8 @@
 (plugin kind ``tool_parser``).
 
 - `calculator` (`tools.calculator`): arithmetic through an AST walker (never `eval`), bounded.
-- `python` (`tools.python`): code in a sandboxed subprocess (rlimits, wall timeout, output cap, no network).
+- `python` (`tools.python`): code in a bubblewrap sandbox (`tools.bwrap`; limits on the whole call by a
+  cgroup, `tools.cgroups`, else rlimits; wall timeout, output cap, no network).
 - `tags` and `json` (`tools.parsers`): ``<calc>1+2</calc>`` for the tiny char model; Hermes/Qwen's
   ``<tool_call>{...}</tool_call>`` for real chat models.
 

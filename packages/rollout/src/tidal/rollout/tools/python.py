@@ -1,87 +1,75 @@
-"""The python tool: runs the model's code in a sandboxed subprocess, and always comes back.
+"""The python tool: runs the model's code in a bubblewrap sandbox, and always comes back.
 
-Each call gets a new process, ``sys.executable -I`` (isolated: no PYTHON* variables, no user site, no
-script folder on the path), started in a new session so that its whole process group can be killed, in
-a fresh temporary folder (its cwd, HOME and TMPDIR) removed afterwards whatever happened, with a minimal
-environment and stdin at /dev/null. Before exec the child sets rlimits: address space (memory), CPU
-seconds, file size, open files.
+Each call gets a new sandbox (`tidal.rollout.tools.bwrap`, whose docstring lists what the code can see):
+the base interpreter (``-I``, no virtualenv, the standard library only) with a read-only view of the
+system's programs and libraries and nothing of the user's; an empty /tmp of `disk_mb` of its own, its cwd,
+HOME and TMPDIR and its only writable place (a tmpfs: nothing lands on the host's disk, and nothing is
+left to remove); its own user, pid, network (loopback only), ipc and uts namespaces, uid 65534 with no
+capabilities, a read-only /proc, a clean environment and stdin at /dev/null. bwrap's init is pid 1 in
+there, so when the program exits, or the sandbox is killed, every process it started dies with it
+(``setsid`` daemons too).
 
-No network, in two layers:
-- a network namespace of its own (``unshare -rn``: a user namespace, so no privilege is needed) with no
-  interface up, when the machine allows it (probed once per process; `network="namespace"` insists);
-- always, a bootstrap that installs an audit hook (`sys.addaudithook`, which code cannot remove) before
-  the model's code runs, refusing socket connect/bind/send and name look-ups; starting programs (exec,
-  spawn, system, Popen), since a new program would not carry the hook; and ctypes' look-ups of C
-  functions (``dlsym``), which would call libc's connect() past the socket events. A hook in the
-  process it guards is a fence, not a wall (Python's own docs say as much), which is why the
-  namespace comes first wherever it is available.
+Limits, for the call as a whole where the machine lets us make a cgroup (v2, else v1; `limits` says
+which applied, and the first construction logs it): at most `processes` processes and threads, at most
+`memory_mb` of memory without swap, one CPU's worth of time and `cpu_seconds` of CPU in all. Always, per
+process, rlimits: address space (`memory_mb`, which turns a large allocation into a MemoryError), CPU
+seconds, file size, open files, no core files; and RLIMIT_NPROC inside the sandbox's user namespace (a
+bound on the call's processes, but not where the environment process runs as root: the kernel exempts
+root's processes from it, and then only a cgroup bounds them). Without a cgroup `limits` is "rlimits".
+
+bubblewrap is required: where it is missing or cannot start a sandbox, construction raises
+`SandboxUnavailable` saying how to install it; there is no unsandboxed fallback.
 
 The parent reads stdout and stderr as they come, up to `output_bytes` together: past that it kills the
-process group and answers ``output_limit`` with the first part, so a flood never lands in its memory.
-A wall-clock timeout kills the process group too. Failures are results, never exceptions: ``timeout``
-(wall clock or CPU), ``output_limit``, ``crash`` (nonzero exit or a signal; the tail of stderr),
-``bad_arguments``. Once the program exits, the processes it left behind are killed with its group and
-not waited for; one that left the group (``os.setsid``) escapes that kill but not its rlimits (nor,
-with the namespace, its lack of network), and the call returns all the same.
+sandbox and answers ``output_limit`` with the first part, so a flood never lands in its memory. A
+wall-clock timeout kills it too. Failures are results, never exceptions: ``timeout`` (wall clock or CPU),
+``output_limit``, ``crash`` (nonzero exit or a signal; the tail of stderr), ``bad_arguments``. bwrap
+reports a death by signal N as exit status 128+N, and so does this tool ("killed by SIGABRT").
+
+What this does not protect against: the sandbox shares the kernel, so a kernel exploit escapes it; the
+code can measure time and CPU contention (side channels on the same machine); it can use its CPU and
+memory budget in full; its /proc still shows machine-wide figures (cpuinfo, meminfo, loadavg). Where the
+environment process runs as root, the sandbox's processes are root outside it too (without
+capabilities, confined by the namespaces): running environment processes as an ordinary user adds a
+layer.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import resource  # imported here, not in the child: an import after fork can deadlock
 import selectors
-import shutil
 import signal
-import stat
 import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tidal.core.episodes import ToolResult
 from tidal.core.protocol import ToolSpec
+from tidal.rollout.tools import bwrap, cgroups
 
-NETWORK_MODES = ("auto", "namespace", "audit")
+log = logging.getLogger(__name__)
+LIMITS_MODES = ("auto", "cgroup", "rlimits")
 STDERR_TAIL = 2048  # bytes of stderr shown for a crash
+_SANDBOX_PROCESSES = 2  # bwrap's init and the interpreter, besides what the code starts
 
-# Runs in the child before the model's code; argv[1] is that code. The hook refuses events; raising in
-# it makes the audited call fail with that exception.
+# Runs in the sandbox before the model's code: argv[1] is the process bound, argv[2] the code. Lowered
+# here, after bwrap made the user namespace, RLIMIT_NPROC counts only the sandbox's processes.
 _BOOTSTRAP = r"""
-import sys
-_DENIED = frozenset({
-    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo",
-    "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
-    "ctypes.dlsym", "ctypes.dlsym/handle",
-})
-def _refuse(event, args, _denied=_DENIED):
-    if event in _denied:
-        raise PermissionError(f"{event} is not allowed here: the sandbox has no network, starts no programs "
-                              "and looks up no C functions")
-sys.addaudithook(_refuse)
+import resource, sys
+_n, _hard = int(sys.argv.pop(1)), resource.getrlimit(resource.RLIMIT_NPROC)[1]
+_n = _n if _hard == resource.RLIM_INFINITY else min(_n, _hard)
+resource.setrlimit(resource.RLIMIT_NPROC, (_n, _n))
 _code = sys.argv.pop(1)
 sys.argv[0] = "main.py"
-del _refuse, _DENIED
+del _n, _hard, resource
 exec(compile(_code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
-
-@functools.cache
-def network_namespace(executable: str = sys.executable) -> str | None:
-    """The ``unshare`` program when ``unshare -rn`` can start `executable` here; None when it cannot
-    (no unshare, or user namespaces are off)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return None
-    try:
-        done = subprocess.run([unshare, "-rn", executable, "-I", "-c", "pass"], stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return unshare if done.returncode == 0 else None
+_reported: set[str] = set()
 
 
 def _within_hard_limit(which: int, value: int) -> tuple[int, int]:
@@ -92,23 +80,40 @@ def _within_hard_limit(which: int, value: int) -> tuple[int, int]:
 
 
 class PythonTool:
-    """Runs a ``code`` string in a sandboxed subprocess (see the module docstring); what it prints is the
-    result."""
+    """Runs a ``code`` string in a bubblewrap sandbox (see the module docstring); what it prints is the
+    result. Raises `bwrap.SandboxUnavailable` when no sandbox can be started here."""
 
     def __init__(self, timeout_s: float = 10.0, cpu_seconds: int = 5, memory_mb: int = 512,
                  output_bytes: int = 16384, file_mb: int = 16, open_files: int = 64,
-                 max_code_bytes: int = 65536, network: str = "auto") -> None:
-        if network not in NETWORK_MODES:
-            raise ValueError(f"network must be one of {NETWORK_MODES}, got {network!r}")
-        if min(timeout_s, cpu_seconds, memory_mb, output_bytes, file_mb, open_files, max_code_bytes) <= 0:
+                 max_code_bytes: int = 65536, processes: int = 32, disk_mb: int = 64,
+                 limits: str = "auto") -> None:
+        if limits not in LIMITS_MODES:
+            raise ValueError(f"limits must be one of {LIMITS_MODES}, got {limits!r}")
+        if min(timeout_s, cpu_seconds, memory_mb, output_bytes, file_mb, open_files, max_code_bytes,
+               processes, disk_mb) <= 0:
             raise ValueError("the python tool's limits must all be positive")
         if max_code_bytes > 100_000:  # the code travels as one argv string, which Linux caps at 128 KiB
             raise ValueError(f"max_code_bytes is at most 100000, got {max_code_bytes}")
         self.timeout_s, self.cpu_seconds, self.memory_mb = timeout_s, cpu_seconds, memory_mb
         self.output_bytes, self.file_mb, self.open_files = output_bytes, file_mb, open_files
-        self.max_code_bytes = max_code_bytes
-        self.unshare = None if network == "audit" else network_namespace(sys.executable)
-        self.namespace = self.unshare is not None
+        self.max_code_bytes, self.processes, self.disk_mb = max_code_bytes, processes, disk_mb
+        self.bwrap = bwrap.find()
+        self.interpreter = bwrap.interpreter()
+        self.hierarchy = None if limits == "rlimits" else _hierarchy()
+        if limits == "cgroup" and self.hierarchy is None:
+            raise ValueError("limits='cgroup' but no cgroup can be made here (cgroup v2 with pids, memory "
+                             "and cpu delegated to this process, or writable cgroup v1 pids, memory, cpu "
+                             "and cpuacct hierarchies, as root); use limits='auto' or 'rlimits'")
+        self.limits = f"cgroup {self.hierarchy.version}" if self.hierarchy else "rlimits"
+        if self.limits not in _reported:
+            _reported.add(self.limits)
+            if self.hierarchy is None and os.geteuid() == 0:
+                log.warning("python tool: bubblewrap sandbox, limits by rlimits, and no bound on the number "
+                            "of processes of a call: they run as root outside the sandbox, which RLIMIT_NPROC "
+                            "exempts; run the environment processes as an ordinary user, or where a cgroup "
+                            "can be made (see tidal.rollout.tools.cgroups)")
+            else:
+                log.info("python tool: bubblewrap sandbox, limits on each call by %s", self.limits)
         mb = 1024 * 1024
         cpu_soft = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds)[0]
         cpu_hard = _within_hard_limit(resource.RLIMIT_CPU, cpu_seconds + 1)[1]  # SIGXCPU, then SIGKILL
@@ -117,12 +122,10 @@ class PythonTool:
                          (resource.RLIMIT_FSIZE, _within_hard_limit(resource.RLIMIT_FSIZE, file_mb * mb)),
                          (resource.RLIMIT_NOFILE, _within_hard_limit(resource.RLIMIT_NOFILE, open_files)),
                          (resource.RLIMIT_CORE, (0, 0))]  # an abort leaves no core file behind
-        if network == "namespace" and not self.namespace:
-            raise ValueError("network='namespace' but `unshare -rn` does not work on this machine "
-                             "(no unshare, or user namespaces are off); use network='auto' or 'audit'")
         self.spec = ToolSpec(
             name="python",
-            description="Run Python code in a sandbox without network; what it prints is the result.",
+            description="Run Python code (standard library only) in a sandbox without network; what it "
+                        "prints is the result.",
             parameters={"type": "object", "required": ["code"],
                         "properties": {"code": {"type": "string", "description": "a Python program"}}})
 
@@ -135,58 +138,71 @@ class PythonTool:
         if "\x00" in code or len(code.encode()) > self.max_code_bytes:
             return ToolResult(content=f"code must be at most {self.max_code_bytes} bytes without NUL characters",
                               error="bad_arguments")
-        folder = tempfile.mkdtemp(prefix="tidal-python-")
-        try:
-            result = self._execute(code, folder, start)
-        finally:
-            _remove(folder)
+        result = self._execute(code, start)
         result.elapsed_s = time.monotonic() - start
         return result
 
     # ------------------------------------------------------------------ the child
 
     def _command(self, code: str) -> list[str]:
-        cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, code]
-        return [self.unshare, "-rn", *cmd] if self.unshare else cmd
+        argv = [self.interpreter, "-I", "-c", _BOOTSTRAP, str(self.processes + _SANDBOX_PROCESSES), code]
+        return bwrap.command(self.bwrap, argv, self.disk_mb)
 
-    def _limits(self) -> None:
-        """In the child between fork and exec: only setrlimit calls, of values computed beforehand (no
-        imports, no locks)."""
-        for which, limits in self._rlimits:
-            resource.setrlimit(which, limits)
-
-    def _execute(self, code: str, folder: str, start: float) -> ToolResult:
-        # one BLAS thread: each would reserve its own buffers inside the address-space limit, and the
-        # CPU limit counts all threads together anyway
-        env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1"}
+    def _execute(self, code: str, start: float) -> ToolResult:
         try:
-            proc = subprocess.Popen(self._command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=folder, env=env, start_new_session=True,
-                                    preexec_fn=self._limits, close_fds=True)
+            group = cgroups.CallGroup(self.hierarchy, self.memory_mb, self.processes + _SANDBOX_PROCESSES + 1) \
+                if self.hierarchy else None  # + 1: bwrap itself, outside the namespaces
+        except OSError as e:  # the machine's fault, not the model's: say so
+            return ToolResult(content=f"could not make the sandbox's cgroup: {e}", error="crash")
+        rlimits = self._rlimits
+
+        def limits() -> None:
+            # in the child between fork and exec: only os calls with values computed beforehand (no
+            # imports, no locks)
+            if group is not None:
+                group.enter()
+            for which, values in rlimits:
+                resource.setrlimit(which, values)
+
+        try:
+            return self._supervise(self._command(code), limits, group, start)
+        finally:
+            if group is not None:
+                group.close()
+
+    def _supervise(self, cmd: list[str], limits: Callable[[], None], group: cgroups.CallGroup | None,
+                   start: float) -> ToolResult:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env={}, start_new_session=True, preexec_fn=limits, close_fds=True)
         except (OSError, subprocess.SubprocessError) as e:  # the machine's fault, not the model's: say so
             return ToolResult(content=f"could not start the sandbox: {e}", error="crash")
         deadline = start + self.timeout_s
         out, err = bytearray(), bytearray()
-        stopped = ""  # why the parent stopped the child: "timeout", "output_limit"
+        stopped = ""  # why the parent stopped the sandbox: "timeout", "cpu", "output_limit"
         try:
-            stopped = self._read(proc, out, err, deadline)
+            stopped = self._read(proc, out, err, deadline, group)
             if not stopped and not _exited_by(proc.pid, deadline):
                 stopped = "timeout"  # closed its output but kept running
         finally:
-            _kill_group(proc.pid)  # whatever is left of the group (stragglers the code started)
+            _kill_group(proc.pid)  # bwrap; its init, and with it every process inside, dies with it
             _, status, usage = os.wait4(proc.pid, 0)  # reaped here, for its CPU time
             proc.returncode = os.waitstatus_to_exitcode(status)
             for pipe in (proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
-        return self._result(proc.returncode, usage.ru_utime + usage.ru_stime, stopped, out, err)
+        returncode = proc.returncode
+        if 128 < returncode <= 128 + 64:  # bwrap passes on a death by signal N as 128 + N
+            returncode = 128 - returncode
+        cpu_s = group.cpu_seconds() if group else usage.ru_utime + usage.ru_stime
+        oom = group.oom_killed() if group else False
+        return self._result(returncode, cpu_s, stopped, out, err, oom)
 
-    def _read(self, proc: subprocess.Popen, out: bytearray, err: bytearray, deadline: float) -> str:
-        """Collect output until both pipes close or the program exits (what its leftover processes
-        write after that is not waited for); "timeout" or "output_limit" when the child had to be
-        stopped first (it is killed here)."""
+    def _read(self, proc: subprocess.Popen, out: bytearray, err: bytearray, deadline: float,
+              group: cgroups.CallGroup | None) -> str:
+        """Collect output until both pipes close or the program exits; "timeout", "cpu" (the call's
+        processes together used `cpu_seconds`) or "output_limit" when the sandbox had to be stopped first
+        (it is killed here)."""
         assert proc.stdout is not None and proc.stderr is not None
         buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
         with selectors.DefaultSelector() as selector:
@@ -197,6 +213,9 @@ class PythonTool:
                 if remaining <= 0:
                     _kill_group(proc.pid)
                     return "timeout"
+                if group is not None and group.cpu_seconds() > self.cpu_seconds:
+                    _kill_group(proc.pid)
+                    return "cpu"
                 exited = _has_exited(proc.pid)
                 # while it runs, wake now and then to notice an exit that left the pipes open (a child
                 # it started holds them); once it is gone, only drain what is already there
@@ -215,7 +234,8 @@ class PythonTool:
                         return "output_limit"
         return ""
 
-    def _result(self, returncode: int, cpu_s: float, stopped: str, out: bytearray, err: bytearray) -> ToolResult:
+    def _result(self, returncode: int, cpu_s: float, stopped: str, out: bytearray, err: bytearray,
+                oom: bool) -> ToolResult:
         stdout, stderr = _text(out), _text(err)
         if stopped == "output_limit":
             shown = _text((out + err)[: self.output_bytes])
@@ -224,10 +244,14 @@ class PythonTool:
         if stopped == "timeout":
             return ToolResult(content=_lines(stdout, f"[timed out after {self.timeout_s:g} s of wall time; the "
                                                      "program was killed]"), error="timeout")
-        if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and cpu_s >= self.cpu_seconds):
+        if stopped == "cpu" or returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL
+                                                                 and cpu_s >= self.cpu_seconds):
             # SIGXCPU at the soft limit; SIGKILL at the hard one when the code ignored SIGXCPU
             return ToolResult(content=_lines(stdout, f"[CPU time limit of {self.cpu_seconds} s exceeded; the "
                                                      "program was killed]"), error="timeout")
+        if oom:
+            return ToolResult(content=_lines(stdout, stderr[-STDERR_TAIL:], f"[the call's processes together "
+                                             f"went over {self.memory_mb} MB of memory; killed]"), error="crash")
         if returncode != 0:
             how = f"killed by {_signal_name(-returncode)}" if returncode < 0 else f"exit status {returncode}"
             return ToolResult(content=_lines(stdout, stderr[-STDERR_TAIL:], f"[{how}]"), error="crash")
@@ -273,13 +297,6 @@ def _exited_by(pid: int, deadline: float) -> bool:
     return True
 
 
-def _remove(folder: str) -> None:
-    """Remove the call's folder even where the code took write permission away from its own folders."""
-
-    def retry(function, path, _exc_info) -> None:
-        os.chmod(os.path.dirname(path), stat.S_IRWXU)
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.chmod(path, stat.S_IRWXU)
-        function(path)
-
-    shutil.rmtree(folder, onerror=retry)
+@functools.cache  # probed once per process: it makes and removes a group
+def _hierarchy() -> cgroups.Hierarchy | None:
+    return cgroups.probe()
