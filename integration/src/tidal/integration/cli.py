@@ -118,6 +118,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tidal.integration.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.checkpoint, args.out or None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tidal export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -189,12 +201,36 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(default runs/demo, or runs/demo-TASK)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl")
-    p.add_argument("run_dir")
+    p = sub.add_parser(
+        "report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl",
+        description="Plot a run (finished, or still going) from its metrics.jsonl: RUN_DIR/report.png (reward, "
+                    "held-out accuracy, throughput, staleness over time) and RUN_DIR/summary.json; prints the "
+                    "totals and every evaluation.")
+    p.add_argument("run_dir", help="the run folder (what `tidal run` printed; runs/<name>-<date>-<time> by default)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("status", help="the latest metrics of a run (default: the newest under ./runs)")
-    p.add_argument("run_dir", nargs="?")
+    p = sub.add_parser(
+        "status", help="the latest metrics of a run (default: the newest under ./runs)",
+        description="One line per role with its latest numbers (learner version, reward, loss, held-out accuracy, "
+                    "buffer depth, rollout throughput, staleness), read from RUN_DIR/metrics.jsonl: works while "
+                    "the run goes on, from another terminal, and after it ended.")
+    p.add_argument("run_dir", nargs="?", help="the run folder (default: the newest under ./runs)")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model folder (transformers, vLLM)",
+        description="Offline, without a running run: the weights of a kept checkpoint of RUN_DIR (its "
+                    "checkpoints/ folder) as a Hugging Face folder: model.safetensors, config.json, the "
+                    "tokenizer and generation config of the model the run started from. A learner that stops "
+                    "cleanly (its last version, or Ctrl-C / SIGTERM to `tidal run`) already writes RUN_DIR/model. "
+                    "Checkpoints of the deepspeed backend and of expert parallelism are in their own format and "
+                    "cannot be exported here. LoRA: the learner trains full weights only, so there is no adapter "
+                    "to merge.",
+        epilog="Example: tidal export runs/arith-20261204-101500 --checkpoint best --out /models/arith-best")
+    p.add_argument("run_dir", help="the run folder")
+    p.add_argument("--checkpoint", default="latest",
+                   help="latest (default), a step number (kept ones: learner.keep_checkpoints = N keeps the newest N), "
+                        "or best: the kept checkpoint whose version scored the highest held-out accuracy")
+    p.add_argument("--out", default="", help="the folder to write (default RUN_DIR/model-<checkpoint>, e.g. model-latest)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 
