@@ -139,3 +139,44 @@ def test_export_refuses_a_folder_that_is_not_a_run(tmp_path):
     out = _tidal("export", str(tmp_path))
     assert out.returncode == 2 and "roles/learner.json" in out.stderr and "run folder" in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sharded_checkpoint_is_read_whole_and_best_is_the_best_evaluated_kept_one(tmp_path):
+    """checkpoint_weights reads torch.distributed.checkpoint's format (what fsdp2 ranks write) in one
+    process; `best` picks, among the kept checkpoints, the version with the highest held-out accuracy in
+    the run's metrics (an unevaluated one never), and says why when none was evaluated."""
+    import torch.distributed.checkpoint as dcp
+
+    from tidal.integration.export import find_checkpoint
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.checkpoint import checkpoint_weights
+    from tidal.rollout.tiny import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "base", seed=2)
+    be = SingleBackend(str(model_path), BackendConfig())
+    with torch.no_grad():
+        for p in be.model.parameters():
+            p.add_(0.01)
+    sharded = tmp_path / "dcp"
+    dcp.save(be.state_dict(), checkpoint_id=str(sharded))
+    (sharded / "progress.json").write_text(json.dumps({"step": 1, "version": 1}))
+    got = checkpoint_weights(sharded, model_path)
+    mine = dict(be.named_weights())
+    assert set(got) == set(mine) and all(torch.equal(got[k], mine[k]) for k in mine)
+
+    run = tmp_path / "run"
+    (run / "roles").mkdir(parents=True)
+    (run / "roles" / "learner.json").write_bytes(msgspec.json.encode(
+        LearnerConfig(model=str(model_path), checkpoint_dir=str(run / "checkpoints"))))
+    for name, version in (("step-000010", 10), ("step-000020", 20), ("step-000030", 30), ("latest", 30)):
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / "progress.json").write_text(json.dumps({"step": version, "version": version}))
+    rows = [{"source": "controller", "step": v, "time": 0.0, "elapsed": float(v), "histograms": {},
+             "scalars": {"eval/version": float(v), "eval/accuracy": acc}}
+            for v, acc in ((0, 0.1), (10, 0.5), (15, 0.9), (20, 0.7), (30, 0.6))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert find_checkpoint(run, "best").name == "step-000020"  # 15 scored higher, but is not kept
+    assert find_checkpoint(run, "latest").name == "latest" and find_checkpoint(run, "10").name == "step-000010"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] in (0, 15)))
+    with pytest.raises(ValueError, match="no kept checkpoint .* was evaluated"):
+        find_checkpoint(run, "best")

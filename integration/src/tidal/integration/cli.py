@@ -214,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl",
-        description="Plot a run (finished, or still going) from its metrics.jsonl: RUN_DIR/report.png (reward, "
-                    "held-out accuracy, throughput, staleness over time) and RUN_DIR/summary.json; prints the "
+        description="Plot a run (finished, or still going) from its metrics.jsonl: RUN_DIR/report.png (training "
+                    "reward and held-out accuracy over time and samples, the lag of trained tokens, the "
+                    "sampler-learner mismatch KL) and RUN_DIR/summary.json; prints the "
                     "totals and every evaluation.")
     p.add_argument("run_dir", help="the run folder (what `tidal run` printed; runs/<name>-<date>-<time> by default)")
     p.set_defaults(func=cmd_report)

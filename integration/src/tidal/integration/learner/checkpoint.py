@@ -115,8 +115,12 @@ def export_hf(path: str | Path, backend: Any, source_model: str | Path) -> Path 
     """Write the current weights as a Hugging Face folder (config and tokenizer copied from
     `source_model`). Every rank must call it (`named_weights` gathers FSDP2 / DeepSpeed shards, a
     collective); rank 0 writes."""
-    state = {name: t.cpu() for name, t in backend.named_weights()}
-    if _rank() != 0:
+    rank0 = _rank() == 0
+    state = {}
+    for name, t in backend.named_weights():  # every rank iterates to the end (the gathers are collective)
+        if rank0:
+            state[name] = t.cpu()
+    if not rank0:
         return None
     return write_hf(path, state, source_model)
 
@@ -136,7 +140,14 @@ def write_hf(path: str | Path, state: dict[str, torch.Tensor], source_model: str
     config = AutoConfig.from_pretrained(source_model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()  # a tied output head named once (DeepSpeed's named_parameters) takes the embedding
+    unset = [n for n, t in model.state_dict().items() if t.is_meta]
+    unknown = sorted(set(state) - set(model.state_dict()))
+    if unset or unknown:
+        raise ValueError(f"the weights do not fit {source_model}'s config: missing {unset[:5] or 'none'}, unknown "
+                         f"{unknown[:5] or 'none'} ({len(unset)} and {len(unknown)} in all): was the checkpoint "
+                         f"written by a run of another model?")
     model.save_pretrained(tmp, safe_serialization=True)
     for name in HF_FILES:
         src = Path(source_model) / name
