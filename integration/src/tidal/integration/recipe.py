@@ -166,12 +166,12 @@ def check(cfg: RunConfig) -> None:
     if lr < 0:
         raise ConfigError(f"learner.backend_options.optim.lr must be >= 0, got {lr:g}: a negative learning rate "
                           f"climbs the loss (typical: 1e-6 to 1e-4)", field="learner.backend_options.optim.lr")
-    for name, value, zero in (("budget.minutes", cfg.budget.minutes, "no time limit"),
-                              ("eval.every", cfg.eval.every, "never evaluate"),
-                              ("learner.backend_options.optim.warmup_steps",
-                               cfg.learner.backend_options.optim.warmup_steps, "no warmup")):
-        if value < 0:
-            raise ConfigError(f"`{name}` must be >= 0 (0 = {zero}), got {value:g}", field=name)
+    nonnegative: list[tuple[str, float, str]] = [
+        ("budget.minutes", cfg.budget.minutes, "no time limit"), ("eval.every", cfg.eval.every, "never evaluate"),
+        ("learner.backend_options.optim.warmup_steps", cfg.learner.backend_options.optim.warmup_steps, "no warmup")]
+    for field, got, zero in nonnegative:
+        if got < 0:
+            raise ConfigError(f"`{field}` must be >= 0 (0 = {zero}), got {got:g}", field=field)
     if cfg.learner.keep_checkpoints < 1:
         raise ConfigError(f"learner.keep_checkpoints must be >= 1 (1 = <checkpoints>/latest alone), got "
                           f"{cfg.learner.keep_checkpoints}", field="learner.keep_checkpoints")
