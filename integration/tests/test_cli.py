@@ -7,10 +7,13 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tidal.core.protocol import PROTOCOL_VERSION
+
+RECIPES = Path(__file__).parents[1] / "recipes"
 
 
 def tidal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -82,3 +85,59 @@ def test_report_and_status_name_a_folder_that_is_not_a_run(tmp_path):
     for command in ("report", "status"):
         out = tidal(command, str(tmp_path))
         assert out.returncode == 2 and "metrics.jsonl" in out.stderr
+
+
+def _refused(tmp_path, monkeypatch, capsys, *args: str) -> str:
+    """`tidal run` in tmp_path (in this process: no start-up cost); it must refuse with exit code 2 and
+    leave tmp_path as it was: no run folder made (runs/...), so no role was started either (the roles'
+    configs and logs live in it). Its stderr."""
+    from tidal.integration.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["run", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a refused run made a run folder"
+    return err
+
+
+@pytest.mark.parametrize(("overrides", "needles"), [
+    (["learner.backend_options.optim.lr=-1e-5"], ["learner.backend_options.optim.lr", "-1e-05", ">= 0"]),
+    (["budget.minutes=-1"], ["budget.minutes", ">= 0", "got -1"]),
+    (["eval.every=-5"], ["eval.every", ">= 0", "got -5"]),
+    (["learner.keep_checkpoints=0"], ["learner.keep_checkpoints", ">= 1", "got 0"]),
+    (['mode="asynch"'], ["mode", "'asynch'", "'async', 'sync'", "did you mean 'async'"]),
+])
+def test_run_refuses_a_mistake_before_anything_starts(tmp_path, monkeypatch, capsys, overrides, needles):
+    model = tmp_path / "model"
+    model.mkdir()
+    err = _refused(tmp_path, monkeypatch, capsys, str(RECIPES / "arithmetic.toml"), f'model="{model}"', *overrides)
+    assert err.startswith("tidal run: ") and err.count("\n") == 1, err  # one line
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_run_refuses_a_folder_that_holds_no_model_naming_what_is_missing(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("weights go here")
+    err = _refused(tmp_path, monkeypatch, capsys, str(RECIPES / "arithmetic.toml"), f'model="{folder}"')
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(folder) in err and "config.json" in err and "safetensors" in err and "tokenizer" in err, err
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    err = _refused(tmp_path, monkeypatch, capsys, str(RECIPES / "arithmetic.toml"), f'model="{folder}"')
+    assert "no weights" in err and "config.json" not in err and "tokenizer" not in err, err
+
+
+def test_help_says_where_the_run_folder_goes_and_describes_status_report_export():
+    run_help = tidal("run", "--help").stdout
+    assert "runs/NAME-DATE-TIME" in run_help and "run_dir" in run_help
+    for command in ("status", "report", "export"):
+        text = tidal(command, "--help").stdout
+        assert "usage:" in text and len(text.split("\n\n")[1]) > 80, text  # a description, not just the usage
+    demo = tidal("demo", "--help").stdout
+    readme = (RECIPES.parents[1] / "README.md").read_text()
+    for claim in ("about 1 minute", "1 on 2 cores"):
+        assert claim in " ".join(demo.split()) and claim in " ".join(readme.split()), claim

@@ -162,7 +162,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
             [sys.executable, "-m", "tidal.integration.learner", "--nproc", "2", f'model="{model_path}"',
              f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend="fsdp2"',
              "weights.every=0", f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=2",
-             "record_trained_ids=true"],
+             "record_trained_ids=true", "keep_checkpoints=2", f'export_dir="{tmp_path / "exported"}"'],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
@@ -194,6 +194,17 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
     assert len(trained) == len(set(trained)) == steps * 2 * G, "a sample was trained twice, or lost"
     assert {b.rsplit("-", 1)[1] for b in progress["trained"]} == {"r0", "r1"}  # both ranks' batch ids
     assert status["depth/outstanding_batches"] == 0.0 and status["total/consumed"] == steps * 2 * G
+    # stopped cleanly, the ranks gathered their shards and rank 0 wrote the policy: the weights of the
+    # exit checkpoint (torch.distributed.checkpoint, read whole in this process); the newest two kept
+    from safetensors.torch import load_file
+
+    from tidal.integration.learner.checkpoint import checkpoint_weights
+
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    final = checkpoint_weights(tmp_path / "ckpt" / "latest", model_path)
+    assert set(final) - set(exported) <= {"lm_head.weight"}  # a tied head is saved once
+    assert all(torch.equal(exported[k], final[k]) for k in exported)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000004", "step-000005"]
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import pytest
 
@@ -18,6 +20,7 @@ class Learner(ConfigStruct):
 class Worker(ConfigStruct):
     engine: str = "embedded"
     temperature: float = 1.0
+    mode: Literal["async", "sync"] = "async"
 
 
 class Run(ConfigStruct):
@@ -47,6 +50,8 @@ def test_toml_loads_into_nested_structs_with_overrides(tmp_path):
         ('[learner]\nlr = 1\n', [], "name", "required field 'name' is missing"),
         ('name = "x"\n[[workers]]\ntemperature = "hot"\n', [], "workers[0].temperature", "expects float"),
         ('name = "x"\n', ["name.first=1"], "name", "is a value, not a section"),
+        ('name = "x"\n[[workers]]\nmode = "asynch"\n', [], "workers[0].mode",
+         "workers[0].mode = 'asynch' is not one of 'async', 'sync'; did you mean 'async'?"),
     ],
 )
 def test_errors_name_the_dotted_field(tmp_path, toml, overrides, field, needle):

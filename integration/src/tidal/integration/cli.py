@@ -68,13 +68,14 @@ def _logging(level: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tidal.core.errors import ConfigError, PluginError, PluginNotFound
-    from tidal.integration.recipe import load_recipe
+    from tidal.integration.recipe import check_models, load_recipe
     from tidal.integration.report import report
     from tidal.integration.run import run
 
     _logging(args.log_level)
-    try:
+    try:  # refused here: no run folder made, no process started
         cfg = load_recipe(args.recipe, args.overrides)
+        check_models(cfg)
     except (ConfigError, PluginNotFound) as e:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
@@ -115,6 +116,18 @@ def cmd_report(args: argparse.Namespace) -> int:
           f"lag mean {s['lag_mean']:.2f} (max {s['lag_max']})")
     for ev in s["eval"]:
         print(f"  eval at version {ev['version']:>4}  ({ev['elapsed_s'] / 60:5.1f} min)  accuracy {100 * ev['accuracy']:.1f}%")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tidal.integration.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.checkpoint, args.out or None)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tidal export: {e}", file=sys.stderr)
+        return 2
+    print(out)
     return 0
 
 
@@ -166,7 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", help="run a recipe: rollout workers, buffer, learner and controller, until its budget is spent",
         description="Start every role of RECIPE.toml through its launcher (default: local processes), "
-                    "show live progress, write metrics.jsonl, TensorBoard files and report.png into the run folder.",
+                    "show live progress, write metrics.jsonl, TensorBoard files and report.png into the run folder. "
+                    "The run folder is runs/NAME-DATE-TIME under the current directory (NAME: the recipe's `name`), "
+                    "or the recipe's run_dir (run_dir=PATH on the command line); it holds the roles' configs and logs, "
+                    "checkpoints/ and, once the learner stops (the end of the budget, or Ctrl-C), model/: the trained "
+                    "policy as a Hugging Face folder (tidal export writes one from any kept checkpoint). "
+                    "A recipe with a mistake (an unknown field, a negative learning rate, a model folder that holds "
+                    "no model, ...) is refused before any process starts or the run folder is made.",
         epilog="Overrides use dotted TOML syntax: workers=4 learner.backend_options.optim.lr=1e-4 "
                "budget.versions=200 mode=sync domains='[{env=\"countdown\"}]'")
     p.add_argument("recipe", help="the run's TOML recipe (see integration/recipes/)")
@@ -175,26 +194,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=log_level)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser(
-        "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic (CPU, ~2 min)",
+        "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic "
+                     "(CPU, about 1 minute on 2 cores)",
         description="The whole system on one CPU machine: a locally built tiny model and tokenizer, a short SFT "
-                    "warm start, then asynchronous GRPO with 2 rollout workers, the buffer, the learner and the "
-                    "controller as real processes. Prints held-out accuracy before and after and the report's path.",
+                    "warm start, then asynchronous GRPO with rollout workers (1 on 2 cores, where it is the faster "
+                    "loop; 2 on more), the buffer, the learner and the controller as real processes: about 1 minute "
+                    "on 2 CPU cores, most of it the warm start. Prints held-out accuracy before and after and the "
+                    "report's path; the trained model is written to OUT/run/model.",
         epilog="Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), model_build.* (hidden, "
                "layers, ...) and sft.* (steps, batch, lr).")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools"],
                    help="arithmetic (single turn, the default) or tools: multi-turn episodes where the model learns "
-                        "to call a calculator for 3x2-digit products (~8 min)")
+                        "to call a calculator for 3x2-digit products (about 3 minutes; its RL "
+                        "phase stops after 7 min at most)")
     p.add_argument("--out", default="", help="folder for the model, the warm start and the run "
                                              "(default runs/demo, or runs/demo-TASK)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl")
-    p.add_argument("run_dir")
+    p = sub.add_parser(
+        "report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl",
+        description="Plot a run (finished, or still going) from its metrics.jsonl: RUN_DIR/report.png (training "
+                    "reward and held-out accuracy over time and samples, the lag of trained tokens, the "
+                    "sampler-learner mismatch KL) and RUN_DIR/summary.json; prints the "
+                    "totals and every evaluation.")
+    p.add_argument("run_dir", help="the run folder (what `tidal run` printed; runs/<name>-<date>-<time> by default)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("status", help="the latest metrics of a run (default: the newest under ./runs)")
-    p.add_argument("run_dir", nargs="?")
+    p = sub.add_parser(
+        "status", help="the latest metrics of a run (default: the newest under ./runs)",
+        description="One line per role with its latest numbers (learner version, reward, loss, held-out accuracy, "
+                    "buffer depth, rollout throughput, staleness), read from RUN_DIR/metrics.jsonl: works while "
+                    "the run goes on, from another terminal, and after it ended.")
+    p.add_argument("run_dir", nargs="?", help="the run folder (default: the newest under ./runs)")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model folder (transformers, vLLM)",
+        description="Offline, without a running run: the weights of a kept checkpoint of RUN_DIR (its "
+                    "checkpoints/ folder) as a Hugging Face folder: model.safetensors, config.json, the "
+                    "tokenizer and generation config of the model the run started from. A learner that stops "
+                    "cleanly (its last version, or Ctrl-C / SIGTERM to `tidal run`) already writes RUN_DIR/model. "
+                    "Checkpoints of the deepspeed backend and of expert parallelism are in their own format and "
+                    "cannot be exported here. LoRA: the learner trains full weights only, so there is no adapter "
+                    "to merge.",
+        epilog="Example: tidal export runs/arith-20261204-101500 --checkpoint best --out /models/arith-best")
+    p.add_argument("run_dir", help="the run folder")
+    p.add_argument("--checkpoint", default="latest",
+                   help="latest (default), a step number (kept ones: learner.keep_checkpoints = N keeps the newest N), "
+                        "or best: the kept checkpoint whose version scored the highest held-out accuracy")
+    p.add_argument("--out", default="", help="the folder to write (default RUN_DIR/model-<checkpoint>, e.g. model-latest)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

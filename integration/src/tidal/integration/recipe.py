@@ -136,7 +136,8 @@ def check(cfg: RunConfig) -> None:
     if not cfg.model:
         raise ConfigError("`model` is empty: give a local Hugging Face folder (tidal demo builds one)", field="model")
     if not Path(cfg.model).is_dir():
-        raise ConfigError(f"model folder {cfg.model} does not exist", field="model")
+        raise ConfigError(f"model folder {cfg.model} does not exist: give a local Hugging Face folder "
+                          f"(`tidal demo` builds a tiny one)", field="model")
     for name, value, low in (("group_size", cfg.group_size, 1), ("batch_groups", cfg.batch_groups, 1),
                              ("workers", cfg.workers, 1), ("budget.versions", cfg.budget.versions, 1),
                              ("max_staleness", cfg.max_staleness, 0)):
@@ -161,6 +162,19 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"sampling.temperature must be > 0 for training samples, got {cfg.sampling.temperature:g}: "
                           f"a greedy sample carries no policy gradient (eval.temperature may be 0)",
                           field="sampling.temperature")
+    lr = cfg.learner.backend_options.optim.lr
+    if lr < 0:
+        raise ConfigError(f"learner.backend_options.optim.lr must be >= 0, got {lr:g}: a negative learning rate "
+                          f"climbs the loss (typical: 1e-6 to 1e-4)", field="learner.backend_options.optim.lr")
+    nonnegative: list[tuple[str, float, str]] = [
+        ("budget.minutes", cfg.budget.minutes, "no time limit"), ("eval.every", cfg.eval.every, "never evaluate"),
+        ("learner.backend_options.optim.warmup_steps", cfg.learner.backend_options.optim.warmup_steps, "no warmup")]
+    for field, got, zero in nonnegative:
+        if got < 0:
+            raise ConfigError(f"`{field}` must be >= 0 (0 = {zero}), got {got:g}", field=field)
+    if cfg.learner.keep_checkpoints < 1:
+        raise ConfigError(f"learner.keep_checkpoints must be >= 1 (1 = <checkpoints>/latest alone), got "
+                          f"{cfg.learner.keep_checkpoints}", field="learner.keep_checkpoints")
     if cfg.learner.checkpoint_every < 0:
         raise ConfigError(f"learner.checkpoint_every must be >= 0, got {cfg.learner.checkpoint_every}",
                           field="learner.checkpoint_every")
@@ -176,6 +190,33 @@ def check(cfg: RunConfig) -> None:
                           field="learner.weights.every")
     check_plugins(cfg)
     _check_episodic(cfg)
+
+
+def check_models(cfg: RunConfig) -> None:
+    """The recipe's model folders hold Hugging Face models (`tidal run` checks this before the run folder is
+    made; `check` alone only needs them to exist, so the driver's parts can be tested without a model)."""
+    for name, folder in (("model", cfg.model), ("learner.model", cfg.learner.model), ("rollout.model", cfg.rollout.model)):
+        if folder:
+            check_model_folder(folder, name)
+
+
+def check_model_folder(folder: str | Path, field: str = "model") -> None:
+    """A folder that exists but holds no Hugging Face model (config, weights, tokenizer) is refused in one
+    line that names what is missing, before a role loads it (a transformers traceback minutes in)."""
+    p = Path(folder)
+    if not p.is_dir():
+        raise ConfigError(f"`{field}`: model folder {p} does not exist", field=field)
+    missing = []
+    if not (p / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(p.glob(g)) for g in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise ConfigError(f"`{field}` = {str(folder)!r} is not a Hugging Face model folder: no {', no '.join(missing)} "
+                          f"in it (give the folder that save_pretrained wrote; `tidal demo` builds a tiny one)",
+                          field=field)
 
 
 def _check_episodic(cfg: RunConfig) -> None:

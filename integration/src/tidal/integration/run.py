@@ -80,6 +80,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         # a learner restarted by this driver resumes from a checkpoint; with checkpoint_every = 0 there is
         # none during the run, so a learner that fails ends the run instead of starting over at version 0
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
+        export_dir=cfg.learner.export_dir or str(run_dir / "model"),  # the policy, when the learner stops
         weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),

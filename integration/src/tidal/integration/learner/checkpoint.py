@@ -3,7 +3,8 @@ state is written by every rank, never gathered; one process writes it with torch
 `state.pt`: ~5 ms against DCP's ~21 ms of Python that, from the background writer, slowed the next
 training step by about as much), plus per-rank RNG state and the learner's progress
 (policy version, steps, data cursor) in a small JSON file. `export_hf` writes a Hugging Face folder
-(safetensors) that transformers and vLLM load.
+(safetensors) that transformers and vLLM load, from a live backend; `checkpoint_weights` + `write_hf`
+do it from a checkpoint on disk (`tidal export`). `keep_last` keeps the newest N checkpoints.
 
     save_checkpoint(path, backend, {"version": 12, "step": 12, "cursor": "b-41"})
     progress = load_checkpoint(path, backend)
@@ -106,22 +107,101 @@ def load_checkpoint(path: str | Path, backend: Any) -> dict[str, Any]:
     return json.loads((path / "progress.json").read_text())
 
 
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+            "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
 def export_hf(path: str | Path, backend: Any, source_model: str | Path) -> Path | None:
     """Write the current weights as a Hugging Face folder (config and tokenizer copied from
-    `source_model`). Every rank must call it (weights are gathered); rank 0 writes."""
+    `source_model`). Every rank must call it (`named_weights` gathers FSDP2 / DeepSpeed shards, a
+    collective); rank 0 writes."""
+    rank0 = _rank() == 0
+    state = {}
+    for name, t in backend.named_weights():  # every rank iterates to the end (the gathers are collective)
+        if rank0:
+            state[name] = t.cpu()
+    if not rank0:
+        return None
+    return write_hf(path, state, source_model)
+
+
+def write_hf(path: str | Path, state: dict[str, torch.Tensor], source_model: str | Path) -> Path:
+    """`state` (a causal LM's full weights by name) as a Hugging Face folder at `path`: safetensors,
+    config.json, and the tokenizer and generation config of `source_model`. Written to `path.tmp` and
+    renamed when complete, so a folder at `path` is always whole."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    state = {name: t.cpu() for name, t in backend.named_weights()}
-    if _rank() != 0:
-        return None
     path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
     config = AutoConfig.from_pretrained(source_model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state, assign=True)
-    model.save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()  # a tied output head named once (DeepSpeed's named_parameters) takes the embedding
+    unset = [n for n, t in model.state_dict().items() if t.is_meta]
+    unknown = sorted(set(state) - set(model.state_dict()))
+    if unset or unknown:
+        raise ValueError(f"the weights do not fit {source_model}'s config: missing {unset[:5] or 'none'}, unknown "
+                         f"{unknown[:5] or 'none'} ({len(unset)} and {len(unknown)} in all): was the checkpoint "
+                         f"written by a run of another model?")
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in HF_FILES:
         src = Path(source_model) / name
-        if src.is_file():
-            (path / name).write_bytes(src.read_bytes())
+        if src.is_file() and not (tmp / name).is_file():
+            (tmp / name).write_bytes(src.read_bytes())
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    os.replace(tmp, path)
     return path
+
+
+def checkpoint_weights(path: str | Path, source_model: str | Path) -> dict[str, torch.Tensor]:
+    """The policy's weights held by the checkpoint at `path`, read in this process without a learner:
+    a one-process checkpoint (state.pt) or a sharded one (torch.distributed.checkpoint, fsdp2), read
+    whole. Backends with a format of their own (deepspeed, expert parallelism) are refused: their
+    learner exports at the end of a run (`export_dir`)."""
+    path = Path(path)
+    if not (path / "progress.json").is_file():
+        raise FileNotFoundError(f"no complete checkpoint at {path} (progress.json missing)")
+    if (path / "native").is_dir():
+        raise ValueError(f"the checkpoint at {path} is in its backend's own format (deepspeed or expert "
+                         f"parallelism; {path / 'native'}), which cannot be read without that learner: the "
+                         f"learner writes the run's model folder itself when it stops (learner.export_dir)")
+    if (path / SINGLE_FILE).is_file():
+        model_state = torch.load(path / SINGLE_FILE, weights_only=True, map_location="cpu")["model"]
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source_model)
+        model_state = dict(model.state_dict())
+        dcp.load({"model": model_state}, checkpoint_id=str(path))
+    return {k: v for k, v in model_state.items() if not k.startswith("value_head.")}
+
+
+def keep_last(checkpoint_dir: str | Path, latest: str | Path, step: int, keep: int) -> None:
+    """With `keep` > 1: the checkpoint just written at `latest` is also kept as `step-<step>` (hard
+    links: no second copy on disk) and only the newest `keep` of those remain. Rank 0 only."""
+    if keep <= 1 or _rank() != 0:
+        return
+    import shutil
+
+    root, kept = Path(checkpoint_dir), Path(checkpoint_dir) / f"step-{step:06d}"
+    if kept.exists():
+        shutil.rmtree(kept)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # a file system without hard links: a copy
+            shutil.copy2(src, dst)
+
+    shutil.copytree(latest, kept, copy_function=link)
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
+    for old in steps[:-keep]:
+        shutil.rmtree(old)

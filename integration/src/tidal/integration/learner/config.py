@@ -86,6 +86,14 @@ class LearnerConfig(ConfigStruct):
     # (batches acknowledged each step; under `tidal run` a learner that fails then ends the run, as there
     # is no checkpoint to restart it from)
     checkpoint_every: int = 10
+    # checkpoints kept: 1 = <checkpoint_dir>/latest alone; N > 1 = also the newest N as step-<step> folders
+    # (hard links: `latest` costs nothing beside the newest of them). The learner does not see held-out
+    # accuracy (the driver evaluates), so it keeps by age; `tidal export --checkpoint best` picks among them
+    keep_checkpoints: int = 1
+    # when the learner stops cleanly (its last step, or SIGTERM / SIGINT), the policy is written here as a
+    # Hugging Face folder (safetensors, config, tokenizer, generation config); "" = not written.
+    # `tidal run` sets it to <run_dir>/model
+    export_dir: str = ""
     max_steps: int = 0  # stop after this many steps; 0 = run until stopped
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)

@@ -170,8 +170,20 @@ class Learner:
         if self.latest is not None:
             self.checkpoint()
         self.acknowledge()
+        if cfg.export_dir:
+            self.export()
         self.close()
         return 0
+
+    def export(self) -> None:
+        """The policy as a Hugging Face folder at `export_dir` (collective: every rank gathers, rank 0
+        writes)."""
+        from tidal.integration.learner.checkpoint import export_hf
+
+        t0 = time.perf_counter()
+        out = export_hf(self.cfg.export_dir, self.backend, self.cfg.model)
+        if out is not None:
+            log.info("policy at version %d written to %s (%.1f s)", self.version, out, time.perf_counter() - t0)
 
     def _until_stopped(self, call: Callable[[float], Any], timeout: float, what: str) -> tuple[bool, Any]:
         """`call(slice_timeout)` in slices of at most 2 s until it returns, so that a stop request is seen
@@ -347,7 +359,7 @@ class Learner:
         """Write the checkpoint (collective). `background`: from a snapshot, on the background thread;
         the batches it records move from `unacked` to the next request's acknowledgements once it is
         on disk (see `_collect_checkpoint`)."""
-        from tidal.integration.learner.checkpoint import save_checkpoint, snapshot
+        from tidal.integration.learner.checkpoint import snapshot
 
         assert self.latest is not None
         self._collect_checkpoint(wait=True)  # one writer of <dir>/latest at a time
@@ -357,11 +369,19 @@ class Learner:
                     "samples_trained": self.samples_trained,
                     **({"trained_ids": list(self.trained_ids)} if self.cfg.record_trained_ids else {})}
         if not background or self._background is None:
-            save_checkpoint(self.latest, self.backend, progress)
+            self._save(progress)
             return
         state, covered, self.unacked = snapshot(self.backend), self.unacked, []
-        fut = self._background.submit(save_checkpoint, self.latest, self.backend, progress, state)
+        fut = self._background.submit(self._save, progress, state)
         self._checkpointing, self._checkpoint_covers = fut, covered
+
+    def _save(self, progress: dict[str, Any], state: dict[str, Any] | None = None) -> None:
+        """`save_checkpoint` to <checkpoint_dir>/latest, then the newest `keep_checkpoints` kept."""
+        from tidal.integration.learner.checkpoint import keep_last, save_checkpoint
+
+        assert self.latest is not None
+        save_checkpoint(self.latest, self.backend, progress, state)
+        keep_last(self.latest.parent, self.latest, progress["step"], self.cfg.keep_checkpoints)
 
     def _collect_checkpoint(self, wait: bool) -> None:
         """A background checkpoint that finished: its batches are acknowledged with the next request

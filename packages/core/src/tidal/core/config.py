@@ -142,7 +142,32 @@ def _config_error(text: str, root: type, source: str) -> ConfigError:
         return ConfigError(
             f"{source}: {dotted or 'config'} expects {expected.group(1)}, got {expected.group(2)}", field=dotted
         )
+    enum = re.match(r"Invalid enum value (.+)", detail)
+    if enum:
+        allowed = _literal_values(root, dotted)
+        if allowed:
+            close = difflib.get_close_matches(enum.group(1).strip("'\""), [str(a) for a in allowed], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            return ConfigError(f"{source}: {dotted} = {enum.group(1)} is not one of "
+                               f"{', '.join(repr(a) for a in allowed)}{hint}", field=dotted)
     return ConfigError(f"{source}: {dotted or 'config'}: {detail}", field=dotted or None)
+
+
+def _literal_values(root: Any, dotted: str) -> tuple[Any, ...]:
+    """The values a `Literal[...]` field at `dotted` takes (() if it is not one, or not found)."""
+    parts = [p for p in re.split(r"\.|\[\d+\]", dotted) if p]
+    if not parts:
+        return ()
+    struct = _struct_of(root)
+    for part in parts[:-1]:
+        if struct is None:
+            return ()
+        by_name = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+        struct = _struct_of(by_name.get(part))
+    if struct is None:
+        return ()
+    typ = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}.get(parts[-1])
+    return typing.get_args(typ) if typing.get_origin(typ) is typing.Literal else ()
 
 
 def _fields_at(root: Any, dotted: str) -> list[str]:
