@@ -27,12 +27,13 @@ log = logging.getLogger("tidal.learner")
 
 
 class Publisher:
-    def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0) -> None:
+    def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0,
+                 curve: Any = None) -> None:
         from tidal.core.channels import pub
         from tidal.core.plugins import registry
 
         self.cfg = weights
-        self.pub = pub(endpoint, linger=1.0, watch_subscriptions=True)
+        self.pub = pub(endpoint, linger=1.0, watch_subscriptions=True, curve=curve)  # CURVE: subscribers know our key
         # PUB/SUB drops what is published before a subscription arrives: a step that comes at once (the
         # buffer already holds a batch) would lose its metrics
         if wait_for_subscriber_s > 0 and not self.pub.wait_for_subscriber(TOPIC_METRICS, wait_for_subscriber_s):

@@ -148,8 +148,10 @@ class Learner:
 
         cfg = self.cfg
         self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
-                                  trained=list(self.trained)) if self.sp is None or self.sp.leader else None
-        self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s) \
+                                  trained=list(self.trained), curve=cfg.security.client("buffer")) \
+            if self.sp is None or self.sp.leader else None
+        self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s,
+                                   curve=cfg.security.server(["rollout", "driver"], where="learner publish")) \
             if self.rank == 0 else None
 
     def stop(self) -> None:

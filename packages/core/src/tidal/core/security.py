@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import logging
 import os
 import sys
 import threading
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
