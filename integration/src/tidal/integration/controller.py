@@ -515,6 +515,7 @@ class Controller:
                 "controller/auth_refused": float(self.auth.refused)}
 
     def close(self) -> None:
+        self.auth.close()
         for ch in (self.ch, self.learner_sub, self.buffer_sub):
             ch.close()
         self.gate.close()

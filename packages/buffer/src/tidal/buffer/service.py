@@ -559,6 +559,7 @@ class BufferService:
     def close(self) -> None:
         self._publish(self.commits.close())  # what is durable still goes out before the sockets close
         self.wal.close()
+        self.guard.close()
         for ch in (self.ingest, self.server, self.pub):
             ch.close(linger=0.5)
 

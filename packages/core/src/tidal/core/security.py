@@ -145,28 +145,70 @@ def require_curve_if_remote(endpoint: str, curve: Curve | None) -> None:
 
 
 class AuthGuard:
-    """Counts clients a server refused (ZAP: key not on its list) and messages refused by a role check;
-    a service publishes both (``auth/refused``, ``auth/role_refused``). Each refused address is logged
-    once (ipc peers have none)."""
+    """Counts what a server refused: connections whose client key is not on its list (ZAP) or whose
+    CURVE handshake failed (no keys, a wrong server key: seen through a socket monitor, `watch`), and
+    messages refused by a role check. A service publishes them (``auth/refused``, ``auth/role_refused``).
+    Each refused peer address is logged once (ipc peers have none). `close` before closing the sockets."""
+
+    _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
     def __init__(self) -> None:
-        self.refused = 0  # connections refused: client key not authorised (incremented on the ZAP thread)
+        self.refused = 0  # connections refused (incremented on the ZAP and monitor threads)
         self.role_refused = 0  # messages refused: an authorised client sent what its role may not send
         self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._watched: list[tuple[zmq.Socket, zmq.Socket, str]] = []  # (socket, its monitor, where)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def refuse(self, where: str, address: str, key: bytes) -> None:
-        self.refused += 1
+    def refuse(self, where: str, address: str, why: str) -> None:
+        with self._lock:
+            self.refused += 1
         if (where, address) not in self._logged:
             self._logged.add((where, address))
-            log.warning("%s: refused a client whose CURVE key %s is not authorised (peer address %s); "
-                        "only this run's roles get in — a role started by hand needs the run's keys "
-                        "(RUN_DIR/keys)", where or "server", key.decode()[:8] + "...", address or "n/a (ipc)")
+            log.warning("%s: refused a client (%s; peer address %s): only this run's roles get in; a role "
+                        "started by hand needs the run's keys (RUN_DIR/keys)", where or "server", why,
+                        address or "n/a (ipc)")
 
     def refuse_role(self, where: str, role: str, what: str) -> None:
         self.role_refused += 1
         if (where, role + what) not in self._logged:
             self._logged.add((where, role + what))
             log.warning("%s: refused %s from %r: that role may not send it", where, what, role)
+
+    def watch(self, socket: zmq.Socket, where: str) -> None:
+        """Count failed CURVE handshakes on `socket` (a client without keys or with a wrong server key
+        never reaches ZAP)."""
+        self._watched.append((socket, socket.get_monitor_socket(self._FAILED), where))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._monitor, name="tidal-auth-monitor", daemon=True)
+            self._thread.start()
+
+    def _monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        poller = zmq.Poller()
+        while not self._stop.is_set():
+            for _s, mon, _w in list(self._watched):
+                poller.register(mon, zmq.POLLIN)
+            for mon, _ in poller.poll(200):
+                where = next((w for _s, m, w in self._watched if m is mon), "")
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    continue
+                self.refuse(where, event["endpoint"].decode("utf-8", "replace") if where else "",
+                            f"CURVE handshake failed, error {event['value']}: no keys or a wrong server key")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        for sock, mon, _w in self._watched:
+            if not sock.closed:
+                sock.disable_monitor()
+            mon.close(linger=0)
+        self._watched.clear()
 
     def scalars(self) -> dict[str, float]:
         return {"auth/refused": float(self.refused), "auth/role_refused": float(self.role_refused)}
@@ -188,7 +230,7 @@ class _KeyList:
         if key in self.keys:
             return True
         if self.curve.guard is not None:
-            self.curve.guard.refuse(self.curve.name, self.address, key)
+            self.curve.guard.refuse(self.curve.name, self.address, f"key {key.decode()[:8]}... not authorised")
         return False
 
 
@@ -221,6 +263,8 @@ def apply_curve(socket: zmq.Socket, curve: Curve | None) -> None:
             domain = f"tidal:{os.getpid()}:{next(_domains)}"
             socket.zap_domain = domain.encode()
             _authenticator(socket.context).configure_curve_callback(domain, _KeyList(curve))
+        if curve.guard is not None:
+            curve.guard.watch(socket, curve.name)
     else:
         socket.curve_serverkey = curve.server_key
         socket.curve_publickey = curve.public_key
