@@ -21,8 +21,8 @@ import argparse
 import ctypes
 import glob
 import json
-import os
 import multiprocessing as mp
+import os
 import pickle
 import statistics
 import struct
