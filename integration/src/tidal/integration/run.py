@@ -22,8 +22,8 @@ run's keys gets nothing in or out, and the buffer checks which role sends what (
 Why ipc with the local launcher: a loopback tcp port, even one `PortReservation` holds, can be taken by
 another local user binding it before our role does (a bound, not listening socket does not keep a
 listener of another user out); a socket file in a folder only we can enter cannot. CURVE stays on
-anyway. The Ray launcher keeps loopback tcp with CURVE (its roles can be on other nodes' terms later,
-and an ipc folder is one host's).
+anyway. The Ray launcher keeps tcp with CURVE: an ipc folder is one host's, and Ray may place roles on
+other nodes.
 """
 
 from __future__ import annotations
