@@ -51,13 +51,16 @@ class Run:
                            security=ChannelSecurity.from_role_keys(self.keys, "buffer",
                                                                    clients=["learner", "driver", "rollout-0"]))
         self.ingest, self.serve, self.publish = ep["ingest"], ep["serve"], ep["publish"]
+        self.proc: subprocess.Popen | None = None
         (self.dir / "buffer.json").write_bytes(msgspec.json.encode(cfg))
         self.log = self.dir / "buffer.log"
+        self.n = 0
+        self.buffer_key = self.role("buffer").server_key
+
+    def start(self) -> None:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "tidal.buffer", "--config", str(self.dir / "buffer.json")],
                                          stdout=out, stderr=subprocess.STDOUT)
-        self.n = 0
-        self.buffer_key = self.role("buffer").server_key
 
     def role(self, name: str) -> CurveClient:
         curve = ChannelSecurity.from_role_keys(self.keys, name, servers=["buffer"]).client("buffer")
@@ -83,6 +86,7 @@ class Run:
                 self.status()
                 return
             except ChannelTimeout:
+                assert self.proc is not None
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"buffer did not start:\n{self.log.read_text()}") from None
 
@@ -106,7 +110,7 @@ class Run:
             _send(out, self.traj(), 5 if curve is not None and curve.server_key == self.buffer_key else 1)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
@@ -120,6 +124,7 @@ class Run:
 def run():
     r = Run()
     try:
+        r.start()
         r.wait_up()
         yield r
     finally:

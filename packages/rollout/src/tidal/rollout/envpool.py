@@ -134,8 +134,8 @@ class EnvPool:
         stop_grace_s: float = 5.0,  # SIGTERM, then SIGKILL after this long
         max_failures_in_a_row: int = 3,
         endpoint: str = "tcp://127.0.0.1:*",  # where the ROUTER binds
-        # CURVE between the pool and its processes, with keys made for this pool in an owner-only temporary
-        # folder: no other local process can pose as an environment (observations, rewards) or read episodes
+        # CURVE between the pool and its processes, with keys made for this pool in an owner-only folder in
+        # `log_dir`: no other local process can pose as an environment (observations, rewards) or read episodes
         auth: bool = True,
     ) -> None:
         try:
@@ -180,7 +180,9 @@ class EnvPool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         server, client = ChannelSecurity(), ChannelSecurity()
         if self.auth:
-            self._keys_dir = make_role_keys(tempfile.mkdtemp(prefix="tidal-envkeys-"), ["envpool", "envproc"])
+            # an owner-only folder of its own inside the logs (removed at close; one a killed worker left
+            # behind stays owner-only, and its pool's next start reuses the pairs)
+            self._keys_dir = make_role_keys(self.log_dir / f".{self.name}-keys", ["envpool", "envproc"])
             server = ChannelSecurity.from_role_keys(self._keys_dir, "envpool", clients=["envproc"])
             client = ChannelSecurity.from_role_keys(self._keys_dir, "envproc", servers=["envpool"])
         self._ch = router(self._bind, hello=make_hello("envpool", self.name), linger=0,
