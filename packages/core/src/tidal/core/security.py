@@ -285,7 +285,8 @@ def _authenticator(ctx: zmq.Context) -> ThreadAuthenticator:
 
 
 @atexit.register
-def _stop_authenticators() -> None:
+def stop_authenticators() -> None:
+    """Stop this process's ZAP handlers (their sockets would keep a context's term() waiting)."""
     for pid, auth in list(_authenticators.values()):
         if pid == os.getpid():
             auth.stop()
