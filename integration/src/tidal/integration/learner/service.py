@@ -151,7 +151,7 @@ class Learner:
                                   trained=list(self.trained), curve=cfg.security.client("buffer")) \
             if self.sp is None or self.sp.leader else None
         self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s,
-                                   curve=cfg.security.server(["rollout", "driver"], where="learner publish")) \
+                                   security=cfg.security) \
             if self.rank == 0 else None
 
     def stop(self) -> None:
@@ -288,6 +288,7 @@ class Learner:
         rewards to `metrics`; rank 0 publishes and logs them."""
         if self.publisher is not None:
             metrics.update(self.publisher.send_stats)  # of the latest completed send
+            metrics["auth/refused"] = float(self.publisher.auth.refused)  # subscribers without the run's keys
         # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
         lags = (np.concatenate([version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
                 if samples else np.zeros(0))

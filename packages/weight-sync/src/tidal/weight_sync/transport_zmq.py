@@ -17,7 +17,7 @@ from tidal.core.arrays import Array
 from tidal.core.channels import DealerChannel, dealer, router
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
-from tidal.core.security import ChannelSecurity, Curve
+from tidal.core.security import AuthGuard, ChannelSecurity, Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
@@ -37,8 +37,9 @@ class ZmqSenderTransport(SenderTransport):
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", *, curve: Curve | None = None, keep: int = 2,
                  delta_updates: bool = False, security: ChannelSecurity | None = None) -> None:
+        self.auth = AuthGuard()  # clients refused (logged once per address; `auth.refused`)
         if security is not None and curve is None:
-            curve = _security(security).server(["rollout"], where="weight server")
+            curve = _security(security).server(["rollout"], self.auth, "weight server")
         self.keep = keep
         self.delta_updates = delta_updates
         self._versions: dict[int, list[Bucket]] = {}
@@ -129,6 +130,7 @@ class ZmqSenderTransport(SenderTransport):
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.auth.close()
 
 
 def _np_width_type(dtype: str) -> type:
