@@ -45,6 +45,11 @@ def test_benchmark_runs_and_reports(script, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, f"{script} printed no JSON report:\n{proc.stdout[-2000:]}"
+    if script == "transport.py":  # CURVE measured beside plaintext and its one-core cipher limit
+        curve = reports[-1]["curve"]
+        assert curve["small_msgs_per_s"] > 0 and curve["large_gb_per_s"] > 0, curve
+        assert curve["limit_large_gb_per_s"] > 0 and curve["limit_small_msgs_per_s"] > 0, curve
+        assert curve["large_goal"] in ("PASS", "MISS") and curve["large_vs_plain"] > 0, curve
     if script == "engine.py":  # both shapes measured
         assert [r.get("shape", "longtail") for r in reports] == ["demo", "longtail"], reports
     if script == "vs_trl.py":  # every system of every workload measured, not just a JSON line

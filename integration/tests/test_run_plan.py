@@ -55,3 +55,36 @@ def test_what_a_recipe_sets_reaches_the_roles(tmp_path):
     default = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.temperature=0.6"]), tmp_path / "run2")[0]
     learner = next(json.loads(r.config.read_text()) for r in default if r.name == "learner")
     assert learner["checkpoint_every"] == 10 and learner["train"]["temperature"] == 0.6
+
+
+def test_every_role_gets_the_run_keys_it_needs_and_nothing_more(tmp_path):
+    """launch.auth (on by default): one key pair per role in RUN_DIR/keys (owner-only, reused when the
+    plan is made again: a resume), each role's `security` with its own secret and the servers it talks to;
+    each server lists the roles that may connect; endpoints in the ipc folder when one is given."""
+    import stat
+
+    cfg = load_recipe(None, [f'model="{tmp_path}"', "workers=2"])
+    run_dir = tmp_path / "run"
+    roles, ep = plan(cfg, run_dir, ipc_dir=tmp_path / "ipc")
+    assert all(e.startswith(f"ipc://{tmp_path / 'ipc'}/") for e in ep.values())
+    keys = run_dir / "keys"
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in keys.glob("*.key_secret"))
+    by = {r.name: json.loads(r.config.read_text()) for r in roles}
+    sec = {name: c["security"] for name, c in by.items()}
+    assert sec["buffer"]["secret_key"] == str(keys / "buffer.key_secret")
+    assert sorted(sec["buffer"]["clients"]) == ["driver", "learner", "rollout-0", "rollout-1"]
+    assert sorted(sec["learner"]["servers"]) == ["buffer"]
+    assert sorted(sec["learner"]["clients"]) == ["driver", "rollout-0", "rollout-1"]
+    assert sorted(sec["rollout-1"]["servers"]) == ["buffer", "driver", "learner"] and not sec["rollout-1"]["clients"]
+    assert by["learner"]["weights"]["options"]["security"]["secret_key"] == str(keys / "learner.key_secret")
+    assert by["learner"]["weights"]["options"]["endpoint"] == f"ipc://{tmp_path / 'ipc'}/weights"
+    assert by["rollout-0"]["weight_transport"]["zmq"]["security"]["servers"]["learner"] == sec["buffer"]["clients"]["learner"]
+    before = (keys / "learner.key_secret").read_bytes()
+    plan(cfg, run_dir)  # made again (a resume): the same keys
+    assert (keys / "learner.key_secret").read_bytes() == before
+
+    off = load_recipe(None, [f'model="{tmp_path}"', "launch.auth=false"])
+    roles, ep = plan(off, tmp_path / "plain")
+    assert all(e.startswith("tcp://127.0.0.1:") for e in ep.values()) and not (tmp_path / "plain" / "keys").exists()
+    assert all(json.loads(r.config.read_text())["security"]["secret_key"] == "" for r in roles)

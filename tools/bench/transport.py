@@ -10,6 +10,7 @@ Each workload runs three ways in the same run, on the same sockets pattern (PUSH
   tidal    tidal.core.channels push/pull with protocol messages (msgspec header, zero-copy frames)
   pickle   raw pyzmq send_pyobj / recv_pyobj of the same content (a dict of numpy arrays)
   zerocopy raw pyzmq multipart: a hand-packed header frame + the raw buffers, copy=False both ways
+  zerocopy_curve  the same with CURVE: what libzmq's CURVE costs with no Tidal code in the way
 
 Throughput is measured by the receiver, from its first message to its last, median of K trials.
 Prints a table and one JSON line with the ratios (goals: small >= 2x pickle, large >= 0.9x zerocopy).
@@ -18,8 +19,11 @@ Prints a table and one JSON line with the ratios (goals: small >= 2x pickle, lar
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import json
 import multiprocessing as mp
+import os
 import pickle
 import statistics
 import struct
@@ -31,7 +35,9 @@ import zmq
 
 from tidal.core.arrays import Array
 from tidal.core.channels import pull, push
+from tidal.core.codec import Codec
 from tidal.core.protocol import Metrics, Trajectory
+from tidal.core.security import CurveClient, CurveServer
 
 MiB = 1024 * 1024
 LARGE_BYTES = 64 * MiB
@@ -60,10 +66,12 @@ def as_trajectory(c: dict) -> Trajectory:
 # ----------------------------------------------------------------------------- receiver process
 
 
-def receiver(mode: str, workload: str, n: int, conn) -> None:
+def receiver(mode: str, workload: str, n: int, conn, keys: dict[str, bytes]) -> None:
     ctx = zmq.Context()
-    if mode == "tidal":
-        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000)
+    if mode in ("tidal", "curve"):
+        curve = CurveServer(keys["server_public"], keys["server_secret"], clients={keys["client_public"]: "bench"}) \
+            if mode == "curve" else None
+        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000, curve=curve)
         conn.send(ch.endpoint)
         first = None
         for _ in range(n):
@@ -72,10 +80,15 @@ def receiver(mode: str, workload: str, n: int, conn) -> None:
                 first = time.perf_counter()
             if workload == "large":
                 assert msg.histograms["w"].nbytes == LARGE_BYTES
+            if curve is not None:
+                assert ch.sender == keys["client_public"].decode()  # the per-message identity a run reads
         end = time.perf_counter()
         ch.close()
     else:
         sock = ctx.socket(zmq.PULL)
+        if mode == "zerocopy_curve":  # libzmq's CURVE alone: no tidal code, no ZAP
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = keys["server_public"], keys["server_secret"]
         sock.rcvhwm = 10_000
         sock.bind("tcp://127.0.0.1:*")
         conn.send(sock.last_endpoint.decode())
@@ -104,7 +117,8 @@ def receiver(mode: str, workload: str, n: int, conn) -> None:
         end = time.perf_counter()
         sock.close(linger=0)
     conn.send(end - first)
-    ctx.term()
+    if mode != "curve":  # its ZAP handler holds sockets of this context: it stops at exit
+        ctx.term()
 
 
 # ----------------------------------------------------------------------------- sender side
@@ -114,7 +128,10 @@ def run_once(mode: str, workload: str, n: int) -> float:
     """Seconds the receiver needed for messages 2..n (the first one starts its clock)."""
     mpctx = mp.get_context("spawn")
     parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=receiver, args=(mode, workload, n, child), daemon=True)
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    keys = {"server_public": server_public, "server_secret": server_secret, "client_public": client_public}
+    proc = mpctx.Process(target=receiver, args=(mode, workload, n, child, keys), daemon=True)
     proc.start()
     try:
         endpoint = parent.recv()
@@ -126,14 +143,17 @@ def run_once(mode: str, workload: str, n: int) -> float:
         else:
             payload = rng.standard_normal(LARGE_BYTES // 4, dtype=np.float32)
             metrics = Metrics(source="bench", step=0, time=0.0, scalars={}, histograms={"w": Array.from_numpy(payload)})
-        if mode == "tidal":
-            ch = push(endpoint, context=ctx, hwm=10_000)
+        if mode in ("tidal", "curve"):
+            curve = CurveClient(server_public, client_public, client_secret) if mode == "curve" else None
+            ch = push(endpoint, context=ctx, hwm=10_000, curve=curve)
             msg = traj if workload == "small" else metrics
             for _ in range(n):
                 ch.send(msg)
             ch.close(linger=60)
         else:
             sock = ctx.socket(zmq.PUSH)
+            if mode == "zerocopy_curve":
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
             sock.sndhwm = 10_000
             sock.connect(endpoint)
             for _ in range(n):
@@ -157,6 +177,52 @@ def run_once(mode: str, workload: str, n: int) -> float:
             proc.kill()
 
 
+# ----------------------------------------------------------------------------- the cipher's limit
+
+
+def _libsodium() -> ctypes.CDLL:
+    """The libsodium pyzmq's libzmq uses for CURVE (bundled beside it in pyzmq.libs), else the system's."""
+    here = os.path.dirname(zmq.__file__)
+    found = sorted(glob.glob(os.path.join(here, os.pardir, "pyzmq.libs", "libsodium*.so*")))
+    lib = ctypes.CDLL(found[0] if found else "libsodium.so.23")
+    if lib.sodium_init() < 0:
+        raise RuntimeError("libsodium failed to initialise")
+    return lib
+
+
+def cipher_seconds(sizes: list[int], reps: int) -> float:
+    """Best-of-`reps` seconds for one core to run crypto_box_afternm (what libzmq's CURVE calls for each
+    frame, with the shared key precomputed at the handshake) over one message whose frames are `sizes`."""
+    lib = _libsodium()
+    pk, sk = ctypes.create_string_buffer(32), ctypes.create_string_buffer(32)
+    lib.crypto_box_keypair(pk, sk)
+    k = ctypes.create_string_buffer(32)
+    lib.crypto_box_beforenm(k, pk, sk)
+    nonce = ctypes.create_string_buffer(24)
+    # the NaCl API libzmq uses: 32 zero bytes before the plaintext and the ciphertext
+    bufs = [(ctypes.create_string_buffer(32 + n), ctypes.create_string_buffer(32 + n)) for n in sizes]
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for m, c in bufs:
+            if lib.crypto_box_afternm(c, m, ctypes.c_ulonglong(len(m)), nonce, k) != 0:
+                raise RuntimeError("crypto_box_afternm failed")
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cipher_limits() -> dict[str, float]:
+    """Messages/s (small: the tidal message's own frames) and bytes/s (large) one core can encrypt."""
+    small = [len(bytes(f)) for f in Codec().encode(as_trajectory(small_content(np.random.default_rng(0))))]
+    batch = 1000
+    per_small = cipher_seconds(small * batch, 5) / batch
+    large = [len(bytes(f)) for f in Codec().encode(Metrics(source="bench", step=0, time=0.0, scalars={}, histograms={
+        "w": Array.from_numpy(np.zeros(LARGE_BYTES // 4, np.float32))}))]
+    per_large = cipher_seconds(large, 3)
+    return {"small_msgs_per_s": 1 / per_small, "large_bytes_per_s": LARGE_BYTES / per_large,
+            "small_bytes": float(sum(small))}
+
+
 def measure(modes: list[str], workload: str, n: int, trials: int) -> dict[str, float]:
     """Median throughput per mode in units per second (messages/s or bytes/s). Trials of the modes
     are interleaved so that a slow patch of this shared machine hits every mode alike."""
@@ -178,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.small, args.large) < 2:
         ap.error("--small and --large need at least 2 messages (the receiver's clock starts at the first)")
 
-    modes = ["tidal", "pickle", "zerocopy"]
+    modes = ["tidal", "curve", "pickle", "zerocopy", "zerocopy_curve"]
     results: dict[str, dict[str, float]] = {"small": {}, "large": {}}
     for workload, n in (("small", args.small), ("large", args.large)):
         results[workload] = measure(modes, workload, n, args.trials)
+    limit = cipher_limits()
 
     print(f"{'workload':<26}{'tidal':>14}{'pickle':>14}{'zerocopy':>14}{'tidal/pickle':>14}{'tidal/zerocopy':>16}")
     s, lg = results["small"], results["large"]
@@ -189,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['tidal'] / s['pickle']:>14.2f}{s['tidal'] / s['zerocopy']:>16.2f}")
     print(f"{'large 64 MiB (GB/s)':<26}{lg['tidal'] / 1e9:>14.2f}{lg['pickle'] / 1e9:>14.2f}{lg['zerocopy'] / 1e9:>14.2f}"
           f"{lg['tidal'] / lg['pickle']:>14.2f}{lg['tidal'] / lg['zerocopy']:>16.2f}")
+    large_vs_limit = lg["curve"] / limit["large_bytes_per_s"]
+    verdict = "PASS" if large_vs_limit >= 0.8 else "MISS"
+    print(f"\n{'CURVE':<26}{'plaintext':>14}{'curve':>14}{'curve/plain':>14}{'1-core cipher':>16}{'curve/cipher':>14}")
+    print(f"{'small ~1 KiB (msg/s)':<26}{s['tidal']:>14,.0f}{s['curve']:>14,.0f}{s['curve'] / s['tidal']:>14.2f}"
+          f"{limit['small_msgs_per_s']:>16,.0f}{s['curve'] / limit['small_msgs_per_s']:>14.2f}")
+    print(f"{'large 64 MiB (GB/s)':<26}{lg['tidal'] / 1e9:>14.2f}{lg['curve'] / 1e9:>14.2f}{lg['curve'] / lg['tidal']:>14.2f}"
+          f"{limit['large_bytes_per_s'] / 1e9:>16.2f}{large_vs_limit:>14.2f}   goal >= 0.80: {verdict}")
+    print(f"raw pyzmq CURVE (no Tidal code): {s['zerocopy_curve']:,.0f} msg/s small, {lg['zerocopy_curve'] / 1e9:.2f} GB/s large"
+          f" ({lg['zerocopy_curve'] / limit['large_bytes_per_s']:.2f}x the cipher limit): what libzmq's CURVE reaches here")
     summary = {
         "bench": "transport",
         "small_msgs_per_s": {k: round(v) for k, v in s.items()},
@@ -197,7 +273,20 @@ def main(argv: list[str] | None = None) -> int:
         "small_vs_zerocopy": round(s["tidal"] / s["zerocopy"], 3),
         "large_vs_zerocopy": round(lg["tidal"] / lg["zerocopy"], 3),
         "large_vs_pickle": round(lg["tidal"] / lg["pickle"], 3),
-        "goals": {"small_vs_pickle": 2.0, "large_vs_zerocopy": 0.9},
+        "curve": {
+            "small_msgs_per_s": round(s["curve"]), "large_gb_per_s": round(lg["curve"] / 1e9, 3),
+            "small_vs_plain": round(s["curve"] / s["tidal"], 3), "large_vs_plain": round(lg["curve"] / lg["tidal"], 3),
+            "limit_small_msgs_per_s": round(limit["small_msgs_per_s"]), "small_message_bytes": int(limit["small_bytes"]),
+            "limit_large_gb_per_s": round(limit["large_bytes_per_s"] / 1e9, 3),
+            "small_vs_limit": round(s["curve"] / limit["small_msgs_per_s"], 3),
+            "large_vs_limit": round(large_vs_limit, 3), "large_goal": verdict,
+            # plaintext against the same limit: where it is below the goal already, the host (cores shared by
+            # sender, receiver and their I/O threads), not the cipher, bounds CURVE
+            "plain_large_vs_limit": round(lg["tidal"] / limit["large_bytes_per_s"], 3),
+            "raw_curve_large_vs_limit": round(lg["zerocopy_curve"] / limit["large_bytes_per_s"], 3),
+            "limit": "one core, libsodium crypto_box_afternm (XSalsa20-Poly1305) over the same frames",
+        },
+        "goals": {"small_vs_pickle": 2.0, "large_vs_zerocopy": 0.9, "curve_large_vs_limit": 0.8},
     }
     print(json.dumps(summary))
     return 0

@@ -298,3 +298,24 @@ def test_a_guess_game_of_unreadable_moves_is_lost_at_max_turns_not_a_verifier_er
         r = one(pool)
         assert not r.error_kind and r.info["invalid_guesses"] == 1.0, r
     assert r.done and r.outcome == 0.0 and r.info["max_turns_reached"] == 1.0
+
+
+def test_a_process_without_the_pools_keys_cannot_pose_as_an_environment(make_pool):
+    """The pool and its processes speak CURVE with keys made for this pool alone: a local process that
+    connects to the pool's socket (plaintext, or with keys of its own) gets no answer to its Hello, and
+    the pool's own processes still serve."""
+    import zmq
+
+    from tidal.core.channels import dealer, make_hello
+    from tidal.core.errors import ChannelTimeout
+    from tidal.core.security import CurveClient
+
+    pool = make_pool({"arith": {"env": "arithmetic"}}, processes=1)
+    assert pool._keys_dir is not None and oct(pool._keys_dir.stat().st_mode & 0o777) == "0o700"
+    public, secret = zmq.curve_keypair()
+    own_keys = CurveClient(zmq.curve_keypair()[0], public, secret)
+    for curve in (None, own_keys):
+        with dealer(pool._ch.endpoint, curve=curve, linger=0) as stranger:
+            with pytest.raises(ChannelTimeout):
+                stranger.handshake(make_hello("env", "stranger"), timeout=1.0)
+    assert pool.processes == 1 and all(s.ready for s in pool._slots)

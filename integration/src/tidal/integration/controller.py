@@ -46,6 +46,7 @@ from tidal.core.protocol import (
     eval_group_id,
     group_id,
 )
+from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.recipe import RunConfig
 from tidal.rollout.stops import split_stops
 from tidal.rollout.worker import EVAL_KEY
@@ -130,13 +131,18 @@ class Domain:
 
 class Controller:
     def __init__(self, cfg: RunConfig, *, endpoint: str, learner_pub: str, buffer_pub: str, run_dir: Path,
-                 tokenizer, emit: Callable[[Metrics], None]) -> None:
+                 tokenizer, emit: Callable[[Metrics], None], security: ChannelSecurity | None = None) -> None:
         self.cfg = cfg
         self.tok = tokenizer
         self.emit = emit
-        self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0)
-        self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0)
-        self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0)
+        # with the run's keys: only its rollout workers get in (refusals counted: auth/refused), and the
+        # subscriptions trust only the learner's and the buffer's keys
+        sec = security or ChannelSecurity()
+        self.auth = AuthGuard()
+        self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0,
+                         curve=sec.server(["rollout"], self.auth, "controller"))
+        self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0, curve=sec.client("learner"))
+        self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0, curve=sec.client("buffer"))
         staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
         self.rng = random.Random(cfg.seed)
@@ -505,9 +511,11 @@ class Controller:
                 "controller/gate_capacity": float(self.gate.capacity()),
                 **{f"controller/{k}": float(v) for k, v in self.counts.items()},
                 **{f"controller/groups_failed/{k}": float(v) for k, v in self.failed_by_reason.items()},
-                **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()}}
+                **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()},
+                "controller/auth_refused": float(self.auth.refused)}
 
     def close(self) -> None:
+        self.auth.close()
         for ch in (self.ch, self.learner_sub, self.buffer_sub):
             ch.close()
         self.gate.close()

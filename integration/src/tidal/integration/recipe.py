@@ -94,6 +94,10 @@ class LaunchConfig(ConfigStruct):
     # to the learner's ranks (its step is the critical path once generation runs ahead), the rest split
     # over the workers, at least one each
     threads: int = 0
+    # CURVE on every channel of the run (keys per role in RUN_DIR/keys; each server lets in only the run's
+    # roles that use it, and checks which role sends what). Off: plaintext, and any local process can push
+    # data into the buffer, take or acknowledge batches and stop it (a warning says so)
+    auth: bool = True
 
 
 class RunConfig(ConfigStruct):

@@ -1,7 +1,8 @@
 """The run driver behind `tidal run` and `tidal demo`: lays out the roles, starts them through the
 configured launcher, plays the controller, restarts what dies, and stops everything at the end.
 
-Role layout (endpoints are loopback ports picked per run):
+Role layout (endpoints: ipc:// sockets in an owner-only folder with the local launcher, loopback tcp
+ports held per run with others):
 
     rollout-i --Trajectory--> buffer (ingest) --Batch--> learner --WeightsAvailable/Metrics (PUB)--> workers, driver
         ^  WorkRequest/Ack/Heartbeat/Metrics       buffer (publish): acks to workers, Metrics to the driver
@@ -11,14 +12,30 @@ Restart rules: a rollout worker that dies (or stops heartbeating) is restarted a
 others; the buffer restarts from its write-ahead log; the learner restarts from its last checkpoint
 (the buffer serves the batch it had not acknowledged again). Each role restarts at most
 `launch.max_restarts` times; past that the run stops with an error.
+
+Authentication (`launch.auth`, on by default): the driver makes one CURVE key pair per role in
+RUN_DIR/keys (0700; a restarted role and a resumed run reuse them) and gives each role's config its
+`security` (tidal.core.security.ChannelSecurity): its own secret key file, the public keys of the servers
+it connects to, and for a server the roles it lets in. Every channel is then CURVE: a process without the
+run's keys gets nothing in or out, and the buffer checks which role sends what (stop: the driver's).
+
+Why ipc with the local launcher: a loopback tcp port, even one `PortReservation` holds, can be taken by
+another local user binding it before our role does (a bound, not listening socket does not keep a
+listener of another user out); a socket file in a folder only we can enter cannot. CURVE stays on
+anyway. The Ray launcher keeps tcp with CURVE: an ipc folder is one host's, and Ray may place roles on
+other nodes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +44,7 @@ import msgspec
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
+from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
 from tidal.integration.learner.parallel import ParallelConfig, check_parallel, model_config
@@ -57,13 +75,21 @@ class RunResult:
         return self.samples / self.rl_s if self.rl_s > 0 else 0.0
 
 
-def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReservation | None = None
-         ) -> tuple[list[Role], dict[str, str]]:
+ENDPOINTS = ("controller", "ingest", "serve", "buffer_pub", "learner_pub")
+
+
+def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReservation | None = None,
+         ipc_dir: Path | None = None) -> tuple[list[Role], dict[str, str]]:
     """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles.
-    The endpoints' ports are held by `ports` (tidal.core.net) until the run ends, so that no other
-    process takes one between this plan and the role that binds it (or binds it again after a restart)."""
-    ports = ports or PortReservation()
-    ep = {k: ports.endpoint() for k in ("controller", "ingest", "serve", "buffer_pub", "learner_pub")}
+    With `ipc_dir` (an owner-only folder, `ipc_folder`) the endpoints are ipc sockets in it (and the zmq
+    weight transport's too); else loopback ports held by `ports` (tidal.core.net) until the run ends, so
+    that no other process takes one between this plan and the role that binds it (or binds it again)."""
+    if ipc_dir is not None:
+        ep = {k: f"ipc://{ipc_dir}/{k}" for k in ENDPOINTS}
+    else:
+        ports = ports or PortReservation()
+        ep = {k: ports.endpoint() for k in ENDPOINTS}
+    sec = role_security(cfg, run_dir)
     roles_dir = run_dir / "roles"
     roles_dir.mkdir(parents=True, exist_ok=True)
     sync = cfg.mode == "sync"
@@ -71,7 +97,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     buffer = msgspec.structs.replace(
         cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
         wal_dir=str(run_dir / cfg.buffer.wal_dir),  # relative to the run folder (an absolute path stays)
-        group_size=cfg.group_size, batch_samples=cfg.batch_samples)
+        group_size=cfg.group_size, batch_samples=cfg.batch_samples, security=sec["buffer"])
     learner = msgspec.structs.replace(
         cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
         max_steps=cfg.budget.versions, seed=cfg.seed,
@@ -81,7 +107,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         # none during the run, so a learner that fails ends the run instead of starting over at version 0
         checkpoint_dir=cfg.learner.checkpoint_dir or str(run_dir / "checkpoints"),
         export_dir=cfg.learner.export_dir or str(run_dir / "model"),  # the policy, when the learner stops
-        weights=msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights)
+        security=sec["learner"],
+        weights=_weights(msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights,
+                         sec["learner"], ipc_dir))
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
                        backend=learner.backend, attn=learner.backend_options.attn)
@@ -94,7 +122,8 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         w = msgspec.structs.replace(
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
             buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
-            domains={**domains, **cfg.rollout.domains},
+            domains={**domains, **cfg.rollout.domains}, security=sec[f"rollout-{i}"],
+            weight_transport=_receiver_security(cfg.rollout.weight_transport, sec[f"rollout-{i}"]),
             # its environment processes (multi-turn domains) log beside the roles
             episodes=msgspec.structs.replace(cfg.rollout.episodes,
                                              log_dir=cfg.rollout.episodes.log_dir or str(run_dir / "logs")),
@@ -102,6 +131,56 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
                                                                         **cfg.rollout.engine.options}))
         roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
     return roles, ep
+
+
+def role_security(cfg: RunConfig, run_dir: Path) -> dict[str, ChannelSecurity]:
+    """Each role's CURVE setup (tidal.core.security), its keys made once in RUN_DIR/keys and reused; all
+    empty (plaintext) when `launch.auth` is off."""
+    workers = [f"rollout-{i}" for i in range(cfg.workers)]
+    names = ["buffer", "learner", "driver", *workers]
+    if not cfg.launch.auth:
+        return dict.fromkeys(names, ChannelSecurity())
+    keys = make_role_keys(run_dir / "keys", names)
+    sec = {"buffer": ChannelSecurity.from_role_keys(keys, "buffer", clients=["learner", "driver", *workers]),
+           "learner": ChannelSecurity.from_role_keys(keys, "learner", servers=["buffer"], clients=["driver", *workers]),
+           "driver": ChannelSecurity.from_role_keys(keys, "driver", servers=["buffer", "learner"], clients=workers)}
+    for w in workers:
+        sec[w] = ChannelSecurity.from_role_keys(keys, w, servers=["driver", "buffer", "learner"])
+    return sec
+
+
+def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None):
+    """The learner's weight sender options: the zmq transport's server gets the learner's keys (and, with
+    ipc endpoints, an ipc socket beside them unless the recipe names an endpoint)."""
+    if weights.transport != "zmq":
+        return weights
+    options = dict(weights.options)
+    if sec.enabled:
+        options.setdefault("security", msgspec.to_builtins(sec))
+    if ipc_dir is not None:
+        options.setdefault("endpoint", f"ipc://{ipc_dir}/weights")
+    return msgspec.structs.replace(weights, options=options)
+
+
+def _receiver_security(transports: dict, sec: ChannelSecurity) -> dict:
+    """A worker's weight receiver options: the zmq receiver trusts the learner's public key."""
+    if not sec.enabled:
+        return transports
+    zmq_options = {"security": msgspec.to_builtins(sec), **transports.get("zmq", {})}
+    return {**transports, "zmq": zmq_options}
+
+
+@contextmanager
+def ipc_folder(run_dir: Path) -> Iterator[Path]:
+    """An owner-only (0700) folder for the run's ipc sockets, short enough for the ~107-byte limit on a
+    socket path (so under /tmp, not in the run folder); its path is recorded in RUN_DIR/ipc_dir. Removed
+    when the run ends."""
+    path = Path(tempfile.mkdtemp(prefix="tidal-"))  # mkdtemp makes it 0700
+    (run_dir / "ipc_dir").write_text(f"{path}\n")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def share_threads(cores: int, workers: int, learner_ranks: int = 1, fixed: int = 0) -> tuple[int, int]:
@@ -124,17 +203,25 @@ def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: i
 
 
 def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
-    with PortReservation() as ports:
-        return _run(cfg, run_dir, nproc_learner, ports)
-
-
-def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortReservation) -> RunResult:
-    from tidal.rollout.tiny import load_tokenizer
-
     run_dir = Path(run_dir or default_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.launch.auth:
+        log.warning("launch.auth = false: the run's channels are plaintext; any local process can push data "
+                    "into the buffer, take or acknowledge batches, stop it, and talk to the controller")
+    if cfg.launcher.name == "local":
+        with ipc_folder(run_dir) as ipc_dir:
+            return _run(cfg, run_dir, nproc_learner, None, ipc_dir)
+    with PortReservation() as ports:
+        return _run(cfg, run_dir, nproc_learner, ports, None)
+
+
+def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservation | None,
+         ipc_dir: Path | None) -> RunResult:
+    from tidal.rollout.tiny import load_tokenizer
+
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    roles, ep = plan(cfg, run_dir, nproc_learner, ports)
+    roles, ep = plan(cfg, run_dir, nproc_learner, ports, ipc_dir)
+    driver_sec = role_security(cfg, run_dir)["driver"]
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
@@ -144,7 +231,7 @@ def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortRe
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
         controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"],
                                 buffer_pub=ep["buffer_pub"], run_dir=run_dir, tokenizer=load_tokenizer(cfg.model),
-                                emit=sink)
+                                emit=sink, security=driver_sec)
     except Exception as e:
         sink.close()
         write_final(run_dir, {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})
@@ -163,7 +250,7 @@ def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortRe
         sup.loop()
     finally:
         if sup.handle is not None:
-            sup.finish(lambda: _buffer_status(ep["serve"]))
+            sup.finish(lambda: _buffer_status(ep["serve"], driver_sec))
         controller.close()
         sink.close()
         for s, h in old.items():
@@ -178,12 +265,12 @@ def _run(cfg: RunConfig, run_dir: Path | None, nproc_learner: int, ports: PortRe
                      worker_up=worker_up)
 
 
-def _buffer_status(endpoint: str) -> dict[str, float]:
+def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:
     """The buffer's counters at the end (what it acknowledged and still holds), or {} if it is gone."""
     from tidal.buffer.client import BatchClient
     from tidal.core.errors import ChannelTimeout
 
-    client = BatchClient(endpoint, name="run-end")
+    client = BatchClient(endpoint, name="run-end", curve=sec.client("buffer") if sec else None)
     try:
         return dict(client.status(timeout=10).scalars)
     except (ChannelTimeout, OSError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.security import ChannelSecurity
 from tidal.integration.learner.parallel import ParallelConfig
 
 # No torch here: a recipe is checked (`tidal run` with a misspelt field) without importing it.
@@ -76,6 +77,9 @@ class LearnerConfig(ConfigStruct):
     buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    # a run's CURVE keys (tidal run fills it): the buffer's public key; publish lets in the "rollout" and
+    # "driver" roles; unset = plaintext (loopback only)
+    security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
     moe: MoEOptions = msgspec.field(default_factory=MoEOptions)
     # sequence parallelism { sp = P, sp_mode = "ulysses" | "ring" | "hybrid" }: the ranks form dp x sp, each
     # packed row split over the P ranks of an SP group (tidal-seqpar); ep: expert parallelism

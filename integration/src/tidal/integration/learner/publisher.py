@@ -21,18 +21,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
+from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.learner.config import WeightsConfig
 
 log = logging.getLogger("tidal.learner")
 
 
 class Publisher:
-    def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0) -> None:
+    def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0,
+                 security: ChannelSecurity | None = None) -> None:
         from tidal.core.channels import pub
         from tidal.core.plugins import registry
 
         self.cfg = weights
-        self.pub = pub(endpoint, linger=1.0, watch_subscriptions=True)
+        # with a run's keys: only its workers and driver subscribe (refusals: auth/refused in our metrics),
+        # and they trust only this key, so no one else can announce weights
+        self.auth = AuthGuard()
+        curve = (security or ChannelSecurity()).server(["rollout", "driver"], self.auth, "learner publish")
+        self.pub = pub(endpoint, linger=1.0, watch_subscriptions=True, curve=curve)
         # PUB/SUB drops what is published before a subscription arrives: a step that comes at once (the
         # buffer already holds a batch) would lose its metrics
         if wait_for_subscriber_s > 0 and not self.pub.wait_for_subscriber(TOPIC_METRICS, wait_for_subscriber_s):
@@ -109,4 +115,5 @@ class Publisher:
             if self._announcer is not None:
                 self._announcer.join(timeout=10)
             self.sender.close()
+        self.auth.close()
         self.pub.close()

@@ -148,8 +148,10 @@ class Learner:
 
         cfg = self.cfg
         self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
-                                  trained=list(self.trained)) if self.sp is None or self.sp.leader else None
-        self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s) \
+                                  trained=list(self.trained), curve=cfg.security.client("buffer")) \
+            if self.sp is None or self.sp.leader else None
+        self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s,
+                                   security=cfg.security) \
             if self.rank == 0 else None
 
     def stop(self) -> None:
@@ -298,6 +300,7 @@ class Learner:
         rewards to `metrics`; rank 0 publishes and logs them."""
         if self.publisher is not None:
             metrics.update(self.publisher.send_stats)  # of the latest completed send
+            metrics["auth/refused"] = float(self.publisher.auth.refused)  # subscribers without the run's keys
         # lag of every sampled token (observation tokens of multi-turn samples have NO_VERSION: no lag)
         lags = (np.concatenate([version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
                 if samples else np.zeros(0))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.security import ChannelSecurity
 
 
 class BufferConfig(ConfigStruct):
@@ -14,6 +17,9 @@ class BufferConfig(ConfigStruct):
     publish: str = "tcp://127.0.0.1:5603"  # PUB: trajectory acks (topic ack/<source>/) and metrics
     curve_secret_key: str = ""  # server key pair file; required when an endpoint is not loopback
     curve_authorized_keys: str = ""  # folder of client public keys allowed in ("" = any holder of our key)
+    # a run's keys (tidal run fills it): ingest lets in roles of kind "rollout", serve "learner" and
+    # "driver" (stop from the driver only), publish "rollout" and "driver"; unset = plaintext (loopback)
+    security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
 
     # groups
     group_size: int = 8  # G, unless a trajectory says otherwise

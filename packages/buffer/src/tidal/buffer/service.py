@@ -5,7 +5,10 @@
 
 Sockets (from config): PULL `ingest` for trajectories and trajectory groups; ROUTER `serve` for
 BatchRequest / batch Acks / Control("status" | "stop"); PUB `publish` for acks (topic ``ack/<source>/``)
-and Metrics (topic ``metrics``). A trajectory is acknowledged only once its WAL record is durable (group
+and Metrics (topic ``metrics``). With a run's keys (`security`) every socket is CURVE and lets in only
+the run's roles that use it (ingest: rollout workers; serve: learner and driver; publish: workers and
+driver); on serve, BatchRequest and batch Acks come from the learner only, stop from the driver only,
+status from either. Refusals count as ``auth/refused`` (key not let in) and ``auth/role_refused``. A trajectory is acknowledged only once its WAL record is durable (group
 commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
 
 A `TrajectoryGroup` is admitted as one WAL record (`PutMessage`, the message as it came, when every member
@@ -77,7 +80,7 @@ from tidal.core.protocol import (
     TrajectoryGroup,
 )
 from tidal.core.reliable import ack_topic
-from tidal.core.security import CurveServer
+from tidal.core.security import AuthGuard, CurveServer
 
 log = logging.getLogger("tidal.buffer")
 GC_GEN0_THRESHOLD = 50_000
@@ -114,13 +117,15 @@ class BufferService:
         )
         self.filters = [(f.name, registry.build("group_filter", f.name, f.options, field=f"filters[{i}]"))
                         for i, f in enumerate(cfg.filters)]
-        curve = CurveServer.from_files(cfg.curve_secret_key, cfg.curve_authorized_keys or None) if cfg.curve_secret_key else None
-        common: dict[str, Any] = {"curve": curve, "hwm": cfg.hwm, "linger": 1.0}
+        self.sec, self.guard = cfg.security, AuthGuard()
+        curves = self._curves(cfg)
+        common: dict[str, Any] = {"hwm": cfg.hwm, "linger": 1.0}
         # ingest decodes its two types only (faster than the whole Message union; others get a clear error)
-        self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory | TrajectoryGroup), **common)
+        self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory | TrajectoryGroup),
+                                        curve=curves[0], **common)
         self._max_frame = self.ingest.codec.max_header_bytes + PREAMBLE_BYTES
-        self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), **common)
-        self.pub = pub(cfg.publish, curve=curve, hwm=100_000, linger=1.0)
+        self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), curve=curves[1], **common)
+        self.pub = pub(cfg.publish, curve=curves[2], hwm=100_000, linger=1.0)
         self.learner_version = 0
         self.parked: dict[int, tuple[bytes, BatchRequest]] = {}
         self.protocol_errors = 0
@@ -132,6 +137,16 @@ class BufferService:
         # acks, refusals and replies wait for the fsync of their records (group commit)
         syncer = wal.Syncer(self.wal) if cfg.fsync == "batch" else None
         self.commits = GroupCommit(self.wal, cfg.max_batch_records, cfg.commit_interval_s, syncer)
+
+    def _curves(self, cfg: BufferConfig) -> tuple[Any, Any, Any]:
+        """CURVE for ingest, serve and publish: the run's keys (each socket its own client list), else
+        the standalone key files (every socket the same), else none (plaintext, loopback only)."""
+        if self.sec.enabled:
+            sec, g = self.sec, self.guard
+            return (sec.server(["rollout"], g, "buffer ingest"), sec.server(["learner", "driver"], g, "buffer serve"),
+                    sec.server(["rollout", "driver"], g, "buffer publish"))
+        curve = CurveServer.from_files(cfg.curve_secret_key, cfg.curve_authorized_keys or None) if cfg.curve_secret_key else None
+        return curve, curve, curve
 
     # ------------------------------------------------------------------ main loop
 
@@ -340,6 +355,10 @@ class BufferService:
                 self.protocol_errors += 1
                 log.warning("rejected a malformed request from %r: %s", e.peer, e)
                 continue
+            if not self._permitted(msg):
+                self._reply(peer, Error(code="refused", detail=f"{type(msg).__name__} is not accepted from "
+                                        f"{self.sec.role_of(self.server.sender) or 'this client'} (role check)"))
+                continue
             if type(msg) is BatchRequest:
                 if msg.acked:
                     self.consume(msg.acked)
@@ -356,6 +375,18 @@ class BufferService:
                 self.stop()
             else:
                 self._reply(peer, Error(code="refused", detail=f"the buffer does not handle {type(msg).__name__} here"))
+
+    def _permitted(self, msg: Any) -> bool:
+        """Role check on serve (with a run's keys): batches are the learner's, stop is the driver's."""
+        if not self.sec.enabled:
+            return True
+        kinds = ("learner", "driver") if type(msg) is Control and msg.command == "status" else \
+            ("driver",) if type(msg) is Control else ("learner",)
+        if self.sec.permits(self.server.sender, kinds):
+            return True
+        what = f"Control({msg.command!r})" if type(msg) is Control else type(msg).__name__
+        self.guard.refuse_role("buffer serve", self.sec.role_of(self.server.sender) or "?", what)
+        return False
 
     def consume(self, batch_ids: list[str]) -> None:
         for batch_id in batch_ids:
@@ -512,6 +543,7 @@ class BufferService:
             "total/dropped": float(s.stats["dropped"]),
             "total/rejected": float(self.rejected),
             "errors/protocol": float(self.protocol_errors),
+            **self.guard.scalars(),
             "wal/bytes": float(self.wal.bytes_written),
             "wal/appended_bytes": float(self.wal.appended_total),
             "wal/corrupt_bytes_skipped": float(self.corrupt_bytes),
@@ -527,6 +559,7 @@ class BufferService:
     def close(self) -> None:
         self._publish(self.commits.close())  # what is durable still goes out before the sockets close
         self.wal.close()
+        self.guard.close()
         for ch in (self.ingest, self.server, self.pub):
             ch.close(linger=0.5)
 

@@ -34,7 +34,7 @@ from tidal.core.errors import (
     TidalError,
 )
 from tidal.core.protocol import PROTOCOL_VERSION, Error, Hello, Message
-from tidal.core.security import Curve, apply_curve, require_curve_if_remote
+from tidal.core.security import Curve, CurveServer, apply_curve, require_curve_if_remote
 
 
 def _ms(timeout: float | None) -> int:
@@ -63,6 +63,9 @@ class Channel:
         self.codec = codec or Codec()
         self.recv_timeout = recv_timeout
         self._closed = False
+        # a CURVE server that checks client keys (ZAP) tells who sent each message it receives
+        self._zap = isinstance(curve, CurveServer) and (curve.clients is not None or curve.authorized_keys_dir is not None)
+        self.sender: str | None = None  # the last received message's authenticated client key (Z85), with ZAP
         ctx = context or zmq.Context.instance()
         sock = ctx.socket(self.socket_type)
         try:
@@ -113,6 +116,8 @@ class Channel:
         except zmq.Again:
             self._wait(timeout)
             frame = sock.recv(copy=False)
+        if self._zap:
+            self.sender = frame.get("User-Id")
         # zmq.Frame tells `more` without a getsockopt call; the leading frames are copied out as bytes
         # (a large first frame, when asked, is not: a read-only view that keeps the received message alive)
         frames: list[Any] = [frame.buffer.toreadonly() if view_at_least and len(frame) >= view_at_least else frame.bytes]

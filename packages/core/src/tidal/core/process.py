@@ -43,6 +43,9 @@ def exit_now(code: int = 0, zmq_flush_s: float = 2.0) -> NoReturn:
     sockets' linger is over, waited for up to `zmq_flush_s` (a socket left open would make it wait for
     ever: then the process ends anyway)."""
     zmq = sys.modules.get("zmq")
+    security = sys.modules.get("tidal.core.security")
+    if security is not None:  # a ZAP handler's sockets would hold term() for all of zmq_flush_s
+        security.stop_authenticators()
     if zmq is not None and zmq_flush_s > 0:
         import threading
 

@@ -54,6 +54,7 @@ from tidal.core.errors import ChannelTimeout, ConfigError, PeerUnreachable, Prot
 from tidal.core.interfaces import Task
 from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
+from tidal.core.security import AuthGuard, ChannelSecurity, make_role_keys
 from tidal.rollout.envproc import EnvProcConfig, EnvSpec
 
 log = logging.getLogger("tidal.rollout.envpool")
@@ -133,6 +134,9 @@ class EnvPool:
         stop_grace_s: float = 5.0,  # SIGTERM, then SIGKILL after this long
         max_failures_in_a_row: int = 3,
         endpoint: str = "tcp://127.0.0.1:*",  # where the ROUTER binds
+        # CURVE between the pool and its processes, with keys made for this pool in an owner-only folder in
+        # `log_dir`: no other local process can pose as an environment (observations, rewards) or read episodes
+        auth: bool = True,
     ) -> None:
         try:
             self.specs = msgspec.convert(dict(specs), dict[str, EnvSpec])
@@ -150,6 +154,9 @@ class EnvPool:
         self.start_timeout_s, self.stop_grace_s = start_timeout_s, stop_grace_s
         self.max_failures_in_a_row = max_failures_in_a_row
         self._bind = endpoint
+        self.auth = auth
+        self._keys_dir: Path | None = None
+        self._guard = AuthGuard()  # logs (once per address) what a stranger tried
         self._own_dir = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="tidal-envpool-"))
         self._counts = dict.fromkeys(COUNTERS, 0.0)
@@ -171,9 +178,17 @@ class EnvPool:
         if self._ch is not None:
             raise RuntimeError("EnvPool.start() called twice")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._ch = router(self._bind, hello=make_hello("envpool", self.name), linger=0)
+        server, client = ChannelSecurity(), ChannelSecurity()
+        if self.auth:
+            # an owner-only folder of its own inside the logs (removed at close; one a killed worker left
+            # behind stays owner-only, and its pool's next start reuses the pairs)
+            self._keys_dir = make_role_keys(self.log_dir / f".{self.name}-keys", ["envpool", "envproc"])
+            server = ChannelSecurity.from_role_keys(self._keys_dir, "envpool", clients=["envproc"])
+            client = ChannelSecurity.from_role_keys(self._keys_dir, "envproc", servers=["envpool"])
+        self._ch = router(self._bind, hello=make_hello("envpool", self.name), linger=0,
+                          curve=server.server(guard=self._guard, where=f"{self.name} environment pool"))
         self._config_path = self.log_dir / f"{self.name}.json"
-        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=self.specs, plugins=self.plugins)
+        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=self.specs, plugins=self.plugins, security=client)
         self._config_path.write_bytes(msgspec.json.encode(cfg))
         for i in range(self.processes):
             name = f"{self.name}-{i}"
@@ -211,11 +226,14 @@ class EnvPool:
                 log.warning("%s: %s did not stop within %g s of SIGTERM: killed", self.name, s.name,
                             self.stop_grace_s)
             self._kill(s)  # and whatever it started in its session
+        self._guard.close()
         if self._ch is not None:
             self._ch.close(linger=0)
         self._episodes.clear()
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._keys_dir is not None:
+            shutil.rmtree(self._keys_dir, ignore_errors=True)
 
     def __enter__(self) -> EnvPool:
         self.start()

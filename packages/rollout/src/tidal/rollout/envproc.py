@@ -42,6 +42,7 @@ from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
+from tidal.core.security import ChannelSecurity
 
 log = logging.getLogger("tidal.rollout.envproc")
 
@@ -63,6 +64,9 @@ class EnvProcConfig(ConfigStruct):
     identity: str = ""  # the DEALER identity the pool routes by ("" = name); new for every restart
     connect_timeout_s: float = 60.0  # how long to wait for the pool's answer to our Hello
     parent_check_s: float = 0.5  # how often the parent's liveness is checked
+    # CURVE: this process's key (the pool's own, made per pool in an owner-only folder) and the pool's
+    # public key as server "envpool"; unset = plaintext
+    security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
 
 
 def register_plugins(modules: list[str]) -> None:
@@ -210,7 +214,8 @@ class EnvProcess:
         self.cfg = cfg
         self.host = EpisodeHost(cfg.domains, cfg.name)
         self._stop = False
-        self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0)
+        self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0,
+                         curve=cfg.security.client("envpool"))
 
     def run(self) -> int:
         hello = make_hello("env", self.cfg.name)

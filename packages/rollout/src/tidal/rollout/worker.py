@@ -128,10 +128,15 @@ class RolloutWorker:
         self._logged_kinds: set[tuple[str, str]] = set()  # (reason, exception type) already logged with traceback
         self.groups: dict[str, _Group] = {}
         self.by_request: dict[str, tuple[str, int]] = {}
+        sec = cfg.security  # with a run's keys: every channel CURVE, each server authenticated by its key
+        buffer_curve = sec.client("buffer")
         self.pusher = AckedPusher(cfg.buffer_ingest, cfg.buffer_acks, cfg.name, window=max(64, cfg.max_groups * 64),
-                                  resend_after=cfg.resend_after_s, on_ack=self._on_ack)
-        self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0)
-        self.wsub = sub(cfg.weights, topics=[cfg.weights_topic], linger=0) if cfg.weights else None
+                                  resend_after=cfg.resend_after_s, on_ack=self._on_ack,
+                                  curve_push=buffer_curve, curve_ack=buffer_curve)
+        self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0, curve=sec.client("driver"))
+        # only the learner's key can announce weights here
+        self.wsub = sub(cfg.weights, topics=[cfg.weights_topic], linger=0, curve=sec.client("learner")) \
+            if cfg.weights else None
         self._requested = 0  # assignments asked for and not yet received
         self._rejections_seen = 0
         self._stop = threading.Event()

@@ -9,6 +9,7 @@ import msgspec
 
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.protocol import TOPIC_WEIGHTS
+from tidal.core.security import ChannelSecurity
 from tidal.rollout.multiturn import EpisodesConfig
 
 
@@ -45,6 +46,9 @@ class WorkerConfig(ConfigStruct):
     # roles start, not by the first batch the learner waits for; 0 skips it
     warmup_samples: int = 8
     episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
+    # a run's CURVE keys (tidal run fills it): this worker's key and the driver's, buffer's and learner's
+    # public keys; unset = plaintext (loopback only)
+    security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
     # append every trajectory id the buffer acknowledged to this file, one per line, as the ack arrives
     # (audits and fault tests: the producer's own record of what the buffer promised to keep);
     # "{name}" is replaced by the worker's name; "" = no record

@@ -1,5 +1,8 @@
 """ZeroMQ transport: the sender serves buckets from a ROUTER thread; receivers pull them (zero-copy
-frames both ways), each choosing dense or delta by the version it holds. Works across hosts (CURVE)."""
+frames both ways), each choosing dense or delta by the version it holds. Works across hosts (CURVE).
+
+In a run, `security` (a role's `ChannelSecurity`, as a Struct or its dict) sets CURVE up: the sender
+(role "learner") lets in the run's rollout workers only; a receiver trusts the learner's public key."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from tidal.core.arrays import Array
 from tidal.core.channels import DealerChannel, dealer, router
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
-from tidal.core.security import Curve
+from tidal.core.security import AuthGuard, ChannelSecurity, Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
@@ -23,11 +26,20 @@ from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 log = logging.getLogger(__name__)
 
 
+def _security(security: ChannelSecurity | dict[str, Any]) -> ChannelSecurity:
+    import msgspec
+
+    return security if isinstance(security, ChannelSecurity) else msgspec.convert(security, ChannelSecurity)
+
+
 class ZmqSenderTransport(SenderTransport):
     name = "zmq"
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", *, curve: Curve | None = None, keep: int = 2,
-                 delta_updates: bool = False) -> None:
+                 delta_updates: bool = False, security: ChannelSecurity | None = None) -> None:
+        self.auth = AuthGuard()  # clients refused (logged once per address; `auth.refused`)
+        if security is not None and curve is None:
+            curve = _security(security).server(["rollout"], self.auth, "weight server")
         self.keep = keep
         self.delta_updates = delta_updates
         self._versions: dict[int, list[Bucket]] = {}
@@ -118,6 +130,7 @@ class ZmqSenderTransport(SenderTransport):
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.auth.close()
 
 
 def _np_width_type(dtype: str) -> type:
@@ -129,7 +142,10 @@ def _np_width_type(dtype: str) -> type:
 class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
-    def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0) -> None:
+    def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0,
+                 security: ChannelSecurity | None = None) -> None:
+        if security is not None and curve is None:
+            curve = _security(security).client("learner")
         self.curve = curve
         self.timeout = timeout
         self.window = window  # requests in flight at once; 0 = every bucket at once
