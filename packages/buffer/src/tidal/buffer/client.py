@@ -19,6 +19,11 @@ from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.protocol import ACK_BATCH, Ack, Batch, BatchRequest, Control, Error, Metrics
 from tidal.core.security import Curve
 
+# The largest Batch share a learner rank takes (ZeroMQ drops a larger frame unread): generous, finite. A
+# share of 256 samples of 32k tokens, ids + logprobs + versions (12 bytes a token), is about 100 MiB; MoE
+# routing or sampling masks can add several times that.
+MAX_BATCH_BYTES = 4 * 1024**3
+
 
 class BatchClient:
     def __init__(
@@ -31,11 +36,13 @@ class BatchClient:
         curve: Curve | None = None,
         retry_every: float = 2.0,
         trained: Iterable[str] = (),
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.retry_every = retry_every
         self.name = name or f"learner-{rank}"
-        self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode())
+        self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode(),
+                          max_bytes=max_batch_bytes)
         self.trained: set[str] = set(trained)  # acknowledged batch ids (or trained, per the checkpoint)
         self.held: list[str] = []  # batches returned by next_batch and not yet acknowledged, oldest first
 

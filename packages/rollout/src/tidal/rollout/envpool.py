@@ -364,7 +364,9 @@ class EnvPool:
                 peer, msg = self._ch.recv(timeout=0)  # answers Hellos by itself (RouterChannel.peers)
             except ChannelTimeout:
                 break
-            except ProtocolError as e:
+            except ProtocolError as e:  # any decode failure comes as this; the pool goes on serving
+                key = f"protocol_errors/{e.reason}"
+                self._counts[key] = self._counts.get(key, 0.0) + 1
                 log.error("%s: dropped a bad message from %r: %s", self.name, e.peer, e)
                 continue
             self._on_message(peer, msg)

@@ -211,6 +211,7 @@ class EnvProcess:
         self.host = EpisodeHost(cfg.domains, cfg.name)
         self._stop = False
         self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0)
+        self.protocol_errors: dict[str, int] = {}  # bad messages dropped, by ProtocolError.reason
 
     def run(self) -> int:
         hello = make_hello("env", self.cfg.name)
@@ -223,8 +224,10 @@ class EnvProcess:
                     msg = self.ch.recv(timeout=self.cfg.parent_check_s)
                 except ChannelTimeout:
                     continue
-                except ProtocolError as e:
-                    log.error("%s: dropped a bad message: %s", self.cfg.name, e)
+                except ProtocolError as e:  # any decode failure comes as this; the process goes on
+                    self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                    log.error("%s: dropped a bad message (%d so far): %s", self.cfg.name,
+                              sum(self.protocol_errors.values()), e)
                     continue
                 self.serve(msg)
         finally:

@@ -21,6 +21,12 @@ from tidal.weight_sync.errors import WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
+# The sender's ROUTER takes WeightsRequests and Acks only: a few hundred bytes each.
+REQUEST_MAX_BYTES = 1024**2
+# A bucket's reply carries its bytes (a delta payload is never larger than the dense bucket: delta.encode)
+# plus a small WeightsBucket header: the receiver's DEALER takes frames up to this much beyond the largest
+# announced bucket.
+BUCKET_SLACK_BYTES = 1024**2
 
 
 class ZmqSenderTransport(SenderTransport):
@@ -35,6 +41,7 @@ class ZmqSenderTransport(SenderTransport):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.reports: dict[int, list[tuple[bool, str]]] = {}  # version -> (ok, detail) per receiver report
+        self.protocol_errors: dict[str, int] = {}  # bad requests dropped, by ProtocolError.reason
         self.bytes_sent = 0  # payload bytes served (dense or delta)
         self.bytes_dense = 0  # what the same requests would have cost dense
         self._ready = threading.Event()
@@ -58,7 +65,7 @@ class ZmqSenderTransport(SenderTransport):
 
     def _serve(self) -> None:
         try:
-            ch = router(self._endpoint, curve=self._curve, linger=0, hwm=64)
+            ch = router(self._endpoint, curve=self._curve, linger=0, hwm=64, max_bytes=REQUEST_MAX_BYTES)
         except BaseException as e:
             self._error = e
             self._ready.set()
@@ -72,7 +79,8 @@ class ZmqSenderTransport(SenderTransport):
                     peer, msg = ch.recv(timeout=0.1)
                 except ChannelTimeout:
                     continue
-                except ProtocolError as e:
+                except ProtocolError as e:  # any decode failure comes as this; the server goes on
+                    self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
                     log.warning("weight server: bad request: %s", e)
                     continue
                 if type(msg) is Ack and msg.kind == ACK_WEIGHTS:
@@ -135,18 +143,21 @@ class ZmqReceiverTransport(ReceiverTransport):
         self.window = window  # requests in flight at once; 0 = every bucket at once
         self._ch: DealerChannel | None = None
         self._endpoint = ""
+        self._max_bytes = 0
 
-    def _channel(self, endpoint: str) -> DealerChannel:
-        if self._ch is None or endpoint != self._endpoint:
+    def _channel(self, endpoint: str, max_bytes: int) -> DealerChannel:
+        """The DEALER to `endpoint`, taking frames of up to `max_bytes` (sized from the announced buckets;
+        made again when a later announcement has larger ones)."""
+        if self._ch is None or endpoint != self._endpoint or max_bytes > self._max_bytes:
             if self._ch is not None:
                 self._ch.close(linger=0)
-            self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64)
-            self._endpoint = endpoint
+            self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64, max_bytes=max_bytes)
+            self._endpoint, self._max_bytes = endpoint, max_bytes
         return self._ch
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
-        ch = self._channel(ann.location)
+        ch = self._channel(ann.location, max(ann.bucket_sizes, default=0) + BUCKET_SLACK_BYTES)
         n = len(ann.bucket_sizes)
         window = self.window or n
         requested = 0
