@@ -55,3 +55,13 @@ def test_what_a_recipe_sets_reaches_the_roles(tmp_path):
     default = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.temperature=0.6"]), tmp_path / "run2")[0]
     learner = next(json.loads(r.config.read_text()) for r in default if r.name == "learner")
     assert learner["checkpoint_every"] == 10 and learner["train"]["temperature"] == 0.6
+
+
+def test_the_buffer_learns_the_models_vocabulary_size_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1234}))
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "run")
+    buffer = next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")
+    assert buffer["vocab_size"] == 1234  # the buffer refuses ids outside [0, 1234)
+    (tmp_path / "config.json").unlink()  # no config to read: token ids unchecked, not a failure
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "run2")
+    assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["vocab_size"] == 0

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from tidal.core.errors import ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
@@ -71,7 +72,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     buffer = msgspec.structs.replace(
         cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
         wal_dir=str(run_dir / cfg.buffer.wal_dir),  # relative to the run folder (an absolute path stays)
-        group_size=cfg.group_size, batch_samples=cfg.batch_samples)
+        group_size=cfg.group_size, batch_samples=cfg.batch_samples,
+        # the buffer refuses token ids the model cannot embed (0 = unchecked: no config.json to read it from)
+        vocab_size=cfg.buffer.vocab_size or vocab_size(cfg.learner.model or cfg.model))
     learner = msgspec.structs.replace(
         cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
         max_steps=cfg.budget.versions, seed=cfg.seed,
@@ -101,6 +104,18 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
                                                                         **cfg.rollout.engine.options}))
         roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
     return roles, ep
+
+
+def vocab_size(model: str | Path) -> int:
+    """The model's vocabulary size (embedding rows) from its folder's config.json; 0 when there is none to
+    read (a hub name, a folder without one): the buffer then leaves token ids unchecked."""
+    try:
+        conf = model_config(model)
+    except ConfigError as e:
+        log.info("token ids at the buffer unchecked: %s", e)
+        return 0
+    size = conf.get("vocab_size") or conf.get("text_config", {}).get("vocab_size") or 0
+    return int(size) if isinstance(size, int) and size > 0 else 0
 
 
 def share_threads(cores: int, workers: int, learner_ranks: int = 1, fixed: int = 0) -> tuple[int, int]:
