@@ -222,7 +222,7 @@ class BufferService:
         The producer does not resend it (AckedPusher.rejected)."""
         reason = verdict.reason if isinstance(verdict, Refusal) else "refused"
         self.refused_by[reason] = self.refused_by.get(reason, 0) + 1
-        self.commits.refuse(source, kind, item, verdict, reason)
+        self.commits.refuse(source, kind, item, str(verdict), reason)  # a plain str: msgspec encodes no subclass
 
     def _max_version(self) -> int | None:
         """The newest token version a trajectory may carry (None: unchecked)."""
