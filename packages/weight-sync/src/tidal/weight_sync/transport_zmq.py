@@ -134,6 +134,11 @@ def _np_width_type(dtype: str) -> type:
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
 
 
+def _reply_bytes(ann: WeightsAvailable) -> int:
+    """The largest reply a receiver of `ann` takes: its largest bucket and a WeightsBucket header."""
+    return max(ann.bucket_sizes, default=0) + BUCKET_SLACK_BYTES
+
+
 class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
@@ -144,6 +149,7 @@ class ZmqReceiverTransport(ReceiverTransport):
         self._ch: DealerChannel | None = None
         self._endpoint = ""
         self._max_bytes = 0
+        self.protocol_errors: dict[str, int] = {}  # bad replies dropped, by ProtocolError.reason
 
     def _channel(self, endpoint: str, max_bytes: int) -> DealerChannel:
         """The DEALER to `endpoint`, taking frames of up to `max_bytes` (sized from the announced buckets;
@@ -157,7 +163,7 @@ class ZmqReceiverTransport(ReceiverTransport):
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
-        ch = self._channel(ann.location, max(ann.bucket_sizes, default=0) + BUCKET_SLACK_BYTES)
+        ch = self._channel(ann.location, _reply_bytes(ann))
         n = len(ann.bucket_sizes)
         window = self.window or n
         requested = 0
@@ -177,6 +183,10 @@ class ZmqReceiverTransport(ReceiverTransport):
             except ChannelTimeout:
                 raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
                                       f"version {ann.version} within {self.timeout:g} s") from None
+            except ProtocolError as e:  # any decode failure comes as this: dropped; the real bucket may follow
+                self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                log.warning("weight receiver: dropped a bad reply from %s: %s", ann.location, e)
+                continue
             if type(msg) is Error:
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
             if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
@@ -186,7 +196,7 @@ class ZmqReceiverTransport(ReceiverTransport):
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         try:
-            self._channel(ann.location).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
+            self._channel(ann.location, _reply_bytes(ann)).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
         except ChannelTimeout:
             pass
 
