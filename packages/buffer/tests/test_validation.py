@@ -13,7 +13,7 @@ import pytest
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.service import BufferService
 from tidal.buffer.store import body_of, decode_samples, encode_trajectory
-from tidal.buffer.validate import check_values
+from tidal.buffer.validate import check_all_values, check_values
 from tidal.core.arrays import Array
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint, make_group, make_trajectory
@@ -124,3 +124,14 @@ def test_a_batch_request_cannot_jump_the_learner_version_far_ahead(service):
     svc._learner_at(1_000_000_000, b"attacker")
     assert svc.learner_version == 6 + svc.cfg.max_version_step
     assert svc.metrics().scalars["errors/version_jump"] == 1.0
+
+
+@pytest.mark.parametrize("reason", REASONS)
+def test_a_group_check_finds_the_bad_member_and_its_reason(reason):
+    members = [make_trajectory(i, rich=False) for i in range(8)]
+    assert check_all_values(members, VOCAB, 3 + 64, 1e4) is None
+    as_samples = decode_samples(body_of(encode_trajectory(make_group("g", 8)))).trajectories
+    assert check_all_values(as_samples, VOCAB, 3 + 64, 1e4) is None  # views into one frame, joined
+    members[5] = _forged(reason, 5)
+    got = check_all_values(members, VOCAB, 3 + 64, 1e4)
+    assert got is not None and got[:2] == (5, reason), got

@@ -54,7 +54,7 @@ from tidal.buffer.store import (
     member_bodies,
     sample_of,
 )
-from tidal.buffer.validate import Refusal, check_values, validate, validate_group
+from tidal.buffer.validate import Refusal, check_all_values, validate, validate_group
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
@@ -230,10 +230,14 @@ class BufferService:
             return None
         return self.learner_version + self.cfg.version_slack
 
-    def _check_values(self, t: Any) -> Refusal | None:
+    def _check_values(self, members: Any) -> tuple[int, Refusal] | None:
+        """The first of `members` whose values cannot be trained on (its index, and why), or None."""
         cfg = self.cfg
-        bad = check_values(t, cfg.vocab_size, self._max_version(), cfg.max_abs_reward)
-        return None if bad is None else Refusal(f"invalid trajectory {t.id}: {bad[1]}", bad[0])
+        bad = check_all_values(members, cfg.vocab_size, self._max_version(), cfg.max_abs_reward)
+        if bad is None:
+            return None
+        i, reason, detail = bad
+        return i, Refusal(f"invalid trajectory {members[i].id}: {detail}", reason)
 
     def _decode(self, frames: list[Any]) -> tuple[Any, bytes | memoryview | None]:
         """The message and, when it came as one frame (every array inline, already the WAL's encoding),
@@ -274,9 +278,9 @@ class BufferService:
         why = validate(t)
         if why is not None:
             return Refusal(f"invalid trajectory {t.id}: {why}", "invalid")
-        bad = self._check_values(t)
+        bad = self._check_values((t,))
         if bad is not None:
-            return bad
+            return bad[1]
         if self.admission is not None:
             why, mask = self._admit(t)
             if why is not None:
@@ -309,10 +313,10 @@ class BufferService:
         why = validate_group(g)
         if why is not None:
             return Refusal(f"invalid group {g.id}: {why}", "invalid"), {}
-        for i, t in enumerate(g.trajectories):  # one bad member refuses the group whole (as validate_group)
-            bad = self._check_values(t)
-            if bad is not None:
-                return Refusal(f"invalid group {g.id}: trajectories[{i}]: {bad}", bad.reason), {}
+        bad = self._check_values(g.trajectories)  # one bad member refuses the group whole (as validate_group)
+        if bad is not None:
+            i, why = bad
+            return Refusal(f"invalid group {g.id}: trajectories[{i}]: {why}", why.reason), {}
         store = self.store
         # each member's encoding is a slice of the header when every array rode inline in it
         bodies = member_bodies(body_of(frame)) if frame is not None else None

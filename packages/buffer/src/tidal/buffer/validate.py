@@ -9,6 +9,7 @@ a token id the model has no embedding for, or versions from the future. Each ref
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -159,3 +160,62 @@ def _check_values(t: Any, vocab_size: int, max_version: int | None, max_abs_rewa
             return "version_ahead", (f"versions reach {int(v.max())}, newer than the learner's version plus the "
                                      f"buffer's version_slack ({max_version}): weights that do not exist yet")
     return None
+
+
+def check_all_values(members: Sequence[Any], vocab_size: int, max_version: int | None,
+                     max_abs_reward: float) -> tuple[int, str, str] | None:
+    """(index, reason, detail) of the first of `members` (trajectories or Samples, a group's or a lone one)
+    whose values cannot be trained on, or None. The common case, every member fine, costs one reduction per
+    kind of array for all of them together (their bytes joined); only a group that fails it is looked at
+    member by member (`check_values`, which says which and why)."""
+    try:
+        if _all_fine(members, vocab_size, max_version, max_abs_reward):
+            return None
+    except (TypeError, ValueError):
+        pass  # an unexpected layout: the member-by-member checks name it
+    for i, t in enumerate(members):
+        bad = check_values(t, vocab_size, max_version, max_abs_reward)
+        if bad is not None:
+            return i, bad[0], bad[1]
+    return None
+
+
+def _raw(a: Any) -> Any:
+    return a.data if type(a) in ARRAY_READS else a.buffer
+
+
+def _all_fine(members: Sequence[Any], vocab_size: int, max_version: int | None, max_abs_reward: float) -> bool:
+    """True when every member passes (False may be a false alarm: `check_values` decides)."""
+    logprobs: list[Any] = []
+    versions: list[Any] = []
+    ids: list[Any] = []
+    isfinite = math.isfinite
+    for t in members:
+        r = t.reward
+        if not isfinite(r) or (max_abs_reward and abs(r) > max_abs_reward) or t.step_rewards is not None:
+            return False
+        lp, v = t.logprobs, t.versions
+        if lp.dtype != "float32" or v.dtype != "int32":
+            return False
+        logprobs.append(_raw(lp))
+        versions.append(_raw(v))
+        if vocab_size > 0:
+            p, c = t.prompt_ids, t.completion_ids
+            if p.dtype != "int32" or c.dtype != "int32":
+                return False
+            ids.append(_raw(p))
+            ids.append(_raw(c))
+    lp_all = np.frombuffer(b"".join(logprobs), "<f4")
+    # float32 sum: NaN or inf when any term is (or on overflow, which no real logprobs reach: then the
+    # member-by-member float64 check decides)
+    if lp_all.size and not isfinite(np.add.reduce(lp_all)):
+        return False
+    if max_version is not None:
+        v_all = np.frombuffer(b"".join(versions), "<i4")
+        if v_all.size and int(np.maximum.reduce(v_all)) > max_version:
+            return False
+    if vocab_size > 0:
+        ids_all = np.frombuffer(b"".join(ids), "<u4")  # a negative id is larger than any vocabulary as unsigned
+        if ids_all.size and int(np.maximum.reduce(ids_all)) >= vocab_size:
+            return False
+    return True
