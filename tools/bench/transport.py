@@ -63,7 +63,9 @@ def as_trajectory(c: dict) -> Trajectory:
 def receiver(mode: str, workload: str, n: int, conn) -> None:
     ctx = zmq.Context()
     if mode == "tidal":
-        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000)
+        # the large workload's messages are over the default limit for control traffic: said here, as a
+        # channel that takes them must
+        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000, max_bytes=LARGE_BYTES + MiB)
         conn.send(ch.endpoint)
         first = None
         for _ in range(n):
