@@ -298,3 +298,22 @@ def test_a_guess_game_of_unreadable_moves_is_lost_at_max_turns_not_a_verifier_er
         r = one(pool)
         assert not r.error_kind and r.info["invalid_guesses"] == 1.0, r
     assert r.done and r.outcome == 0.0 and r.info["max_turns_reached"] == 1.0
+
+
+def test_a_malformed_or_nested_frame_at_the_pool_is_counted_by_reason_and_episodes_go_on(make_pool):
+    from tidal.core.channels import dealer
+    from tidal.core.codec import MAGIC
+    from tidal.core.protocol import PROTOCOL_VERSION
+
+    pool = make_pool({"count": {"env": "counting"}})
+    assert pool._ch is not None
+    with dealer(pool._ch.endpoint, identity=b"rogue", linger=0) as rogue:
+        rogue.socket.send(MAGIC + bytes(PROTOCOL_VERSION) + b"\x92\xacEpisodeReply" + b"\x91" * 200_000 + b"\xc0")
+        rogue.socket.send(b"GET / HTTP/1.1\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while sum(v for k, v in pool.counters.items() if k.startswith("protocol_errors/")) < 2:
+            assert time.monotonic() < deadline, f"the pool did not count the bad frames: {pool.counters}"
+            pool.poll(timeout=0.05)
+    assert pool.counters["protocol_errors/not_tidal"] == 1
+    pool.open("ok", "count", Task(prompt="p"))  # control: the pool still serves episodes
+    assert not one(pool).error_kind
