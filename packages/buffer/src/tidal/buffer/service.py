@@ -92,6 +92,8 @@ SHARES_AHEAD = 3
 # are copied: libzmq may receive them into a shared 8 KiB batch, which a view would keep alive whole.
 INGEST_VIEW_BYTES = VIEW_AT_LEAST
 _GROUPS = (*GROUP_TYPES, TrajectoryGroup)
+# protocol errors logged one by one; after these, every 1000th (all are counted: errors/protocol/<reason>)
+LOGGED_ERRORS = 100
 
 
 class BufferService:
@@ -184,16 +186,20 @@ class BufferService:
 
     def drain_ingest(self) -> None:
         n = 0
-        while n < INGEST_CHUNK and not self.backpressured():
+        taken = 0  # messages taken this turn, bad ones too: a flood of garbage cannot keep learners waiting
+        while n < INGEST_CHUNK and taken < INGEST_CHUNK and not self.backpressured():
             try:
                 frames = self.ingest.recv_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
             except ChannelTimeout:
                 break
+            taken += 1
             try:
                 msg, frame = self._decode(frames)
             except ProtocolError as e:  # of any kind: the codec turns every decode failure into this
                 self._protocol_error(e)
-                log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
+                if self.protocol_errors <= LOGGED_ERRORS or self.protocol_errors % 1000 == 0:
+                    log.warning("rejected a malformed message on %s (%d so far): %s", self.ingest.endpoint,
+                                self.protocol_errors, e)
                 continue
             if type(msg) in _GROUPS:
                 n += len(msg.trajectories)
@@ -379,7 +385,9 @@ class BufferService:
                 return
             except ProtocolError as e:  # of any kind: the codec turns every decode failure into this
                 self._protocol_error(e)
-                log.warning("rejected a malformed request from %r: %s", e.peer, e)
+                if self.protocol_errors <= LOGGED_ERRORS or self.protocol_errors % 1000 == 0:
+                    log.warning("rejected a malformed request from %r (%d so far): %s", e.peer,
+                                self.protocol_errors, e)
                 continue
             if type(msg) is BatchRequest:
                 if msg.acked:

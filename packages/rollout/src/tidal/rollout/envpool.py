@@ -359,7 +359,7 @@ class EnvPool:
             wait = max(0.0, min(wait, due - time.monotonic()))
             if wait > 0:
                 poll([self._ch], wait)
-        while True:
+        for _ in range(1024):  # bounded: a flood of (bad) messages cannot keep the slots and deadlines waiting
             try:
                 peer, msg = self._ch.recv(timeout=0)  # answers Hellos by itself (RouterChannel.peers)
             except ChannelTimeout:
