@@ -11,6 +11,7 @@ the trained batch ids in the checkpoint and pass them as `trained`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -23,6 +24,8 @@ from tidal.core.security import Curve
 # share of 256 samples of 32k tokens, ids + logprobs + versions (12 bytes a token), is about 100 MiB; MoE
 # routing or sampling masks can add several times that.
 MAX_BATCH_BYTES = 4 * 1024**3
+
+log = logging.getLogger("tidal.buffer.client")
 
 
 class BatchClient:
@@ -44,7 +47,8 @@ class BatchClient:
         self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode(),
                           max_bytes=max_batch_bytes)
         self.trained: set[str] = set(trained)  # acknowledged batch ids (or trained, per the checkpoint)
-        self.held: list[str] = []  # batches returned by next_batch and not yet acknowledged, oldest first
+        self.held: list[str] = []
+        self.protocol_errors: dict[str, int] = {}  # bad replies dropped, by ProtocolError.reason  # batches returned by next_batch and not yet acknowledged, oldest first
 
     def handshake(self, timeout: float = 10.0) -> None:
         self._ch.handshake(make_hello("learner", self.name), timeout)
@@ -118,6 +122,10 @@ class BatchClient:
                 msg = self._ch.recv(timeout=left)
             except ChannelTimeout:
                 return None
+            except ProtocolError as e:  # a reply no decoder accepts (of any kind): dropped, counted; the request is retried
+                self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                log.warning("%s: dropped a bad reply from the buffer: %s", self.name, e)
+                continue
             if isinstance(msg, types):
                 return msg
 
