@@ -65,3 +65,13 @@ def test_the_buffer_learns_the_models_vocabulary_size_from_its_config(tmp_path):
     (tmp_path / "config.json").unlink()  # no config to read: token ids unchecked, not a failure
     roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "run2")
     assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["vocab_size"] == 0
+
+
+def test_the_buffers_ingest_limit_fits_the_largest_group_the_run_can_send(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 160_000, "max_position_embeddings": 32_768}))
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.return_sampling_mask=true"]), tmp_path / "r")
+    buffer = next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")
+    # 32k tokens x (13 bytes + a 20 kB sampling mask) a sample: far past the 256 MiB default, raised to fit
+    assert buffer["max_message_bytes"] >= 32_768 * (13 + 20_000) * buffer["group_size"]
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "r2")
+    assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["max_message_bytes"] == 256 * 1024**2
