@@ -182,3 +182,23 @@ def test_the_learners_first_step_marks_when_it_was_up_and_its_rows_give_the_trai
         assert ctl.trained_per_s() == 64 / 19.0  # one step in the window: from the row before it
     finally:
         ctl.close()
+
+
+def test_a_malformed_or_nested_message_is_counted_by_reason_and_the_controller_serves_on(tmp_path):
+    from tidal.core.codec import MAGIC
+    from tidal.core.protocol import PROTOCOL_VERSION
+
+    ctl = _controller(tmp_path, "eval.every=0")
+    try:
+        with dealer(ctl.ch.endpoint, identity=b"rollout-9", linger=0) as rogue:
+            rogue.socket.send(MAGIC + bytes(PROTOCOL_VERSION) + b"\x92\xa9Heartbeat" + b"\x91" * 200_000 + b"\xc0")
+            rogue.socket.send(b"GET / HTTP/1.1\r\n\r\n")
+            _step_until(ctl, lambda: sum(ctl.protocol_errors.values()) >= 2)
+            status = ctl.status()
+            assert status["controller/protocol_errors/not_tidal"] == 1.0
+            assert sum(v for k, v in status.items() if k.startswith("controller/protocol_errors/")) == 2.0
+            # control: the same peer's valid message on the same socket is heard
+            rogue.send(Heartbeat(role="rollout", name="rollout-9", seq=0, time=time.time(), version=0))
+            _step_until(ctl, lambda: "rollout-9" in ctl.workers)
+    finally:
+        ctl.close()

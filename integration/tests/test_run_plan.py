@@ -88,3 +88,23 @@ def test_every_role_gets_the_run_keys_it_needs_and_nothing_more(tmp_path):
     roles, ep = plan(off, tmp_path / "plain")
     assert all(e.startswith("tcp://127.0.0.1:") for e in ep.values()) and not (tmp_path / "plain" / "keys").exists()
     assert all(json.loads(r.config.read_text())["security"]["secret_key"] == "" for r in roles)
+
+
+def test_the_buffer_learns_the_models_vocabulary_size_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1234}))
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "run")
+    buffer = next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")
+    assert buffer["vocab_size"] == 1234  # the buffer refuses ids outside [0, 1234)
+    (tmp_path / "config.json").unlink()  # no config to read: token ids unchecked, not a failure
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "run2")
+    assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["vocab_size"] == 0
+
+
+def test_the_buffers_ingest_limit_fits_the_largest_group_the_run_can_send(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 160_000, "max_position_embeddings": 32_768}))
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.return_sampling_mask=true"]), tmp_path / "r")
+    buffer = next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")
+    # 32k tokens x (13 bytes + a 20 kB sampling mask) a sample: far past the 256 MiB default, raised to fit
+    assert buffer["max_message_bytes"] >= 32_768 * (13 + 20_000) * buffer["group_size"]
+    roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "r2")
+    assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["max_message_bytes"] == 256 * 1024**2

@@ -71,7 +71,9 @@ def receiver(mode: str, workload: str, n: int, conn, keys: dict[str, bytes]) -> 
     if mode in ("tidal", "curve"):
         curve = CurveServer(keys["server_public"], keys["server_secret"], clients={keys["client_public"]: "bench"}) \
             if mode == "curve" else None
-        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000, curve=curve)
+        # the large workload's messages are over the default limit for control traffic: said here, as a
+        # channel that takes them must
+        ch = pull("tcp://127.0.0.1:*", context=ctx, hwm=10_000, curve=curve, max_bytes=LARGE_BYTES + MiB)
         conn.send(ch.endpoint)
         first = None
         for _ in range(n):

@@ -36,7 +36,8 @@ def test_push_pull_carries_every_message_type():
 def test_64_mib_array_arrives_zero_copy_with_dtype_and_shape():
     payload = np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)  # 64 MiB
     msg = Metrics(source="s", step=0, time=0.0, scalars={}, histograms={"w": Array.from_numpy(payload)})
-    with pull(LOCAL) as inbox, push(inbox.endpoint) as outbox:
+    # above the default limit for control traffic: a channel that takes large messages says so
+    with pull(LOCAL, max_bytes=128 * 1024**2) as inbox, push(inbox.endpoint) as outbox:
         outbox.send(msg, timeout=10)
         got = inbox.recv(timeout=30).histograms["w"]
     assert got.dtype == "float32" and got.shape == (4096, 4096)

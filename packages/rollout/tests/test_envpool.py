@@ -319,3 +319,26 @@ def test_a_process_without_the_pools_keys_cannot_pose_as_an_environment(make_poo
             with pytest.raises(ChannelTimeout):
                 stranger.handshake(make_hello("env", "stranger"), timeout=1.0)
     assert pool.processes == 1 and all(s.ready for s in pool._slots)
+
+
+def test_a_malformed_or_nested_frame_at_the_pool_is_counted_by_reason_and_episodes_go_on(make_pool):
+    from tidal.core.channels import dealer
+    from tidal.core.codec import MAGIC
+    from tidal.core.protocol import PROTOCOL_VERSION
+    from tidal.core.security import ChannelSecurity
+
+    pool = make_pool({"count": {"env": "counting"}})
+    assert pool._ch is not None
+    # a peer holding the pool's client keys (its own processes' pair): past CURVE, at the codec
+    assert pool._keys_dir is not None
+    curve = ChannelSecurity.from_role_keys(pool._keys_dir, "envproc", servers=["envpool"]).client("envpool")
+    with dealer(pool._ch.endpoint, identity=b"rogue", linger=0, curve=curve) as rogue:
+        rogue.socket.send(MAGIC + bytes(PROTOCOL_VERSION) + b"\x92\xacEpisodeReply" + b"\x91" * 200_000 + b"\xc0")
+        rogue.socket.send(b"GET / HTTP/1.1\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while sum(v for k, v in pool.counters.items() if k.startswith("protocol_errors/")) < 2:
+            assert time.monotonic() < deadline, f"the pool did not count the bad frames: {pool.counters}"
+            pool.poll(timeout=0.05)
+    assert pool.counters["protocol_errors/not_tidal"] == 1
+    pool.open("ok", "count", Task(prompt="p"))  # control: the pool still serves episodes
+    assert not one(pool).error_kind

@@ -143,6 +143,7 @@ class Controller:
                          curve=sec.server(["rollout"], self.auth, "controller"))
         self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0, curve=sec.client("learner"))
         self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0, curve=sec.client("buffer"))
+        self.protocol_errors: dict[str, int] = {}  # malformed messages dropped, by ProtocolError.reason
         staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
         self.rng = random.Random(cfg.seed)
@@ -202,7 +203,7 @@ class Controller:
                 except ChannelTimeout:
                     break
                 except ProtocolError as e:
-                    log.error("dropped a malformed message: %s", e)
+                    self._protocol_error(e)
         self._advance_version()
         self._dispatch()
         self._finish_evals()
@@ -218,9 +219,15 @@ class Controller:
                 except ChannelTimeout:
                     break
                 except ProtocolError as e:
-                    log.error("dropped a malformed message: %s", e)
+                    self._protocol_error(e)
             if time.monotonic() >= deadline:
                 return
+
+    def _protocol_error(self, e: ProtocolError) -> None:
+        """A message no decoder could accept (of any kind: the codec turns every failure into this one):
+        counted by reason, logged, and the loop goes on."""
+        self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+        log.error("dropped a malformed message from %r: %s", e.peer, e)
 
     def _on_worker(self, peer: bytes, msg) -> None:
         hello = self.ch.peers.get(peer)
@@ -512,7 +519,8 @@ class Controller:
                 **{f"controller/{k}": float(v) for k, v in self.counts.items()},
                 **{f"controller/groups_failed/{k}": float(v) for k, v in self.failed_by_reason.items()},
                 **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()},
-                "controller/auth_refused": float(self.auth.refused)}
+                "controller/auth_refused": float(self.auth.refused),
+                **{f"controller/protocol_errors/{k}": float(v) for k, v in self.protocol_errors.items()}}
 
     def close(self) -> None:
         self.auth.close()

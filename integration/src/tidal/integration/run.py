@@ -41,6 +41,7 @@ from pathlib import Path
 
 import msgspec
 
+from tidal.core.errors import ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
@@ -97,7 +98,11 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     buffer = msgspec.structs.replace(
         cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
         wal_dir=str(run_dir / cfg.buffer.wal_dir),  # relative to the run folder (an absolute path stays)
-        group_size=cfg.group_size, batch_samples=cfg.batch_samples, security=sec["buffer"])
+        group_size=cfg.group_size, batch_samples=cfg.batch_samples, security=sec["buffer"],
+        # the buffer refuses token ids the model cannot embed (0 = unchecked: no config.json to read it from)
+        vocab_size=cfg.buffer.vocab_size or vocab_size(cfg.learner.model or cfg.model),
+        # its ingest socket takes the largest group this run can produce (a larger frame is dropped unread)
+        max_message_bytes=max(cfg.buffer.max_message_bytes, group_bytes(cfg)))
     learner = msgspec.structs.replace(
         cfg.learner, model=cfg.learner.model or cfg.model, buffer=ep["serve"], publish=ep["learner_pub"],
         max_steps=cfg.budget.versions, seed=cfg.seed,
@@ -181,6 +186,36 @@ def ipc_folder(run_dir: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def vocab_size(model: str | Path) -> int:
+    """The model's vocabulary size (embedding rows) from its folder's config.json; 0 when there is none to
+    read (a hub name, a folder without one): the buffer then leaves token ids unchecked."""
+    try:
+        conf = model_config(model)
+    except ConfigError as e:
+        log.info("token ids at the buffer unchecked: %s", e)
+        return 0
+    size = conf.get("vocab_size") or conf.get("text_config", {}).get("vocab_size") or 0
+    return int(size) if isinstance(size, int) and size > 0 else 0
+
+
+def group_bytes(cfg: RunConfig) -> int:
+    """The largest TrajectoryGroup message the run's workers can send: a group of sequences as long as the
+    model's context, each token with its id, logprob, version and loss mask, plus the sampling mask and MoE
+    routing when the recipe asks for them; 0 when the model has no config.json to read."""
+    try:
+        conf = model_config(cfg.learner.model or cfg.model)
+    except ConfigError:
+        return 0
+    text = conf.get("text_config", conf)
+    tokens = int(text.get("max_position_embeddings") or 0) or 32_768
+    per_token = 4 + 4 + 4 + 1
+    if cfg.sampling.return_sampling_mask:
+        per_token += (int(text.get("vocab_size") or 0) + 7) // 8
+    if cfg.sampling.return_routing:
+        per_token += 2 * int(text.get("num_hidden_layers") or 0) * int(text.get("num_experts_per_tok") or 0)
+    return cfg.group_size * (tokens * per_token + 64 * 1024)  # 64 KiB a sample: text fields, msgpack framing
 
 
 def share_threads(cores: int, workers: int, learner_ranks: int = 1, fixed: int = 0) -> tuple[int, int]:

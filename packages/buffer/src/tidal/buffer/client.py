@@ -11,6 +11,7 @@ the trained batch ids in the checkpoint and pass them as `trained`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -18,6 +19,13 @@ from tidal.core.channels import dealer, make_hello
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.protocol import ACK_BATCH, Ack, Batch, BatchRequest, Control, Error, Metrics
 from tidal.core.security import Curve
+
+# The largest Batch share a learner rank takes (ZeroMQ drops a larger frame unread): generous, finite. A
+# share of 256 samples of 32k tokens, ids + logprobs + versions (12 bytes a token), is about 100 MiB; MoE
+# routing or sampling masks can add several times that.
+MAX_BATCH_BYTES = 4 * 1024**3
+
+log = logging.getLogger("tidal.buffer.client")
 
 
 class BatchClient:
@@ -31,13 +39,16 @@ class BatchClient:
         curve: Curve | None = None,
         retry_every: float = 2.0,
         trained: Iterable[str] = (),
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.retry_every = retry_every
         self.name = name or f"learner-{rank}"
-        self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode())
+        self._ch = dealer(endpoint, curve=curve, linger=0, identity=f"{self.name}-{time.monotonic_ns()}".encode(),
+                          max_bytes=max_batch_bytes)
         self.trained: set[str] = set(trained)  # acknowledged batch ids (or trained, per the checkpoint)
-        self.held: list[str] = []  # batches returned by next_batch and not yet acknowledged, oldest first
+        self.held: list[str] = []
+        self.protocol_errors: dict[str, int] = {}  # bad replies dropped, by ProtocolError.reason  # batches returned by next_batch and not yet acknowledged, oldest first
 
     def handshake(self, timeout: float = 10.0) -> None:
         self._ch.handshake(make_hello("learner", self.name), timeout)
@@ -111,6 +122,10 @@ class BatchClient:
                 msg = self._ch.recv(timeout=left)
             except ChannelTimeout:
                 return None
+            except ProtocolError as e:  # a reply no decoder accepts (of any kind): dropped, counted; the request is retried
+                self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                log.warning("%s: dropped a bad reply from the buffer: %s", self.name, e)
+                continue
             if isinstance(msg, types):
                 return msg
 

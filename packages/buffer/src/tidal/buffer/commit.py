@@ -38,7 +38,7 @@ class Effects:
     formed: list[str] = field(default_factory=list)  # shares formed: sendable once released
     acks: defaultdict[str, list[str]] = field(default_factory=_by_source)  # source -> trajectory ids
     group_acks: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)  # source -> (group ids, refused member id -> why)
-    refusals: list[tuple[str, str, str, str]] = field(default_factory=list)  # (source, ack kind, id, why)
+    refusals: list[tuple[str, str, str, str, str]] = field(default_factory=list)  # (source, ack kind, id, why, reason)
     replies: list[tuple[bytes, Any]] = field(default_factory=list)  # (learner peer, Batch) of not yet durable shares
 
     def acks_out(self) -> Iterator[tuple[str, Ack]]:
@@ -47,8 +47,8 @@ class Effects:
             yield source, Ack(kind=ACK_TRAJECTORY, ids=ids)
         for source, (gids, refused) in self.group_acks.items():
             yield source, Ack(kind=ACK_GROUP, ids=gids, refused=refused)
-        for source, kind, item, why in self.refusals:
-            yield source, Ack(kind=kind, ids=[item], ok=False, detail=why)
+        for source, kind, item, why, reason in self.refusals:
+            yield source, Ack(kind=kind, ids=[item], ok=False, detail=why, reason=reason)
 
     @property
     def rejected(self) -> int:
@@ -96,8 +96,9 @@ class GroupCommit:
         gids.append(group_id)
         members.update(refused)
 
-    def refuse(self, source: str, kind: str, item: str, why: str) -> None:
-        self.pending.refusals.append((source, kind, item, why))
+    def refuse(self, source: str, kind: str, item: str, why: str, reason: str = "refused") -> None:
+        """A negative Ack for `item` (not resent by the producer), sent after the commit with the others."""
+        self.pending.refusals.append((source, kind, item, why, reason))
 
     def formed(self, batch_id: str) -> None:
         """A share's Serve record was appended: it is not sent before that record is durable."""

@@ -43,6 +43,21 @@ class BufferConfig(ConfigStruct):
     compact_bytes: int = 256 * 1024**2  # compact the log when it grows past this
     dedupe_window: int = 1_000_000  # consumed trajectory ids remembered to refuse late resends (the last half to all of them)
 
+    # limits: ZeroMQ drops a frame over these unread (MAXMSGSIZE), the codec refuses a message over them
+    max_message_bytes: int = 256 * 1024**2  # ingest: the largest Trajectory / TrajectoryGroup message, all frames
+    max_request_bytes: int = 1024**2  # serve: BatchRequest, batch Acks, Control (a few KiB each)
+
+    # validation: a trajectory failing these is refused (a negative Ack names why; counted refused/<reason>)
+    vocab_size: int = 0  # token ids must lie in [0, vocab_size); 0 = unchecked (`tidal run` fills it from the model)
+    # a token's version may be at most this much newer than the learner version the buffer knows (workers run
+    # weights the learner published, so only a forged or corrupt trajectory is ahead); -1 = unchecked. Not
+    # checked until the learner's first BatchRequest after the buffer starts (the version is not persisted).
+    version_slack: int = 64
+    max_abs_reward: float = 1e4  # |reward| above this is refused; 0 = unchecked (finiteness is always checked)
+    # a BatchRequest moves the learner version forward by at most this much (a larger claim is counted as
+    # errors/version_jump and clamped); the first request after the buffer starts sets it; -1 = unbounded
+    max_version_step: int = 64
+
     # observability
     metrics_interval_s: float = 2.0  # period of Metrics messages on the PUB socket
     hwm: int = 1000  # ZeroMQ high-water mark on every socket

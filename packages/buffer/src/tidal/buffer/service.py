@@ -57,7 +57,7 @@ from tidal.buffer.store import (
     member_bodies,
     sample_of,
 )
-from tidal.buffer.validate import validate, validate_group
+from tidal.buffer.validate import Refusal, check_all_values, validate, validate_group
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
@@ -95,6 +95,8 @@ SHARES_AHEAD = 3
 # are copied: libzmq may receive them into a shared 8 KiB batch, which a view would keep alive whole.
 INGEST_VIEW_BYTES = VIEW_AT_LEAST
 _GROUPS = (*GROUP_TYPES, TrajectoryGroup)
+# protocol errors logged one by one; after these, every 1000th (all are counted: errors/protocol/<reason>)
+LOGGED_ERRORS = 100
 
 
 class BufferService:
@@ -120,15 +122,22 @@ class BufferService:
         self.sec, self.guard = cfg.security, AuthGuard()
         curves = self._curves(cfg)
         common: dict[str, Any] = {"hwm": cfg.hwm, "linger": 1.0}
-        # ingest decodes its two types only (faster than the whole Message union; others get a clear error)
-        self.ingest: PullChannel = pull(cfg.ingest, codec=Codec(message_type=Trajectory | TrajectoryGroup),
-                                        curve=curves[0], **common)
+        # ingest decodes its two types only (faster than the whole Message union; others get a clear error);
+        # each channel's codec limits also set its socket's MAXMSGSIZE (a larger frame is dropped unread)
+        ingest_codec = Codec(message_type=Trajectory | TrajectoryGroup, max_message_bytes=cfg.max_message_bytes,
+                             max_header_bytes=cfg.max_message_bytes)
+        self.ingest: PullChannel = pull(cfg.ingest, codec=ingest_codec, curve=curves[0], **common)
         self._max_frame = self.ingest.codec.max_header_bytes + PREAMBLE_BYTES
-        self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), curve=curves[1], **common)
+        self.server: RouterChannel = router(cfg.serve, hello=make_hello("buffer", "buffer"), curve=curves[1],
+                                            max_bytes=cfg.max_request_bytes, **common)
         self.pub = pub(cfg.publish, curve=curves[2], hwm=100_000, linger=1.0)
         self.learner_version = 0
+        self._learner_known = False  # a BatchRequest arrived since this process started
+        self.version_jumps = 0  # BatchRequests whose version jumped more than max_version_step (clamped)
         self.parked: dict[int, tuple[bytes, BatchRequest]] = {}
         self.protocol_errors = 0
+        self.protocol_errors_by: dict[str, int] = {}  # ProtocolError.reason -> count (ingest and serve)
+        self.refused_by: dict[str, int] = {}  # Refusal.reason -> trajectories / groups refused
         self.rejected = 0
         self._stop = False
         self._ingested_since = 0
@@ -191,16 +200,20 @@ class BufferService:
 
     def drain_ingest(self) -> None:
         n = 0
-        while n < INGEST_CHUNK and not self.backpressured():
+        taken = 0  # messages taken this turn, bad ones too: a flood of garbage cannot keep learners waiting
+        while n < INGEST_CHUNK and taken < INGEST_CHUNK and not self.backpressured():
             try:
                 frames = self.ingest.recv_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
             except ChannelTimeout:
                 break
+            taken += 1
             try:
                 msg, frame = self._decode(frames)
-            except ProtocolError as e:
-                self.protocol_errors += 1
-                log.warning("rejected a malformed message on %s: %s", self.ingest.endpoint, e)
+            except ProtocolError as e:  # of any kind: the codec turns every decode failure into this
+                self._protocol_error(e)
+                if self.protocol_errors <= LOGGED_ERRORS or self.protocol_errors % 1000 == 0:
+                    log.warning("rejected a malformed message on %s (%d so far): %s", self.ingest.endpoint,
+                                self.protocol_errors, e)
                 continue
             if type(msg) in _GROUPS:
                 n += len(msg.trajectories)
@@ -208,17 +221,43 @@ class BufferService:
                 if verdict is None:
                     self.commits.ack_group(msg.source, msg.id, refused)
                 else:
-                    self.commits.refuse(msg.source, "group", msg.id, verdict)
+                    self._refuse(msg.source, "group", msg.id, verdict)
                 continue
             n += 1
             verdict = self.accept(msg, frame)
             if verdict is None:
                 self.commits.ack(msg.source, msg.id)
             else:
-                self.commits.refuse(msg.source, "trajectory", msg.id, verdict)
+                self._refuse(msg.source, "trajectory", msg.id, verdict)
         self.commits.appended(n)
         self._ingested_since += n
         self.maybe_compact()
+
+    def _protocol_error(self, e: ProtocolError) -> None:
+        self.protocol_errors += 1
+        self.protocol_errors_by[e.reason] = self.protocol_errors_by.get(e.reason, 0) + 1
+
+    def _refuse(self, source: str, kind: str, item: str, verdict: str) -> None:
+        """Tell `source` (a negative Ack, after the commit) that `item` is refused and why; counted by reason.
+        The producer does not resend it (AckedPusher.rejected)."""
+        reason = verdict.reason if isinstance(verdict, Refusal) else "refused"
+        self.refused_by[reason] = self.refused_by.get(reason, 0) + 1
+        self.commits.refuse(source, kind, item, str(verdict), reason)  # a plain str: msgspec encodes no subclass
+
+    def _max_version(self) -> int | None:
+        """The newest token version a trajectory may carry (None: unchecked)."""
+        if self.cfg.version_slack < 0 or not self._learner_known:
+            return None
+        return self.learner_version + self.cfg.version_slack
+
+    def _check_values(self, members: Any) -> tuple[int, Refusal] | None:
+        """The first of `members` whose values cannot be trained on (its index, and why), or None."""
+        cfg = self.cfg
+        bad = check_all_values(members, cfg.vocab_size, self._max_version(), cfg.max_abs_reward)
+        if bad is None:
+            return None
+        i, reason, detail = bad
+        return i, Refusal(f"invalid trajectory {members[i].id}: {detail}", reason)
 
     def _decode(self, frames: list[Any]) -> tuple[Any, bytes | memoryview | None]:
         """The message and, when it came as one frame (every array inline, already the WAL's encoding),
@@ -230,7 +269,7 @@ class BufferService:
             if PREAMBLE_BYTES < len(f) <= self._max_frame and f[:2] == MAGIC and f[2] == PROTOCOL_VERSION[0]:
                 try:
                     return decode_samples(body_of(f)), f
-                except msgspec.MsgspecError:
+                except Exception:  # any kind (a nested body's RecursionError too): the codec names it
                     pass
         return self.ingest.codec.decode(frames), None
 
@@ -258,11 +297,14 @@ class BufferService:
             return None  # durable already: acknowledge again
         why = validate(t)
         if why is not None:
-            return f"invalid trajectory {t.id}: {why}"
+            return Refusal(f"invalid trajectory {t.id}: {why}", "invalid")
+        bad = self._check_values((t,))
+        if bad is not None:
+            return bad[1]
         if self.admission is not None:
             why, mask = self._admit(t)
             if why is not None:
-                return why
+                return Refusal(why, "admission")
             if mask is not None:
                 t, frame = masked(t, None if frame is None else body_of(frame), mask), None  # encode again
         if frame is None:
@@ -290,7 +332,11 @@ class BufferService:
         (id -> why); known members are acknowledged again."""
         why = validate_group(g)
         if why is not None:
-            return f"invalid group {g.id}: {why}", {}
+            return Refusal(f"invalid group {g.id}: {why}", "invalid"), {}
+        bad = self._check_values(g.trajectories)  # one bad member refuses the group whole (as validate_group)
+        if bad is not None:
+            i, why = bad
+            return Refusal(f"invalid group {g.id}: trajectories[{i}]: {why}", why.reason), {}
         store = self.store
         # each member's encoding is a slice of the header when every array rode inline in it
         bodies = member_bodies(body_of(frame)) if frame is not None else None
@@ -351,9 +397,11 @@ class BufferService:
                 peer, msg = self.server.recv(timeout=0)
             except ChannelTimeout:
                 return
-            except ProtocolError as e:
-                self.protocol_errors += 1
-                log.warning("rejected a malformed request from %r: %s", e.peer, e)
+            except ProtocolError as e:  # of any kind: the codec turns every decode failure into this
+                self._protocol_error(e)
+                if self.protocol_errors <= LOGGED_ERRORS or self.protocol_errors % 1000 == 0:
+                    log.warning("rejected a malformed request from %r (%d so far): %s", e.peer,
+                                self.protocol_errors, e)
                 continue
             if not self._permitted(msg):
                 self._reply(peer, Error(code="refused", detail=f"{type(msg).__name__} is not accepted from "
@@ -362,7 +410,7 @@ class BufferService:
             if type(msg) is BatchRequest:
                 if msg.acked:
                     self.consume(msg.acked)
-                self.learner_version = max(self.learner_version, msg.version)
+                self._learner_at(msg.version, peer)
                 self.parked[msg.rank] = (peer, msg)
                 self.try_serve(msg.rank)
             elif type(msg) is Ack and msg.kind == ACK_BATCH:
@@ -387,6 +435,19 @@ class BufferService:
         what = f"Control({msg.command!r})" if type(msg) is Control else type(msg).__name__
         self.guard.refuse_role("buffer serve", self.sec.role_of(self.server.sender) or "?", what)
         return False
+
+    def _learner_at(self, version: int, peer: bytes) -> None:
+        """Believe a BatchRequest's learner version: the first since start sets it; later ones move it forward
+        by at most max_version_step (a larger jump, e.g. a forged 1e9, is clamped and counted)."""
+        step = self.cfg.max_version_step
+        if self._learner_known and step >= 0 and version > self.learner_version + step:
+            self.version_jumps += 1
+            log.warning("a BatchRequest from %r claims learner version %d, %d past the known %d (max_version_step "
+                        "%d): moved to %d only", peer, version, version - self.learner_version,
+                        self.learner_version, step, self.learner_version + step)
+            version = self.learner_version + step
+        self._learner_known = True
+        self.learner_version = max(self.learner_version, version)
 
     def consume(self, batch_ids: list[str]) -> None:
         for batch_id in batch_ids:
@@ -544,6 +605,7 @@ class BufferService:
             "total/rejected": float(self.rejected),
             "errors/protocol": float(self.protocol_errors),
             **self.guard.scalars(),
+            "errors/version_jump": float(self.version_jumps),
             "wal/bytes": float(self.wal.bytes_written),
             "wal/appended_bytes": float(self.wal.appended_total),
             "wal/corrupt_bytes_skipped": float(self.corrupt_bytes),
@@ -551,6 +613,8 @@ class BufferService:
             "learner_version": float(self.learner_version),
         }
         scalars.update({f"drops/{k}": float(v) for k, v in s.drops.items()})
+        scalars.update({f"errors/protocol/{k}": float(v) for k, v in self.protocol_errors_by.items()})
+        scalars.update({f"refused/{k}": float(v) for k, v in self.refused_by.items()})
         self._ingested_since = self._served_since = 0
         self._last_metrics = now
         return Metrics(source="buffer", step=self.learner_version, time=time.time(), scalars=scalars,

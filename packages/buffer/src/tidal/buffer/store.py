@@ -26,7 +26,8 @@ if typing.TYPE_CHECKING:
     import numpy as np
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
-_codec = Codec(inline_threshold=1 << 62)
+# the buffer's own encodings (WAL records, stored members): what ingest admitted, within its limits already
+_codec = Codec(inline_threshold=1 << 62, max_message_bytes=1 << 40, max_header_bytes=1 << 40)
 PREAMBLE = MAGIC + bytes(PROTOCOL_VERSION)  # what starts a frame this process encodes
 
 

@@ -7,6 +7,9 @@
 Every channel sends and receives `tidal.core.protocol` messages through a `Codec`: large arrays leave
 as zero-copy frames, decoding is typed, and a bad message raises `ProtocolError` for that message only;
 the channel stays usable. Every receive takes a timeout (seconds). Non-loopback endpoints require CURVE.
+Every socket sets ZeroMQ's MAXMSGSIZE from its codec's limits (`max_bytes`, or the codec's own): libzmq
+drops a larger frame, and the connection it came on, before buffering it, so a peer claiming an 8 GB
+frame costs nothing. Size `max_bytes` to the largest legitimate message the channel receives.
 
     with pull("tcp://127.0.0.1:*") as inbox, push(inbox.endpoint) as outbox:
         outbox.send(Heartbeat(role="demo", name="a", seq=0, time=0.0))
@@ -24,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from tidal.core.codec import Codec
+from tidal.core.codec import PREAMBLE_BYTES, Codec
 from tidal.core.errors import (
     ChannelClosed,
     ChannelTimeout,
@@ -39,6 +42,12 @@ from tidal.core.security import Curve, CurveServer, apply_curve, require_curve_i
 
 def _ms(timeout: float | None) -> int:
     return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
+def max_frame_bytes(codec: Codec) -> int:
+    """ZeroMQ's MAXMSGSIZE (checked per frame on receive) for a socket decoding with `codec`: no frame
+    of a message the codec would accept is larger (a ROUTER's identity and a SUB's topic are small)."""
+    return max(codec.max_header_bytes, codec.max_message_bytes) + PREAMBLE_BYTES
 
 
 class Channel:
@@ -58,9 +67,14 @@ class Channel:
         context: zmq.Context | None = None,
         identity: bytes | None = None,
         recv_timeout: float | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         require_curve_if_remote(endpoint, curve)
-        self.codec = codec or Codec()
+        if codec is None:
+            codec = Codec() if max_bytes is None else Codec(max_message_bytes=max_bytes, max_header_bytes=max_bytes)
+        elif max_bytes is not None:
+            raise ValueError("give the channel either max_bytes or a codec (with its own limits), not both")
+        self.codec = codec
         self.recv_timeout = recv_timeout
         self._closed = False
         # a CURVE server that checks client keys (ZAP) tells who sent each message it receives
@@ -74,6 +88,7 @@ class Channel:
             sock.linger = _ms(linger)
             if identity is not None:
                 sock.identity = identity
+            sock.maxmsgsize = max_frame_bytes(codec)
             self._configure(sock)
             apply_curve(sock, curve)
             if bind:
@@ -472,6 +487,7 @@ __all__ = [
     "Waker",
     "dealer",
     "make_hello",
+    "max_frame_bytes",
     "poll",
     "pub",
     "pull",

@@ -31,9 +31,15 @@ MAGIC = b"\xd7T"
 PREAMBLE_BYTES = 4
 
 DEFAULT_INLINE_THRESHOLD = 0  # out-of-line arrays smaller than this go inline anyway
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024**3
-DEFAULT_MAX_HEADER_BYTES = 256 * 1024**2
+# Defaults fit control traffic (Hello, Heartbeat, Control, Metrics, Acks): a channel that carries more
+# (trajectories, batches, weights) says so with its own limits. Every Channel also sets ZeroMQ's MAXMSGSIZE
+# from these, so a frame over them is dropped by libzmq before it is ever buffered whole.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024**2
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024**2
 DEFAULT_MAX_FRAMES = 65_536
+# An error path names the offending field by walking the Struct types (no untyped decode of the body); the
+# text msgspec gives may quote a value, so it is cut to this many characters.
+MAX_ERROR_TEXT = 300
 
 _TAGS: dict[str, type[msgspec.Struct]] = {t.__name__: t for t in MESSAGE_TYPES}
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -96,7 +102,7 @@ class Codec:
             raise ProtocolError(
                 "not a Tidal message: the first frame lacks the Tidal preamble "
                 "(is another program sending to this endpoint?)",
-                peer=peer,
+                peer=peer, reason="not_tidal",
             )
         if header[2] != self.protocol[0]:
             raise ProtocolVersionError(ours=self.protocol, theirs=(header[2], header[3]), peer=peer)
@@ -113,19 +119,23 @@ class Codec:
                     and header[:2] == MAGIC and header[2] == self.protocol[0]):
                 try:
                     return self._decoder.decode(memoryview(header)[PREAMBLE_BYTES:])
-                except msgspec.MsgspecError:
+                except Exception:  # any kind (RecursionError from a nested body, ...): named below
                     pass
         if n == 0:
-            raise ProtocolError("empty message: no frames", peer=peer)
+            raise ProtocolError("empty message: no frames", peer=peer, reason="frames")
         if n > self.max_frames:
-            raise ProtocolError(f"message has {n} frames; limit is {self.max_frames}", peer=peer)
+            raise ProtocolError(f"message has {n} frames; limit is {self.max_frames}", peer=peer, reason="frames")
         header = frames[0]
         if type(header) is not bytes:
             header = memoryview(header.buffer if hasattr(header, "buffer") else header)
         body = self.check_preamble(header, peer)
         size = len(body)
         if size > self.max_header_bytes:
-            raise ProtocolError(f"message header is {size} bytes; limit is {self.max_header_bytes}", peer=peer)
+            raise ProtocolError(
+                f"message header is {size} bytes; limit is {self.max_header_bytes} "
+                "(raise max_header_bytes on the receiving channel's codec if this is intended)",
+                peer=peer, reason="too_large",
+            )
         if n == 1:  # the common case: no data frames, no decode context to set up
             return self._decode_body(body, peer)
         data_frames = frames[1:]
@@ -134,7 +144,7 @@ class Codec:
             raise ProtocolError(
                 f"message is {size} bytes; limit is {self.max_message_bytes} "
                 "(raise max_message_bytes on the receiving channel if this is intended)",
-                peer=peer,
+                peer=peer, reason="too_large",
             )
         used = [False] * (n - 1)
         ctx = decode_context
@@ -145,52 +155,98 @@ class Codec:
             ctx.frames, ctx.used = (), None
         if not all(used):
             unused = [i + 1 for i, u in enumerate(used) if not u]
-            raise ProtocolError(f"frames {unused} are not referenced by the {type(msg).__name__} header", peer=peer)
+            raise ProtocolError(f"frames {unused} are not referenced by the {type(msg).__name__} header", peer=peer,
+                                reason="frames")
         return msg
 
     def _decode_body(self, body: memoryview, peer: bytes | None) -> Message:
+        """Decode the msgpack body. Every failure, of whatever exception type (msgspec's, a RecursionError
+        from a deeply nested body, a MemoryError, an Array hook's), is a ProtocolError naming it."""
         try:
             return self._decoder.decode(body)
         except msgspec.ValidationError as e:
             other = _tag_of(body)
             if other in _TAGS and other not in self._expects:
                 raise ProtocolError(f"this endpoint takes {' or '.join(self._expects)} messages, not {other}",
-                                    field="message type", peer=peer) from None
-            field = _field_of(str(e), body)
-            text = f"invalid {field or 'message'}: {_strip_path(str(e))}"
-            raise ProtocolError(text, field=field, peer=peer) from None
+                                    field="message type", peer=peer, reason="wrong_type") from None
+            error = str(e)
+            field = _field_of(error, other)
+            text = f"invalid {field or 'message'}: {_cut(_strip_path(error))}"
+            raise ProtocolError(text, field=field, peer=peer, reason="invalid") from None
         except msgspec.DecodeError as e:
-            raise ProtocolError(f"malformed message header: {e}", peer=peer) from None
+            raise ProtocolError(f"malformed message header: {_cut(str(e))}", peer=peer, reason="malformed") from None
+        except ProtocolError:
+            raise
+        except RecursionError:
+            raise ProtocolError(
+                f"message header of {len(body)} bytes nests too deeply to decode (a Tidal message nests a few "
+                "levels; is the peer sending hostile or corrupt data?)", peer=peer, reason="undecodable",
+            ) from None
+        except Exception as e:  # MemoryError, OverflowError, ...: the message is refused, the receiver lives
+            raise ProtocolError(
+                f"message header of {len(body)} bytes could not be decoded: {type(e).__name__}: {_cut(str(e))}",
+                peer=peer, reason="undecodable",
+            ) from None
 
 
 # ---------------------------------------------------------------------- error paths -> field names
 
+_MAX_TAG = 64  # bytes: a message tag is a class name
 
-def _tag_of(body: memoryview) -> str | None:
-    """The message-type tag a header names, when it names one (a hostile one may put anything there)."""
-    try:
-        raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+
+def _tag_of(body: memoryview | bytes) -> str | None:
+    """The message-type tag a header names, when it names one (a hostile one may put anything there).
+    Reads only the msgpack array header and its first element (a str of at most 64 bytes), so a body of
+    any size costs nothing here."""
+    b = bytes(body[:1 + 4 + 1 + 4 + _MAX_TAG])
+    if not b:
         return None
-    return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+    lead, i = b[0], 1
+    if 0x90 <= lead <= 0x9F:  # fixarray
+        count = lead & 0x0F
+    elif lead == 0xDC:  # array 16
+        count, i = int.from_bytes(b[1:3], "big"), 3
+    elif lead == 0xDD:  # array 32
+        count, i = int.from_bytes(b[1:5], "big"), 5
+    else:
+        return None
+    if count == 0 or i >= len(b):
+        return None
+    lead = b[i]
+    if 0xA0 <= lead <= 0xBF:  # fixstr
+        n, i = lead & 0x1F, i + 1
+    elif lead == 0xD9:  # str 8
+        n, i = b[i + 1] if i + 1 < len(b) else -1, i + 2
+    elif lead == 0xDA:  # str 16
+        n, i = int.from_bytes(b[i + 1:i + 3], "big"), i + 3
+    elif lead == 0xDB:  # str 32
+        n, i = int.from_bytes(b[i + 1:i + 5], "big"), i + 5
+    else:
+        return None
+    if n < 0 or n > _MAX_TAG or i + n > len(b):
+        return None
+    try:
+        return b[i:i + n].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_TEXT else text[:MAX_ERROR_TEXT] + f"... ({len(text)} characters)"
 
 
 def _strip_path(text: str) -> str:
     return _PATH_RE.sub("", text)
 
 
-def _field_of(error: str, body: memoryview) -> str | None:
-    """Turn msgspec's positional path (`$[5][0][2]`) into `Batch.trajectories[0].logprobs`."""
+def _field_of(error: str, tag: str | None) -> str | None:
+    """Turn msgspec's positional path (`$[5][0][2]`) into `Batch.trajectories[0].logprobs`, walking the
+    types of the message `tag` names (nothing of the body is decoded again)."""
     m = _PATH_RE.search(error)
     if not m:
         return None
-    steps = re.findall(r"\[(\d+)\]|\.(\w+)|\[('[^']*'|\"[^\"]*\")\]", m.group("path"))
-    try:
-        raw = msgspec.msgpack.decode(body)
-        tag = raw[0] if isinstance(raw, list) and raw else None
-    except Exception:
-        tag = None
-    typ: Any = _TAGS.get(tag) if isinstance(tag, str) else None
+    steps = re.findall(r"\[(\d+)\]|\.(\w+)|\[('[^']*'|\"[^\"]*\")\]", m.group("path")[:MAX_ERROR_TEXT])
+    typ: Any = _TAGS.get(tag) if tag is not None else None
     if typ is None:
         return "message type" if steps[:1] == [("0", "", "")] else None
     out = typ.__name__
@@ -245,4 +301,4 @@ def _value_type(typ: Any) -> Any:
     return None
 
 
-__all__ = ["DEFAULT_INLINE_THRESHOLD", "MAGIC", "Codec"]
+__all__ = ["DEFAULT_INLINE_THRESHOLD", "DEFAULT_MAX_HEADER_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAGIC", "Codec"]

@@ -11,13 +11,18 @@ class ProtocolError(TidalError):
     """A message on the wire could not be accepted: malformed, truncated, oversized or wrong-typed.
 
     `field` names the offending field in dotted form (``Trajectory.completion_ids``) when known.
+    `reason` is a short machine-readable kind for per-reason counts (``malformed``, ``invalid``,
+    ``too_large``, ``undecodable``, ``wrong_type``, ``not_tidal``, ``version``, ``frames``).
     A receiver raises this for the one bad message and stays usable for the next.
     """
 
-    def __init__(self, message: str, *, field: str | None = None, peer: bytes | None = None) -> None:
+    def __init__(
+        self, message: str, *, field: str | None = None, peer: bytes | None = None, reason: str = "invalid"
+    ) -> None:
         super().__init__(message)
         self.field = field
         self.peer = peer
+        self.reason = reason
 
 
 class ProtocolVersionError(ProtocolError):
@@ -29,6 +34,7 @@ class ProtocolVersionError(ProtocolError):
             f"{ours[0]}.{ours[1]}; major versions must match. Upgrade tidal-core on the older side "
             f"so both run the same major protocol version.",
             peer=peer,
+            reason="version",
         )
         self.ours = ours
         self.theirs = theirs

@@ -377,12 +377,14 @@ class EnvPool:
             wait = max(0.0, min(wait, due - time.monotonic()))
             if wait > 0:
                 poll([self._ch], wait)
-        while True:
+        for _ in range(1024):  # bounded: a flood of (bad) messages cannot keep the slots and deadlines waiting
             try:
                 peer, msg = self._ch.recv(timeout=0)  # answers Hellos by itself (RouterChannel.peers)
             except ChannelTimeout:
                 break
-            except ProtocolError as e:
+            except ProtocolError as e:  # any decode failure comes as this; the pool goes on serving
+                key = f"protocol_errors/{e.reason}"
+                self._counts[key] = self._counts.get(key, 0.0) + 1
                 log.error("%s: dropped a bad message from %r: %s", self.name, e.peer, e)
                 continue
             self._on_message(peer, msg)

@@ -216,6 +216,7 @@ class EnvProcess:
         self._stop = False
         self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0,
                          curve=cfg.security.client("envpool"))
+        self.protocol_errors: dict[str, int] = {}  # bad messages dropped, by ProtocolError.reason
 
     def run(self) -> int:
         hello = make_hello("env", self.cfg.name)
@@ -228,8 +229,10 @@ class EnvProcess:
                     msg = self.ch.recv(timeout=self.cfg.parent_check_s)
                 except ChannelTimeout:
                     continue
-                except ProtocolError as e:
-                    log.error("%s: dropped a bad message: %s", self.cfg.name, e)
+                except ProtocolError as e:  # any decode failure comes as this; the process goes on
+                    self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                    log.error("%s: dropped a bad message (%d so far): %s", self.cfg.name,
+                              sum(self.protocol_errors.values()), e)
                     continue
                 self.serve(msg)
         finally:

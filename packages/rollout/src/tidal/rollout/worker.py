@@ -125,6 +125,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
         self.domains = Domains(cfg, self.tokenizer)
         self.dropped_by_reason: dict[str, int] = {}
+        self.protocol_errors: dict[str, int] = {}  # bad messages dropped, by ProtocolError.reason
         self._logged_kinds: set[tuple[str, str]] = set()  # (reason, exception type) already logged with traceback
         self.groups: dict[str, _Group] = {}
         self.by_request: dict[str, tuple[str, int]] = {}
@@ -233,6 +234,7 @@ class RolloutWorker:
                 if isinstance(msg, WeightsAvailable):
                     self.weights.announce(msg)
         except ProtocolError as e:
+            self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
             source = "the controller" if ch is self.ctl else "the weights publisher"
             log.error("%s: dropped a bad message from %s: %s", self.cfg.name, source, e)
             # the controller cannot see this otherwise: an assignment it sent just vanished
@@ -459,6 +461,7 @@ class RolloutWorker:
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
             **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
+            **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
             **(self.multiturn.metrics() if self.multiturn is not None else {}),
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))

@@ -24,6 +24,12 @@ from tidal.weight_sync.errors import WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
+# The sender's ROUTER takes WeightsRequests and Acks only: a few hundred bytes each.
+REQUEST_MAX_BYTES = 1024**2
+# A bucket's reply carries its bytes (a delta payload is never larger than the dense bucket: delta.encode)
+# plus a small WeightsBucket header: the receiver's DEALER takes frames up to this much beyond the largest
+# announced bucket.
+BUCKET_SLACK_BYTES = 1024**2
 
 
 def _security(security: ChannelSecurity | dict[str, Any]) -> ChannelSecurity:
@@ -47,6 +53,7 @@ class ZmqSenderTransport(SenderTransport):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.reports: dict[int, list[tuple[bool, str]]] = {}  # version -> (ok, detail) per receiver report
+        self.protocol_errors: dict[str, int] = {}  # bad requests dropped, by ProtocolError.reason
         self.bytes_sent = 0  # payload bytes served (dense or delta)
         self.bytes_dense = 0  # what the same requests would have cost dense
         self._ready = threading.Event()
@@ -70,7 +77,7 @@ class ZmqSenderTransport(SenderTransport):
 
     def _serve(self) -> None:
         try:
-            ch = router(self._endpoint, curve=self._curve, linger=0, hwm=64)
+            ch = router(self._endpoint, curve=self._curve, linger=0, hwm=64, max_bytes=REQUEST_MAX_BYTES)
         except BaseException as e:
             self._error = e
             self._ready.set()
@@ -84,7 +91,8 @@ class ZmqSenderTransport(SenderTransport):
                     peer, msg = ch.recv(timeout=0.1)
                 except ChannelTimeout:
                     continue
-                except ProtocolError as e:
+                except ProtocolError as e:  # any decode failure comes as this; the server goes on
+                    self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
                     log.warning("weight server: bad request: %s", e)
                     continue
                 if type(msg) is Ack and msg.kind == ACK_WEIGHTS:
@@ -139,6 +147,11 @@ def _np_width_type(dtype: str) -> type:
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
 
 
+def _reply_bytes(ann: WeightsAvailable) -> int:
+    """The largest reply a receiver of `ann` takes: its largest bucket and a WeightsBucket header."""
+    return max(ann.bucket_sizes, default=0) + BUCKET_SLACK_BYTES
+
+
 class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
@@ -151,18 +164,22 @@ class ZmqReceiverTransport(ReceiverTransport):
         self.window = window  # requests in flight at once; 0 = every bucket at once
         self._ch: DealerChannel | None = None
         self._endpoint = ""
+        self._max_bytes = 0
+        self.protocol_errors: dict[str, int] = {}  # bad replies dropped, by ProtocolError.reason
 
-    def _channel(self, endpoint: str) -> DealerChannel:
-        if self._ch is None or endpoint != self._endpoint:
+    def _channel(self, endpoint: str, max_bytes: int) -> DealerChannel:
+        """The DEALER to `endpoint`, taking frames of up to `max_bytes` (sized from the announced buckets;
+        made again when a later announcement has larger ones)."""
+        if self._ch is None or endpoint != self._endpoint or max_bytes > self._max_bytes:
             if self._ch is not None:
                 self._ch.close(linger=0)
-            self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64)
-            self._endpoint = endpoint
+            self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64, max_bytes=max_bytes)
+            self._endpoint, self._max_bytes = endpoint, max_bytes
         return self._ch
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
-        ch = self._channel(ann.location)
+        ch = self._channel(ann.location, _reply_bytes(ann))
         n = len(ann.bucket_sizes)
         window = self.window or n
         requested = 0
@@ -182,6 +199,10 @@ class ZmqReceiverTransport(ReceiverTransport):
             except ChannelTimeout:
                 raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
                                       f"version {ann.version} within {self.timeout:g} s") from None
+            except ProtocolError as e:  # any decode failure comes as this: dropped; the real bucket may follow
+                self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
+                log.warning("weight receiver: dropped a bad reply from %s: %s", ann.location, e)
+                continue
             if type(msg) is Error:
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
             if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
@@ -191,7 +212,7 @@ class ZmqReceiverTransport(ReceiverTransport):
 
     def report(self, ann: WeightsAvailable, ok: bool, detail: str = "") -> None:
         try:
-            self._channel(ann.location).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
+            self._channel(ann.location, _reply_bytes(ann)).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
         except ChannelTimeout:
             pass
 
