@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -225,7 +226,12 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
-    launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    try:
+        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    except Exception as e:
+        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
+                              "budget_versions": cfg.budget.versions})
+        raise
     sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
@@ -246,7 +252,14 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log.info("run folder %s (%s mode, %d workers, launcher %s)", run_dir, cfg.mode, cfg.workers, cfg.launcher.name)
     try:
-        sup.handle = launcher.launch(roles, run_dir)
+        try:
+            sup.handle = launcher.launch(roles, run_dir)
+        except Exception as e:  # no role runs: say why in final.json, in one line
+            sup.status = f"failed: the {cfg.launcher.name} launcher could not start the roles: {one_line(e)}"
+            log.error("%s (role logs: %s)", sup.status, run_dir / "logs")
+            write_final(run_dir, {"status": sup.status, "versions": 0, "budget_versions": cfg.budget.versions})
+            return RunResult(run_dir=run_dir, status=sup.status, versions=0, eval=[], restarts={},
+                             wall_s=time.monotonic() - sup.t0)
         sup.loop()
     finally:
         if sup.handle is not None:
@@ -263,6 +276,15 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
                      eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
                      wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=rl_start,
                      worker_up=worker_up)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message that says something (Ray's
+    errors wrap the cause's traceback; its last line is the cause)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception):", ln)), "")
+    text = cause or (lines[0] if lines else "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:

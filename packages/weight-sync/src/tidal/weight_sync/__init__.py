@@ -15,6 +15,7 @@ _EXPORTS = {
     "WeightReceiver": "receiver",
     "load_into": "receiver",
     "WeightSyncError": "errors",
+    "WeightFetchCancelled": "errors",
     "SenderTransport": "transport_base",
     "ReceiverTransport": "transport_base",
 }

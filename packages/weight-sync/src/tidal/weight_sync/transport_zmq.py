@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, Weigh
 from tidal.core.security import AuthGuard, ChannelSecurity, Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
-from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.errors import WeightFetchCancelled, WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ def _np_width_type(dtype: str) -> type:
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
 
 
+CANCEL_POLL_S = 0.1  # how soon a fetch sees cancel()
+
+
 class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
@@ -151,6 +155,10 @@ class ZmqReceiverTransport(ReceiverTransport):
         self.window = window  # requests in flight at once; 0 = every bucket at once
         self._ch: DealerChannel | None = None
         self._endpoint = ""
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
 
     def _channel(self, endpoint: str) -> DealerChannel:
         if self._ch is None or endpoint != self._endpoint:
@@ -175,14 +183,25 @@ class ZmqReceiverTransport(ReceiverTransport):
                 requested += 1
 
         got: set[int] = set()
+        self._cancel.clear()
         request_more()
+        quiet_since = time.monotonic()  # the timeout counts from the last bucket that came in
         while len(got) < n:
-            try:
-                msg = ch.recv(timeout=self.timeout)
+            try:  # in slices, so that cancel() ends the wait at once
+                msg = ch.recv(timeout=CANCEL_POLL_S)
             except ChannelTimeout:
-                raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
-                                      f"version {ann.version} within {self.timeout:g} s") from None
+                if self._cancel.is_set():
+                    self._drop_channel()  # requests still queued for the old sender must not reach a new one
+                    raise WeightFetchCancelled(f"fetch of version {ann.version} from {ann.location} cancelled "
+                                               f"after {len(got)} of {n} buckets") from None
+                if time.monotonic() - quiet_since > self.timeout:
+                    self._drop_channel()
+                    raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
+                                          f"version {ann.version} within {self.timeout:g} s") from None
+                continue
+            quiet_since = time.monotonic()
             if type(msg) is Error:
+                self._drop_channel()  # the other requests' answers are not wanted by the next fetch
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
             if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
                 got.add(msg.bucket)
@@ -194,6 +213,11 @@ class ZmqReceiverTransport(ReceiverTransport):
             self._channel(ann.location).send(Ack(kind=ACK_WEIGHTS, ids=[f"v{ann.version}"], ok=ok, detail=detail, version=ann.version), timeout=5)
         except ChannelTimeout:
             pass
+
+    def _drop_channel(self) -> None:
+        if self._ch is not None:
+            self._ch.close(linger=0)
+        self._ch, self._endpoint = None, ""
 
     def close(self) -> None:
         if self._ch is not None:
