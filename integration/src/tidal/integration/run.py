@@ -203,9 +203,56 @@ def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: i
                 env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, ERROR_FILE_ENV: str(error_file(roles_dir, name))})
 
 
+CONSOLE_QUIET = ("tidal.controller",)  # their INFO lines (every evaluation, every worker) go to driver.log only
+
+
+class _NotDetail(logging.Filter):
+    """On the console: warnings and errors of every logger, INFO of all but `CONSOLE_QUIET`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(CONSOLE_QUIET)
+
+
+@contextmanager
+def driver_log(run_dir: Path) -> Iterator[Path]:
+    """RUN_DIR/logs/driver.log: every line the driver logs at INFO and above (the evaluations, workers
+    connecting, ...). The console's handlers (whatever the caller configured) keep the progress line,
+    warnings, errors and the run's own milestones; the per-evaluation INFO lines go to the file only."""
+    path = run_dir / "logs" / "driver.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root, tidal = logging.getLogger(), logging.getLogger("tidal")
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    quiet = _NotDetail()
+    console = [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
+    for h in console:
+        h.addFilter(quiet)
+    old_level, old_console = tidal.level, [h.level for h in console]
+    if tidal.getEffectiveLevel() > logging.INFO:  # the file has INFO whatever the console shows
+        tidal.setLevel(logging.INFO)
+        for h in console:  # the console keeps the level it had
+            h.setLevel(max(h.level, root.getEffectiveLevel()))
+    tidal.addHandler(handler)
+    try:
+        yield path
+    finally:
+        tidal.removeHandler(handler)
+        tidal.setLevel(old_level)
+        handler.close()
+        for h, level in zip(console, old_console, strict=True):
+            h.removeFilter(quiet)
+            h.setLevel(level)
+
+
 def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
     run_dir = Path(run_dir or default_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
+    with driver_log(run_dir):
+        return _run_in(cfg, run_dir, nproc_learner)
+
+
+def _run_in(cfg: RunConfig, run_dir: Path, nproc_learner: int) -> RunResult:
     if not cfg.launch.auth:
         log.warning("launch.auth = false: the run's channels are plaintext; any local process can push data "
                     "into the buffer, take or acknowledge batches, stop it, and talk to the controller")
