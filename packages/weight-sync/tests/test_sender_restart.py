@@ -1,6 +1,7 @@
 """A weight sender that dies mid-fetch and a new one that comes up at the same endpoint (a restarted
-learner): `cancel()` ends the receiver's fetch at once (not after the transport's 60 s timeout), and
-the next fetch, from the new sender, brings its weights bit-exact. Both senders are real processes."""
+learner): the dead sender's dropped connection, or `cancel()` for one that is alive but silent, ends the
+receiver's fetch at once (not after the transport's 60 s timeout), and the next fetch, from the new
+sender, brings its weights bit-exact. The senders are real processes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tidal.core.protocol import WeightsAvailable
-from tidal.weight_sync import WeightFetchCancelled, WeightReceiver
+from tidal.weight_sync import WeightFetchCancelled, WeightReceiver, WeightSenderGone
 
 SENDER = """
 import sys, time, msgspec, torch
@@ -53,42 +54,77 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_a_fetch_from_a_dead_sender_is_cancelled_and_the_new_sender_is_fetched(tmp_path):
+def fetch_in_thread(receiver: WeightReceiver, ann: WeightsAvailable) -> tuple[threading.Thread, dict]:
+    outcome: dict[str, object] = {}
+
+    def fetch() -> None:
+        try:
+            receiver.receive(ann, lambda named: None)
+            outcome["result"] = "received"
+        except Exception as e:
+            outcome["result"] = e
+        outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=fetch, daemon=True)
+    t.start()
+    return t, outcome
+
+
+def fetch_new_sender(receiver: WeightReceiver, endpoint: str) -> subprocess.Popen:
+    """A new sender at the same endpoint, at an older version (a learner resumed from a checkpoint):
+    the receiver fetches its weights bit-exact."""
+    new, ann_new = start_sender(endpoint, version=5, seed=2)
+    got: dict[str, torch.Tensor] = {}
+    assert receiver.receive(ann_new, lambda named: got.update((n, t.clone()) for n, t in named)) == 5
+    want = state(2)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    return new
+
+
+def test_a_sender_that_dies_mid_fetch_ends_the_fetch_at_once(tmp_path):
     endpoint = f"ipc://{tmp_path}/w"
     old, ann_old = start_sender(endpoint, version=7, seed=1)
     new = None
     receiver = WeightReceiver("zmq", timeout=60.0)
     try:
-        os.kill(old.pid, signal.SIGSTOP)  # it holds version 7 but will never serve it: the fetch waits
-        outcome: dict[str, object] = {}
-
-        def fetch() -> None:
-            try:
-                receiver.receive(ann_old, lambda named: None)
-                outcome["result"] = "received"
-            except Exception as e:
-                outcome["result"] = e
-            outcome["at"] = time.monotonic()
-
-        t = threading.Thread(target=fetch, daemon=True)
-        t.start()
+        os.kill(old.pid, signal.SIGSTOP)  # connected, holds version 7, never serves it: the fetch waits
+        t, outcome = fetch_in_thread(receiver, ann_old)
         time.sleep(0.5)
         assert t.is_alive(), f"the fetch should wait on the stopped sender: {outcome}"
-        old.kill()  # SIGKILL reaches a stopped process
+        old.kill()  # SIGKILL reaches a stopped process: its connection drops
         old.wait(timeout=30)
-        new, ann_new = start_sender(endpoint, version=5, seed=2)  # resumed from an older checkpoint
+        died = time.monotonic()
+        t.join(timeout=10)
+        assert not t.is_alive(), "the fetch still waits on a dead sender"
+        assert isinstance(outcome["result"], WeightSenderGone), outcome
+        assert float(outcome["at"]) - died < 3.0  # type: ignore[arg-type]
+        assert receiver.version == -1  # nothing applied
+        new = fetch_new_sender(receiver, endpoint)
+    finally:
+        receiver.close()
+        stop(old)
+        if new is not None:
+            stop(new)
+
+
+def test_cancel_ends_a_fetch_at_once(tmp_path):
+    endpoint = f"ipc://{tmp_path}/w"
+    old, ann_old = start_sender(endpoint, version=7, seed=1)
+    new = None
+    receiver = WeightReceiver("zmq", timeout=60.0)
+    try:
+        os.kill(old.pid, signal.SIGSTOP)  # alive (no disconnect) but silent: only cancel() ends the wait
+        t, outcome = fetch_in_thread(receiver, ann_old)
+        time.sleep(0.5)
+        assert t.is_alive(), f"the fetch should wait on the stopped sender: {outcome}"
         cancelled_at = time.monotonic()
-        receiver.cancel()  # what the rollout worker's applier does on the new learner's announcement
+        receiver.cancel()  # what the rollout worker's applier does on a restarted learner's announcement
         t.join(timeout=10)
         assert not t.is_alive(), "cancel() did not end the fetch"
         assert isinstance(outcome["result"], WeightFetchCancelled), outcome
         assert float(outcome["at"]) - cancelled_at < 2.0  # type: ignore[arg-type]
-        assert receiver.version == -1  # nothing applied
-
-        got: dict[str, torch.Tensor] = {}
-        assert receiver.receive(ann_new, lambda named: got.update((n, t.clone()) for n, t in named)) == 5
-        want = state(2)
-        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        stop(old)
+        new = fetch_new_sender(receiver, endpoint)
     finally:
         receiver.close()
         stop(old)

@@ -10,7 +10,8 @@ the engine keeps generating on the weights it holds.
 A learner that dies mid-fetch leaves the fetch waiting on a sender that will never answer. When an
 announcement comes in that is not the one being fetched but has the same or a lower version (a restarted
 learner: it resumed from a checkpoint), the fetch in progress is cancelled at once (the engine's
-`cancel_receive`, where it has one) and the new announcement fetched next. A version given up this way,
+`cancel_receive`, where it has one) and the new announcement fetched next. A transport that sees its
+sender go away (zmq: the connection drops) ends the fetch by itself (`WeightSenderGone`, a warning). A version given up this way,
 or refused by a sender that no longer holds it while a newer one waits, is expected: logged at INFO, not
 counted as a failure.
 """
@@ -87,6 +88,10 @@ class WeightApplier:
                     self.cancelled += 1
                     log.info("%s: fetch of version %d given up; next: version %s", self.name, ann.version,
                              newer.version if newer is not None else "(the next announcement)")
+                elif type(e).__name__ == "WeightSenderGone":  # the learner died mid-fetch: a restart follows
+                    self.cancelled += 1
+                    log.warning("%s: %s; keeping version %d, fetching the next announcement (a restarted "
+                                "learner's)", self.name, e, self.engine.version)
                 elif newer is not None and newer.version > ann.version and "is not held" in str(e):
                     # the sender moved past this version while we fetched it: expected, the newer one is next
                     log.info("%s: version %d no longer served (version %d is next)", self.name, ann.version,

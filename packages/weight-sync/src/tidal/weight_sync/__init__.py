@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_into": "receiver",
     "WeightSyncError": "errors",
     "WeightFetchCancelled": "errors",
+    "WeightSenderGone": "errors",
     "SenderTransport": "transport_base",
     "ReceiverTransport": "transport_base",
 }

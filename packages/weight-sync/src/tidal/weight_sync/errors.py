@@ -8,3 +8,8 @@ class WeightSyncError(TidalError):
 class WeightFetchCancelled(WeightSyncError):
     """A fetch given up on purpose (`cancel()`: e.g. the sender it was fetching from was replaced by a
     restarted one); the receiver kept its previous version and can fetch again at once."""
+
+
+class WeightSenderGone(WeightSyncError):
+    """The sender went away mid-fetch (its process died: a learner that crashed or was killed); the
+    receiver kept its previous version and fetches the next announcement (a restarted learner's)."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import zmq
 
 from tidal.core.arrays import Array
 from tidal.core.channels import DealerChannel, dealer, router
@@ -21,7 +22,7 @@ from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, Weigh
 from tidal.core.security import AuthGuard, ChannelSecurity, Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
-from tidal.weight_sync.errors import WeightFetchCancelled, WeightSyncError
+from tidal.weight_sync.errors import WeightFetchCancelled, WeightSenderGone, WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
@@ -156,17 +157,32 @@ class ZmqReceiverTransport(ReceiverTransport):
         self._ch: DealerChannel | None = None
         self._endpoint = ""
         self._cancel = threading.Event()
+        self._monitor: zmq.Socket | None = None  # the channel's disconnect events
 
     def cancel(self) -> None:
         self._cancel.set()
 
     def _channel(self, endpoint: str) -> DealerChannel:
         if self._ch is None or endpoint != self._endpoint:
-            if self._ch is not None:
-                self._ch.close(linger=0)
+            self._drop_channel()
             self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64)
             self._endpoint = endpoint
+            try:  # the sender's process going away shows as a disconnect: a fetch then ends at once
+                self._monitor = self._ch.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            except zmq.ZMQError:
+                self._monitor = None
         return self._ch
+
+    def _sender_gone(self) -> bool:
+        """A disconnect from the sender since the last call (its process died or closed the socket)."""
+        gone = False
+        while self._monitor is not None:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            gone = True
+        return gone
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
@@ -184,12 +200,17 @@ class ZmqReceiverTransport(ReceiverTransport):
 
         got: set[int] = set()
         self._cancel.clear()
+        self._sender_gone()  # a disconnect before this fetch (a sender since restarted) is not this fetch's
         request_more()
         quiet_since = time.monotonic()  # the timeout counts from the last bucket that came in
         while len(got) < n:
             try:  # in slices, so that cancel() ends the wait at once
                 msg = ch.recv(timeout=CANCEL_POLL_S)
             except ChannelTimeout:
+                if self._sender_gone():
+                    self._drop_channel()
+                    raise WeightSenderGone(f"weight sender at {ann.location} went away after {len(got)} of {n} "
+                                           f"buckets of version {ann.version}") from None
                 if self._cancel.is_set():
                     self._drop_channel()  # requests still queued for the old sender must not reach a new one
                     raise WeightFetchCancelled(f"fetch of version {ann.version} from {ann.location} cancelled "
@@ -215,10 +236,17 @@ class ZmqReceiverTransport(ReceiverTransport):
             pass
 
     def _drop_channel(self) -> None:
+        if self._monitor is not None:
+            if self._ch is not None:
+                try:
+                    self._ch.socket.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._ch is not None:
             self._ch.close(linger=0)
         self._ch, self._endpoint = None, ""
 
     def close(self) -> None:
-        if self._ch is not None:
-            self._ch.close(linger=0)
+        self._drop_channel()
