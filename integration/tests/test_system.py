@@ -192,6 +192,14 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         acked.update(log.read_text().split())
     print(f"acknowledgements: {seen_here} seen on the ack topic, {len(acked)} with the workers' records")
     assert final["restarts"] == {"rollout-1": 1, "buffer": 1, "learner": 1}
+    # each restart is an event row (report.png marks it) and `tidal status` shows them
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "event/" in line]
+    assert sorted(k.split("/")[2] for r in rows for k in r["scalars"] if k.startswith("event/restart/")) == \
+        ["buffer", "learner", "rollout-1"]
+    status = subprocess.run([sys.executable, "-m", "tidal.integration.cli", "status", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert f"{run_dir}: completed at version 60/60" in status.stdout, status.stdout + status.stderr
+    assert "restarts    buffer 1, learner 1, rollout-1 1" in status.stdout, status.stdout
     resumed = [int(m) for m in re.findall(r"resumed from .* at step (\d+)", (run_dir / "logs" / "learner.log").read_text())]
     assert resumed and resumed[-1] < learner_killed_at, (resumed, learner_killed_at)  # steps past it were lost
     progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
