@@ -174,6 +174,8 @@ def _plot_health(ax, rows: list[dict], evs: list[tuple[float, str, str]]) -> Non
         ax[2].plot([t], [y], "o", color=color)
         if detail:
             ax[2].annotate(detail, (t, y), textcoords="offset points", xytext=(3, 4), fontsize=8)
+    if rows:  # the whole run, as the other plots over wall-clock time
+        ax[2].set_xlim(0, max(r["elapsed"] for r in rows) / 60)
     if not evs:
         ax[2].text(0.5, 0.5, "no restart, stall or resume", transform=ax[2].transAxes, ha="center", color="tab:gray")
 
