@@ -5,7 +5,7 @@
 - `kill -9` of a rollout worker, the buffer and the learner mid-run (the learner between two
   checkpoints): the run finishes, and the trajectories the learner trained on are exactly the ones the
   buffer acknowledged, minus what the buffer still holds at the end (no loss, no duplicates);
-- the ray launcher places the same roles on a local Ray head.
+- the README's Ray command line, through `uv run`, places the same roles on a local Ray head.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,14 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         acked.update(log.read_text().split())
     print(f"acknowledgements: {seen_here} seen on the ack topic, {len(acked)} with the workers' records")
     assert final["restarts"] == {"rollout-1": 1, "buffer": 1, "learner": 1}
+    # each restart is an event row (report.png marks it) and `tidal status` shows them
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "event/" in line]
+    assert sorted(k.split("/")[2] for r in rows for k in r["scalars"] if k.startswith("event/restart/")) == \
+        ["buffer", "learner", "rollout-1"]
+    status = subprocess.run([sys.executable, "-m", "tidal.integration.cli", "status", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert f"{run_dir}: completed at version 60/60" in status.stdout, status.stdout + status.stderr
+    assert "restarts    buffer 1, learner 1, rollout-1 1" in status.stdout, status.stdout
     resumed = [int(m) for m in re.findall(r"resumed from .* at step (\d+)", (run_dir / "logs" / "learner.log").read_text())]
     assert resumed and resumed[-1] < learner_killed_at, (resumed, learner_killed_at)  # steps past it were lost
     progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
@@ -203,13 +212,55 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     assert len(acked) == len(trained) + left, "an acknowledged trajectory was lost"
 
 
-def test_ray_launcher_places_the_roles_on_a_local_head(tmp_path, sft_model):
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ray_launcher_runs_the_readme_command_through_uv_run(tmp_path):
+    """The README's Ray command line as written, `uv run ... tidal run RECIPE launcher.name=ray`, from
+    the repository root: under `uv run`, Ray's uv hook would ship the folder to workers whose fresh
+    environment holds no Tidal; the launcher turns it off, and the run completes on a local head it
+    starts and shuts down. pids.json names each role's node and pid."""
     pytest.importorskip("ray")
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH: this test runs the README's `uv run` command line")
+    from tidal.rollout.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", seed=0)  # what is trained does not matter here: the launch does
     run_dir = tmp_path / "run"
-    final = finish(tidal_run(run_dir, sft_model, "launcher.name=\"ray\"", "budget.versions=3", "eval.every=3",
-                             "eval.size=10"), run_dir, 600)
-    assert final["status"] == "completed" and final["versions"] == 3
-    assert [e[0] for e in final["eval"]] == [0, 3]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_UV_RUN_RUNTIME_ENV"}  # Ray's default
+    args = [uv, "run", "--locked", "--all-packages", "tidal", "run", "integration/recipes/arithmetic.toml",
+            f'model="{model}"', "launcher.name=ray", "budget.versions=2", "eval.every=0", "workers=1",
+            f'run_dir="{run_dir}"', "monitor.progress=log"]
+    seen: dict[str, dict] = {}
+    with open(tmp_path / "run.log", "w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:  # each role's entry while it runs (the file keeps only the running roles)
+                seen.update(json.loads((run_dir / "pids.json").read_text()))
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the driver stops its roles and its Ray head
+            proc.wait(timeout=120)
+            pytest.fail("the Ray run did not finish within 420 s:\n" + (tmp_path / "run.log").read_text()[-4000:]
+                        + _role_logs(run_dir))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, log[-4000:] + _role_logs(run_dir)
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "completed" and final["versions"] == 2, final["status"]
+    assert "uv run hook is off" in log
+    assert set(seen) == {"buffer", "learner", "rollout-0"}, seen
+    for name, where in seen.items():
+        assert where["node"] and isinstance(where["pid"], int), (name, where)
     assert (run_dir / "logs" / "rollout-0.log").read_text()
 
 

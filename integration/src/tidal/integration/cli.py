@@ -134,6 +134,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from tidal.integration.health import format_health, run_health
     from tidal.integration.monitor import read_metrics
 
     root = Path(args.run_dir) if args.run_dir else None
@@ -144,22 +145,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("no runs under ./runs; pass a run folder: tidal status RUN_DIR", file=sys.stderr)
             return 2
         root = runs[-1]
+    if not (root / "final.json").is_file() and not (root / "metrics.jsonl").is_file():
+        print(f"tidal status: {root} holds neither final.json nor metrics.jsonl: is it a tidal run folder "
+              "(what `tidal run` printed)?", file=sys.stderr)
+        return 2
+    print("\n".join(format_health(run_health(root))))
     try:
         rows = read_metrics(root)
-    except FileNotFoundError as e:
-        print(f"tidal status: {e}", file=sys.stderr)
-        return 2
+    except FileNotFoundError:
+        return 0
     latest: dict[str, dict] = {}
     for r in rows:
         latest[r["source"]] = r
-    import time
-
-    print(f"{root}  ({len(rows)} metric lines, last {time.time() - rows[-1]['time']:.0f} s ago)" if rows else str(root))
+    if rows:
+        print(f"  latest numbers ({len(rows)} metric lines):")
     for source, r in sorted(latest.items()):
         keys = [k for k in r["scalars"] if any(k.startswith(p) for p in (
             "train/version", "reward/mean", "loss/total", "eval/accuracy", "depth/ready", "rollout/samples",
             "rollout/tokens_per_s", "controller/", "staleness/lag_mean", "staleness/mismatch_kl"))]
-        print(f"  {source:<12} " + "  ".join(f"{k}={r['scalars'][k]:.4g}" for k in keys[:8]))
+        if keys:
+            print(f"    {source:<12} " + "  ".join(f"{k}={r['scalars'][k]:.4g}" for k in keys[:8]))
     return 0
 
 
@@ -221,10 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run folder (what `tidal run` printed; runs/<name>-<date>-<time> by default)")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser(
-        "status", help="the latest metrics of a run (default: the newest under ./runs)",
-        description="One line per role with its latest numbers (learner version, reward, loss, held-out accuracy, "
-                    "buffer depth, rollout throughput, staleness), read from RUN_DIR/metrics.jsonl: works while "
-                    "the run goes on, from another terminal, and after it ended.")
+        "status", help="a run's health and latest metrics (default: the newest under ./runs)",
+        description="The run's state (running, interrupted, completed, stalled, failed: from final.json and "
+                    "whether the roles in pids.json are alive), its version, restarts per role, the gate's "
+                    "capacity, the buffer's depth, each role's last error and, for a run that can go on, the "
+                    "`tidal run --resume RUN_DIR` command; then one line per role with its latest numbers "
+                    "(learner version, reward, loss, held-out accuracy, rollout throughput, staleness), read from "
+                    "RUN_DIR/metrics.jsonl. Works while the run goes on, from another terminal, and after it ended.")
     p.add_argument("run_dir", nargs="?", help="the run folder (default: the newest under ./runs)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser(

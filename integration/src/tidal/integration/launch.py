@@ -6,6 +6,15 @@ A role is one command: ``python -m MODULE --config ROLE.json [ARGS]``. The run d
 `local` runs each role as a child process of the driver, each in its own session (Ctrl-C reaches the
 driver only, which stops the roles in order) and bound to the driver's life (Linux
 PR_SET_PDEATHSIG), so a driver killed with SIGKILL leaves no orphans. Logs go to <run_dir>/logs.
+
+`ray` places each role as a Ray actor that starts the role's process on its node with the driver's own
+Python (`sys.executable`): Ray's `uv run` hook (on by default in Ray >= 2.43 when the driver runs under
+`uv run`) would instead ship the working folder to a fresh uv environment on each worker, which does not
+hold the workspace's packages (`ModuleNotFoundError: No module named 'tidal'`), so the launcher turns it
+off (RAY_ENABLE_UV_RUN_RUNTIME_ENV=0, unless set) and says so in the log.
+
+Both write <run_dir>/pids.json, what is running now: local ``{role: pid}``; ray ``{role: {"node": ip,
+"pid": pid}}`` (learner ranks: "pid" is rank 0's, "pids" every rank's). `read_pids` reads both.
 """
 
 from __future__ import annotations
@@ -56,6 +65,21 @@ def start_process(argv: list[str], log_path: Path, env: dict[str, str] | None = 
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_bind_to_parent if sys.platform.startswith("linux") else None,
                                 env={**os.environ, **(env or {})})
+
+
+def read_pids(run_dir: Path) -> dict[str, tuple[str, int]]:
+    """pids.json as {role: (node, pid)}: node "" for a local run (this machine); {} if there is none."""
+    try:
+        raw = json.loads((Path(run_dir) / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for name, v in raw.items():
+        if isinstance(v, int):
+            out[name] = ("", v)
+        elif isinstance(v, dict) and isinstance(v.get("pid"), int):
+            out[name] = (str(v.get("node", "")), v["pid"])
+    return out
 
 
 class LocalRun:
@@ -167,9 +191,12 @@ class _RoleHost:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), str(s.getsockname()[1])
 
-    def start(self, extra_env: dict[str, str] | None = None) -> int:
+    def start(self, extra_env: dict[str, str] | None = None) -> tuple[str, int]:
+        """Start the role's process; (this node's address, its pid)."""
+        import ray
+
         self.proc = start_process([sys.executable, *self.argv], self.log_path, {**self.env, **(extra_env or {})})
-        return self.proc.pid
+        return ray.util.get_node_ip_address(), self.proc.pid
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -192,11 +219,15 @@ class _RoleHost:
             return None
 
 
+START_TIMEOUT_S = 300.0  # placing one role's actors and starting its process (a busy cluster: a queue)
+
+
 class RayRun:
     """Each role placed as a Ray actor (`_RoleHost`); learner ranks are one actor each, joined under
     torch.distributed through rank 0's node address."""
 
-    def __init__(self, roles: list[Role], run_dir: Path, resources: dict[str, dict[str, float]]) -> None:
+    def __init__(self, roles: list[Role], run_dir: Path, resources: dict[str, dict[str, float]],
+                 owns_ray: bool = False) -> None:
         import ray
 
         self.ray = ray
@@ -206,9 +237,14 @@ class RayRun:
         self.hosts: dict[str, list] = {}
         self.done: set[str] = set()
         self.starts: dict[str, int] = {}
-        self.owns_ray = False  # a local head started for this run is shut down with it
-        for r in roles:
-            self._start(r)
+        self.pids: dict[str, dict[str, Any]] = {}
+        self.owns_ray = owns_ray  # a local head started for this run is shut down with it
+        try:
+            for r in roles:
+                self._start(r)
+        except BaseException:  # nothing placed so far outlives a launch that failed
+            self.stop([], 30)
+            raise
 
     def _start(self, role: Role) -> None:
         self.starts[role.name] = self.starts.get(role.name, 0) + 1
@@ -219,15 +255,24 @@ class RayRun:
             log_path = self.run_dir / "logs" / (f"{role.name}.log" if role.nproc == 1 else f"{role.name}-{rank}.log")
             hosts.append(host_cls.options(**opts).remote(role.argv(), str(log_path), role.env))
         if role.nproc > 1:
-            master, port = self.ray.get(hosts[0].rendezvous.remote())  # picked on rank 0's own node
+            master, port = self.ray.get(hosts[0].rendezvous.remote(), timeout=START_TIMEOUT_S)  # picked on rank 0's own node
             pids = [h.start.remote({"RANK": str(i), "WORLD_SIZE": str(role.nproc), "LOCAL_RANK": "0",
                                     "MASTER_ADDR": master, "MASTER_PORT": port}) for i, h in enumerate(hosts)]
         else:
             pids = [hosts[0].start.remote()]
-        self.ray.get(pids)
-        self.hosts[role.name] = hosts
+        self.hosts[role.name] = hosts  # before the wait: a failed start is still stopped
+        started = self.ray.get(pids, timeout=START_TIMEOUT_S)
         self.done.discard(role.name)
-        log.info("placed %s as %d Ray actor(s)", role.name, len(hosts))
+        node, pid = started[0]
+        self.pids[role.name] = {"node": node, "pid": pid, **({"pids": [p for _, p in started]} if len(started) > 1 else {})}
+        self._write_pids()
+        log.info("placed %s as %d Ray actor(s) on %s (pid %d)%s", role.name, len(hosts), node, pid,
+                 f", start {self.starts[role.name]}" if self.starts[role.name] > 1 else "")
+
+    def _write_pids(self) -> None:
+        """pids.json: each running role's node and pid (for `kill -USR1`, kill drills, `tidal status`)."""
+        live = {n: v for n, v in self.pids.items() if n in self.hosts and n not in self.done}
+        (self.run_dir / "pids.json").write_text(json.dumps(live))
 
     def _codes(self, name: str) -> list[int | None]:
         try:
@@ -244,9 +289,14 @@ class RayRun:
             if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
                 rc = next((c for c in codes if c not in (None, 0)), 0)
                 for h in self.hosts[name]:  # a failed rank takes its peers with it
-                    self.ray.get(h.kill.remote())
+                    try:
+                        self.ray.get(h.kill.remote(), timeout=60)
+                    except self.ray.exceptions.RayError:
+                        pass  # its actor is gone, and its process with it
                 out[name] = rc
                 self.done.add(name)
+        if out:
+            self._write_pids()
         return out
 
     def running(self, name: str) -> bool:
@@ -283,7 +333,7 @@ class RayRun:
                     log.warning("%s did not stop within %.0f s: killed", name, timeout)
                     got = self.ray.get([h.kill.remote() for h in hosts], timeout=60)
                 codes[name] = next((c for c in got if c), 0) or 0
-            except self.ray.exceptions.RayActorError:
+            except self.ray.exceptions.RayError:  # its actor died (or never started), or did not answer
                 codes[name] = -9
             for h in hosts:
                 self.ray.kill(h)
@@ -309,10 +359,38 @@ class RayLauncher:
         self.address, self.resources, self.num_cpus = address, resources or {}, num_cpus
 
     def launch(self, roles: list[Role], run_dir: Path) -> RayRun:
+        owns = False
         if not self.ray.is_initialized():
+            uv_hook_off()
             kw = {"address": self.address} if self.address else {"num_cpus": self.num_cpus or max(4, len(roles) + 2),
                                                                   "include_dashboard": False}
             self.ray.init(log_to_driver=False, **kw)
-        handle = RayRun(roles, run_dir, self.resources)
-        handle.owns_ray = not self.address
-        return handle
+            owns = not self.address
+        try:
+            return RayRun(roles, run_dir, self.resources, owns_ray=owns)
+        except BaseException:
+            if owns:
+                self.ray.shutdown()
+            raise
+
+
+def uv_hook_off() -> None:
+    """Turn off Ray's `uv run` runtime-env hook for this driver, unless RAY_ENABLE_UV_RUN_RUNTIME_ENV is set.
+
+    Under `uv run`, Ray (>= 2.43) otherwise sets every worker's `py_executable` to `uv run ... python` and
+    ships the working folder as `working_dir`: each worker builds a fresh environment from the folder's
+    pyproject, which for this workspace (a root with `package = false`) does not hold Tidal's packages,
+    and every actor fails with `ModuleNotFoundError: No module named 'tidal'`. With the hook off, Ray's
+    workers run the driver's interpreter (this environment, where Tidal is installed), as they do when
+    the driver is started as `.venv/bin/tidal` or from a pip-installed package. On a multi-node cluster,
+    each node's Ray must run an environment with `tidal[ray]` installed (`ray start` from it)."""
+    import ray._private.ray_constants as ray_constants  # read by ray.init, each time it is called
+
+    setting = os.environ.get("RAY_ENABLE_UV_RUN_RUNTIME_ENV")
+    if setting is not None:
+        log.info("Ray's uv run hook left as RAY_ENABLE_UV_RUN_RUNTIME_ENV=%s says", setting)
+        return
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"  # for the Ray processes this driver starts
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    log.info("Ray workers run this Python (%s): Ray's uv run hook is off (RAY_ENABLE_UV_RUN_RUNTIME_ENV=0), "
+             "so workers do not build a uv environment of their own without Tidal's packages", sys.executable)

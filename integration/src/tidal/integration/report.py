@@ -5,10 +5,18 @@ histogram of trained tokens (policy versions between generation and training); m
 the sampler's logprobs and the learner's recomputation, per version. A run with multi-turn domains
 adds a row: tool calls per episode and the tool-error rate, turns per episode, and what episodes cost
 (splits, truncations, drops), each from the rollout workers' counters, per metrics window.
+
+The health row: throughput over time (samples trained per second by the learner, samples generated per
+second by the workers), buffer depth and the gate's groups in flight over time, and the run's events.
+Events are metrics rows with a key `event/KIND` = 1 (restart: the driver restarted a role, its name in
+`event/restart/ROLE`; stall: no new version for too long; resume: `tidal run --resume` continued the run);
+every plot over wall-clock time marks them with a vertical line (restart red dashed, stall black,
+resume green).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -98,6 +106,80 @@ def _plot_episodes(ax, e: dict[str, list[float]]) -> None:
     ax[2].legend()
 
 
+EVENT_STYLE = {"restart": ("tab:red", "--"), "stall": ("black", "-"), "resume": ("tab:green", "-")}
+
+
+def events(rows: list[dict]) -> list[tuple[float, str, str]]:
+    """(minutes into the run, kind, detail) of each event row: restart (detail: the role), stall, resume."""
+    out = []
+    for r in rows:
+        for k in r["scalars"]:
+            if k.startswith("event/") and k.count("/") == 1:
+                kind = k.split("/", 1)[1]
+                detail = next((x.split("/", 2)[2] for x in r["scalars"] if x.startswith(f"event/{kind}/")), "")
+                out.append((r["elapsed"] / 60, kind, detail))
+    return out
+
+
+def throughput(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Over wall-clock minutes: "trained" (samples/s, the learner's cumulative count differenced) and
+    "generated" (samples/s, the workers' own rates summed per controller report)."""
+    # rates between the learner's own timestamps ("time"), plotted where the driver wrote them ("elapsed")
+    learner = [(r["time"], r["elapsed"], r["scalars"]["train/samples_total"]) for r in rows
+               if r["source"] == "learner-0" and "train/samples_total" in r["scalars"]]
+    trained_t, trained = [], []
+    for (t0, _, s0), (t1, e1, s1) in itertools.pairwise(learner):
+        if t1 > t0 and s1 >= s0:  # a restarted learner's count can go back: skip that step
+            trained_t.append(e1 / 60)
+            trained.append((s1 - s0) / (t1 - t0))
+    latest: dict[str, float] = {}
+    gen_t, gen = [], []
+    for r in rows:
+        if r["source"].startswith("rollout") and "rollout/samples_per_s" in r["scalars"]:
+            latest[r["source"]] = r["scalars"]["rollout/samples_per_s"]
+        elif r["source"] == "controller" and "controller/gate_in_flight" in r["scalars"] and latest:
+            gen_t.append(r["elapsed"] / 60)
+            gen.append(sum(latest.values()))
+    return {"trained": (trained_t, trained), "generated": (gen_t, gen)}
+
+
+def _plot_health(ax, rows: list[dict], evs: list[tuple[float, str, str]]) -> None:
+    tp = throughput(rows)
+    ax[0].plot(*tp["trained"], lw=1, color="tab:blue", label="trained (learner)")
+    ax[0].plot(*tp["generated"], lw=1, color="tab:orange", label="generated (workers)")
+    ax[0].set(title="throughput", xlabel="wall-clock (min)", ylabel="samples / s")
+    ax[0].legend()
+    depth = [(r["elapsed"] / 60, r["scalars"]["depth/ready_samples"]) for r in rows
+             if r["source"].startswith("buffer") and "depth/ready_samples" in r["scalars"]]
+    gate = [(r["elapsed"] / 60, r["scalars"]["controller/gate_in_flight"],
+             r["scalars"].get("controller/gate_capacity", np.nan)) for r in rows
+            if r["source"] == "controller" and "controller/gate_in_flight" in r["scalars"]]
+    if depth:
+        ax[1].plot(*zip(*depth, strict=True), lw=1, color="tab:purple", label="buffer: ready samples")
+    ax[1].set(title="buffer depth", xlabel="wall-clock (min)", ylabel="samples")
+    if gate:
+        g = ax[1].twinx()
+        g.plot([x[0] for x in gate], [x[1] for x in gate], lw=1, color="tab:gray", label="gate: groups in flight")
+        g.plot([x[0] for x in gate], [x[2] for x in gate], lw=1, ls=":", color="tab:gray", label="gate capacity")
+        g.set(ylabel="groups")
+        g.legend(loc="center right", fontsize=8)
+    if depth:
+        ax[1].legend(loc="upper left")
+    kinds = ["restart", "stall", "resume"]
+    ax[2].set(title="events (restarts, stalls, resumes)", xlabel="wall-clock (min)", yticks=range(len(kinds)),
+              yticklabels=kinds, ylim=(-0.5, len(kinds) - 0.5))
+    for t, kind, detail in evs:
+        y = kinds.index(kind) if kind in kinds else len(kinds) - 1
+        color = EVENT_STYLE.get(kind, ("tab:gray", "-"))[0]
+        ax[2].plot([t], [y], "o", color=color)
+        if detail:
+            ax[2].annotate(detail, (t, y), textcoords="offset points", xytext=(3, 4), fontsize=8)
+    if rows:  # the whole run, as the other plots over wall-clock time
+        ax[2].set_xlim(0, max(r["elapsed"] for r in rows) / 60)
+    if not evs:
+        ax[2].text(0.5, 0.5, "no restart, stall or resume", transform=ax[2].transAxes, ha="center", color="tab:gray")
+
+
 def report(run_dir: str | Path) -> Path:
     """Write <run_dir>/report.png and <run_dir>/summary.json; returns the PNG's path."""
     import matplotlib
@@ -114,7 +196,9 @@ def report(run_dir: str | Path) -> Path:
     version_samples[0] = 0.0
 
     episodes = episode_rates(rows)
-    fig, ax = plt.subplots(3 if episodes else 2, 3, figsize=(15, 12.5 if episodes else 8.5))
+    evs = events(rows)
+    nrows = 4 if episodes else 3
+    fig, ax = plt.subplots(nrows, 3, figsize=(15, 4.2 * nrows + 0.5))
     t = [r["elapsed"] / 60 for r in learner]
     reward = [r["scalars"].get("reward/mean", np.nan) for r in learner]
     et = [r["elapsed"] / 60 for r in evals]
@@ -138,9 +222,16 @@ def report(run_dir: str | Path) -> Path:
     ax[1, 2].set(title="mismatch KL (sampler vs learner)", xlabel="policy version", ylabel="KL")
     if episodes:
         _plot_episodes(ax[2], episodes)
+    _plot_health(ax[-1], rows, evs)
+    timed = [ax[0, 0], ax[0, 1], ax[-1, 0], ax[-1, 1], ax[-1, 2]] + (list(ax[2]) if episodes else [])
+    for at, kind, _ in evs:  # where the run restarted a role, stalled or was resumed
+        color, style = EVENT_STYLE.get(kind, ("tab:gray", "-"))
+        for a in timed:
+            a.axvline(at, color=color, ls=style, lw=0.8, alpha=0.6)
     for a in ax.flat:
         a.grid(alpha=0.3)
     summary = summarize(rows)
+    summary["events"] = {k: sum(1 for e in evs if e[1] == k) for k in sorted({e[1] for e in evs})}
     if episodes:
         # the last quarter of the run's windows (one window alone is a handful of episodes)
         tail = max(1, len(episodes["minutes"]) // 4)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -237,9 +238,56 @@ def _role(name: str, kind: str, module: str, config, roles_dir: Path, threads: i
                 env={"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, ERROR_FILE_ENV: str(error_file(roles_dir, name))})
 
 
+CONSOLE_QUIET = ("tidal.controller",)  # their INFO lines (every evaluation, every worker) go to driver.log only
+
+
+class _NotDetail(logging.Filter):
+    """On the console: warnings and errors of every logger, INFO of all but `CONSOLE_QUIET`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(CONSOLE_QUIET)
+
+
+@contextmanager
+def driver_log(run_dir: Path) -> Iterator[Path]:
+    """RUN_DIR/logs/driver.log: every line the driver logs at INFO and above (the evaluations, workers
+    connecting, ...). The console's handlers (whatever the caller configured) keep the progress line,
+    warnings, errors and the run's own milestones; the per-evaluation INFO lines go to the file only."""
+    path = run_dir / "logs" / "driver.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root, tidal = logging.getLogger(), logging.getLogger("tidal")
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    quiet = _NotDetail()
+    console = [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
+    for h in console:
+        h.addFilter(quiet)
+    old_level, old_console = tidal.level, [h.level for h in console]
+    if tidal.getEffectiveLevel() > logging.INFO:  # the file has INFO whatever the console shows
+        tidal.setLevel(logging.INFO)
+        for h in console:  # the console keeps the level it had
+            h.setLevel(max(h.level, root.getEffectiveLevel()))
+    tidal.addHandler(handler)
+    try:
+        yield path
+    finally:
+        tidal.removeHandler(handler)
+        tidal.setLevel(old_level)
+        handler.close()
+        for h, level in zip(console, old_console, strict=True):
+            h.removeFilter(quiet)
+            h.setLevel(level)
+
+
 def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
     run_dir = Path(run_dir or default_run_dir(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
+    with driver_log(run_dir):
+        return _run_in(cfg, run_dir, nproc_learner)
+
+
+def _run_in(cfg: RunConfig, run_dir: Path, nproc_learner: int) -> RunResult:
     if not cfg.launch.auth:
         log.warning("launch.auth = false: the run's channels are plaintext; any local process can push data "
                     "into the buffer, take or acknowledge batches, stop it, and talk to the controller")
@@ -260,7 +308,12 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
-    launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    try:
+        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    except Exception as e:
+        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
+                              "budget_versions": cfg.budget.versions})
+        raise
     sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
@@ -281,7 +334,14 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     log.info("run folder %s (%s mode, %d workers, launcher %s)", run_dir, cfg.mode, cfg.workers, cfg.launcher.name)
     try:
-        sup.handle = launcher.launch(roles, run_dir)
+        try:
+            sup.handle = launcher.launch(roles, run_dir)
+        except Exception as e:  # no role runs: say why in final.json, in one line
+            sup.status = f"failed: the {cfg.launcher.name} launcher could not start the roles: {one_line(e)}"
+            log.error("%s (role logs: %s)", sup.status, run_dir / "logs")
+            write_final(run_dir, {"status": sup.status, "versions": 0, "budget_versions": cfg.budget.versions})
+            return RunResult(run_dir=run_dir, status=sup.status, versions=0, eval=[], restarts={},
+                             wall_s=time.monotonic() - sup.t0)
         sup.loop()
     finally:
         if sup.handle is not None:
@@ -298,6 +358,15 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
                      eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
                      wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=rl_start,
                      worker_up=worker_up)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message that says something (Ray's
+    errors wrap the cause's traceback; its last line is the cause)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception):", ln)), "")
+    text = cause or (lines[0] if lines else "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:

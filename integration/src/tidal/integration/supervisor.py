@@ -136,6 +136,7 @@ class Supervisor:
         except Stalled as e:
             self.status = f"stalled: {e}"
             log.error("run stalled: %s", e)
+            self.event("stall")
         except (Stop, PluginError) as e:  # PluginError: a plugin made what the controller cannot send
             self.status = f"failed: {e}"
             log.error("%s", e)
@@ -204,6 +205,7 @@ class Supervisor:
                     self.cfg.launch.max_restarts, f": {message}" if message else "")
         if name in self.workers:
             self.controller.worker_lost(name)
+        self.event("restart", **{f"event/restart/{name}": float(self.restarts[name])})
         self.handle.restart(name)
 
     def _reap_silent(self) -> None:
@@ -221,6 +223,16 @@ class Supervisor:
         c = self.controller
         self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(), scalars=c.status()))
         self.display.update(c.learner_version, summary(c, now - self.t0))
+        write_health(self.run_dir, {"time": time.time(), "restarts": {k: v for k, v in self.restarts.items() if v},
+                                    "errors": {**c.last_error, **self.errors}})
+
+    def event(self, kind: str, **scalars: float) -> None:
+        """An event row in metrics.jsonl (`tidal report` marks it): source "controller", `event/KIND` = 1
+        and the usual time and version fields, plus any detail (`event/restart/ROLE`: that role's
+        restarts so far). Kinds: restart, stall; `tidal run --resume` writes resume."""
+        c = self.controller
+        self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(),
+                          scalars={f"event/{kind}": 1.0, **scalars}))
 
     def _time_budget(self, now: float) -> None:
         minutes = self.cfg.budget.minutes
@@ -287,6 +299,14 @@ class Supervisor:
 def write_final(run_dir: Path, final: dict) -> None:
     """`final.json`: how the run ended (status first), what it reached, each role's last error."""
     (run_dir / "final.json").write_bytes(msgspec.json.format(msgspec.json.encode(final)))
+
+
+def write_health(run_dir: Path, health: dict) -> None:
+    """`health.json`, rewritten every few seconds while the run goes on: restarts and each role's last
+    error so far (final.json has them at the end); `tidal status` reads it."""
+    tmp = run_dir / "health.json.tmp"
+    tmp.write_bytes(msgspec.json.encode(health))
+    tmp.replace(run_dir / "health.json")
 
 
 def summary(c: Controller, elapsed: float) -> dict[str, str]:

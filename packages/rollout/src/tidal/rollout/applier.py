@@ -6,6 +6,14 @@ publisher; `announce` keeps only the newest, and the thread applies it through t
 the new version to the controller at once (`take_applied`): the depth gate opens on that report, not on
 the next heartbeat. A version the engine refuses (a bad transfer, a checksum) is logged and counted, and
 the engine keeps generating on the weights it holds.
+
+A learner that dies mid-fetch leaves the fetch waiting on a sender that will never answer. When an
+announcement comes in that is not the one being fetched but has the same or a lower version (a restarted
+learner: it resumed from a checkpoint), the fetch in progress is cancelled at once (the engine's
+`cancel_receive`, where it has one) and the new announcement fetched next. A transport that sees its
+sender go away (zmq: the connection drops) ends the fetch by itself (`WeightSenderGone`, a warning). A version given up this way,
+or refused by a sender that no longer holds it while a newer one waits, is expected: logged at INFO, not
+counted as a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ class WeightApplier:
         self.failures = 0  # versions refused
         self.applied_at = 0.0  # wall clock of the last apply (the controller measures apply -> grant)
         self._latest: WeightsAvailable | None = None
+        self._fetching: WeightsAvailable | None = None  # the announcement being fetched now
+        self.cancelled = 0  # fetches given up for a restarted learner's announcement
         self._cond = threading.Condition()
         self._applied = threading.Event()
         self._stop = threading.Event()
@@ -39,9 +49,17 @@ class WeightApplier:
     def announce(self, ann: WeightsAvailable) -> None:
         """Apply `ann` next, unless a newer version is already waiting."""
         with self._cond:
-            if self._latest is None or ann.version > self._latest.version:
+            pending = self._fetching
+            replaced = pending is not None and ann != pending and ann.version <= pending.version
+            if replaced or self._latest is None or ann.version > self._latest.version:
                 self._latest = ann
                 self._cond.notify()
+        if replaced and pending is not None:  # the sender of `pending` was replaced: stop waiting on it
+            cancel = getattr(self.engine, "cancel_receive", None)
+            if cancel is not None:
+                log.info("%s: version %d announced while fetching version %d (a restarted learner): "
+                         "giving up that fetch", self.name, ann.version, pending.version)
+                cancel()
 
     def take_applied(self) -> bool:
         """True once after each apply: the loop reports the new version."""
@@ -56,16 +74,35 @@ class WeightApplier:
                 while self._latest is None and not self._stop.is_set():
                     self._cond.wait(0.5)
                 ann, self._latest = self._latest, None
-            if ann is None or ann.version <= self.engine.version:
-                continue
+                if ann is None or ann.version <= self.engine.version:
+                    continue
+                self._fetching = ann
             t0 = time.perf_counter()
             try:
                 held = self.engine.receive_weights(ann)
             except Exception as e:  # keep generating on the old weights; the sender has been told
-                self.failures += 1
-                log.error("%s: weights version %d rejected, keeping version %d: %s", self.name, ann.version,
-                          self.engine.version, e)
+                with self._cond:
+                    self._fetching = None
+                    newer = self._latest
+                if type(e).__name__ == "WeightFetchCancelled":  # asked for (announce): fetch the new one
+                    self.cancelled += 1
+                    log.info("%s: fetch of version %d given up; next: version %s", self.name, ann.version,
+                             newer.version if newer is not None else "(the next announcement)")
+                elif type(e).__name__ == "WeightSenderGone":  # the learner died mid-fetch: a restart follows
+                    self.cancelled += 1
+                    log.warning("%s: %s; keeping version %d, fetching the next announcement (a restarted "
+                                "learner's)", self.name, e, self.engine.version)
+                elif newer is not None and newer.version > ann.version and "is not held" in str(e):
+                    # the sender moved past this version while we fetched it: expected, the newer one is next
+                    log.info("%s: version %d no longer served (version %d is next)", self.name, ann.version,
+                             newer.version)
+                else:
+                    self.failures += 1
+                    log.error("%s: weights version %d rejected, keeping version %d: %s", self.name, ann.version,
+                              self.engine.version, e)
                 continue
+            with self._cond:
+                self._fetching = None
             self.applied_at = time.time()
             self._applied.set()
             self.waker.wake()

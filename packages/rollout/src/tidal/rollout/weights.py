@@ -34,6 +34,13 @@ class ReceiverPool:
     def receive(self, ann: WeightsAvailable, apply: Callable[[NamedTensors], Any]) -> int:
         return self.get(ann.transport).receive(ann, apply)
 
+    def cancel(self) -> None:
+        """Give up the fetch in progress (from another thread), where the receiver can (`cancel()`)."""
+        for r in list(self._receivers.values()):
+            cancel = getattr(r, "cancel", None)
+            if cancel is not None:
+                cancel()
+
     def close(self) -> None:
         for r in self._receivers.values():
             r.close()

@@ -15,6 +15,8 @@ _EXPORTS = {
     "WeightReceiver": "receiver",
     "load_into": "receiver",
     "WeightSyncError": "errors",
+    "WeightFetchCancelled": "errors",
+    "WeightSenderGone": "errors",
     "SenderTransport": "transport_base",
     "ReceiverTransport": "transport_base",
 }

@@ -16,7 +16,7 @@ from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import checksum, copy_and_checksum, unpack
 from tidal.weight_sync.device import checksum_tensor
-from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.errors import WeightFetchCancelled, WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -53,6 +53,9 @@ class WeightReceiver:
         try:
             try:
                 buckets, views = self._fetch_and_verify(ann, zero_copy)
+            except WeightFetchCancelled as e:  # asked for: no sender to tell (it may be gone)
+                self.last_error = str(e)
+                raise
             except WeightSyncError as e:
                 self.last_error = str(e)
                 self.transport.report(ann, ok=False, detail=str(e))
@@ -145,6 +148,12 @@ class WeightReceiver:
         dest.copy_(payload)  # our own copy, verified: the sender rewrites its buffers
         _check_device_sum(ann, i, dest)
         return dest
+
+    def cancel(self) -> None:
+        """Give up the fetch in progress (from another thread): `receive` raises `WeightFetchCancelled`
+        soon and the version held stays. For a sender that died mid-fetch and was replaced: without this
+        the fetch waits out the transport's timeout."""
+        self.transport.cancel()
 
     def close(self) -> None:
         self.transport.close()

@@ -70,6 +70,10 @@ class ReceiverTransport:
     def release(self, ann: WeightsAvailable) -> None:
         """Zero-copy transports: the payloads of `ann` may be reused."""
 
+    def cancel(self) -> None:
+        """Give up the fetch in progress, if any, soon (from another thread): it raises
+        `WeightFetchCancelled`. Transports whose fetch cannot wait on a dead sender need not."""
+
     def close(self) -> None:
         pass
 

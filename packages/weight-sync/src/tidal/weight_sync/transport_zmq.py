@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import zmq
 
 from tidal.core.arrays import Array
 from tidal.core.channels import DealerChannel, dealer, router
@@ -20,7 +22,7 @@ from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, Weigh
 from tidal.core.security import AuthGuard, ChannelSecurity, Curve
 from tidal.weight_sync import delta
 from tidal.weight_sync.buckets import Bucket
-from tidal.weight_sync.errors import WeightSyncError
+from tidal.weight_sync.errors import WeightFetchCancelled, WeightSenderGone, WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport, SenderTransport
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,9 @@ def _reply_bytes(ann: WeightsAvailable) -> int:
     return max(ann.bucket_sizes, default=0) + BUCKET_SLACK_BYTES
 
 
+CANCEL_POLL_S = 0.1  # how soon a fetch sees cancel()
+
+
 class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
@@ -166,16 +171,35 @@ class ZmqReceiverTransport(ReceiverTransport):
         self._endpoint = ""
         self._max_bytes = 0
         self.protocol_errors: dict[str, int] = {}  # bad replies dropped, by ProtocolError.reason
+        self._cancel = threading.Event()
+        self._monitor: zmq.Socket | None = None  # the channel's disconnect events
+
+    def cancel(self) -> None:
+        self._cancel.set()
 
     def _channel(self, endpoint: str, max_bytes: int) -> DealerChannel:
         """The DEALER to `endpoint`, taking frames of up to `max_bytes` (sized from the announced buckets;
         made again when a later announcement has larger ones)."""
         if self._ch is None or endpoint != self._endpoint or max_bytes > self._max_bytes:
-            if self._ch is not None:
-                self._ch.close(linger=0)
+            self._drop_channel()
             self._ch = dealer(endpoint, curve=self.curve, linger=0, hwm=64, max_bytes=max_bytes)
             self._endpoint, self._max_bytes = endpoint, max_bytes
+            try:  # the sender's process going away shows as a disconnect: a fetch then ends at once
+                self._monitor = self._ch.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            except zmq.ZMQError:
+                self._monitor = None
         return self._ch
+
+    def _sender_gone(self) -> bool:
+        """A disconnect from the sender since the last call (its process died or closed the socket)."""
+        gone = False
+        while self._monitor is not None:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            gone = True
+        return gone
 
     def fetch(self, ann: WeightsAvailable, have_version: int) -> Iterator[tuple[int, str, int, Any]]:
         """(bucket, encoding, base_version, payload) as buckets arrive; all requests in flight at once."""
@@ -192,18 +216,34 @@ class ZmqReceiverTransport(ReceiverTransport):
                 requested += 1
 
         got: set[int] = set()
+        self._cancel.clear()
+        self._sender_gone()  # a disconnect before this fetch (a sender since restarted) is not this fetch's
         request_more()
+        quiet_since = time.monotonic()  # the timeout counts from the last bucket that came in
         while len(got) < n:
-            try:
-                msg = ch.recv(timeout=self.timeout)
+            try:  # in slices, so that cancel() ends the wait at once
+                msg = ch.recv(timeout=CANCEL_POLL_S)
             except ChannelTimeout:
-                raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
-                                      f"version {ann.version} within {self.timeout:g} s") from None
+                if self._sender_gone():
+                    self._drop_channel()
+                    raise WeightSenderGone(f"weight sender at {ann.location} went away after {len(got)} of {n} "
+                                           f"buckets of version {ann.version}") from None
+                if self._cancel.is_set():
+                    self._drop_channel()  # requests still queued for the old sender must not reach a new one
+                    raise WeightFetchCancelled(f"fetch of version {ann.version} from {ann.location} cancelled "
+                                               f"after {len(got)} of {n} buckets") from None
+                if time.monotonic() - quiet_since > self.timeout:
+                    self._drop_channel()
+                    raise WeightSyncError(f"weight sender at {ann.location} sent {len(got)} of {n} buckets of "
+                                          f"version {ann.version} within {self.timeout:g} s") from None
+                continue
             except ProtocolError as e:  # any decode failure comes as this: dropped; the real bucket may follow
                 self.protocol_errors[e.reason] = self.protocol_errors.get(e.reason, 0) + 1
                 log.warning("weight receiver: dropped a bad reply from %s: %s", ann.location, e)
                 continue
+            quiet_since = time.monotonic()
             if type(msg) is Error:
+                self._drop_channel()  # the other requests' answers are not wanted by the next fetch
                 raise WeightSyncError(f"weight sender refused: {msg.detail}")
             if type(msg) is WeightsBucket and msg.version == ann.version and msg.bucket not in got:
                 got.add(msg.bucket)
@@ -216,6 +256,18 @@ class ZmqReceiverTransport(ReceiverTransport):
         except ChannelTimeout:
             pass
 
-    def close(self) -> None:
+    def _drop_channel(self) -> None:
+        if self._monitor is not None:
+            if self._ch is not None:
+                try:
+                    self._ch.socket.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._ch is not None:
             self._ch.close(linger=0)
+        self._ch, self._endpoint, self._max_bytes = None, "", 0
+
+    def close(self) -> None:
+        self._drop_channel()

@@ -268,6 +268,11 @@ class EmbeddedEngine:
         weights stay and the error propagates (the sender has been told by the receiver)."""
         return self._receivers.receive(announcement, lambda named: self.update_weights(named, announcement.version))
 
+    def cancel_receive(self) -> None:
+        """Give up a `receive_weights` in progress (from another thread): it raises the transport's
+        `WeightFetchCancelled` soon and the weights held stay."""
+        self._receivers.cancel()
+
     def pause(self) -> None:
         """Stop stepping after the current step; requests stay queued and in flight."""
         with self._lock:
