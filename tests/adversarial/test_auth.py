@@ -26,7 +26,7 @@ from tidal.core.errors import ChannelTimeout
 from tidal.core.protocol import ACK_BATCH, Ack, Control, Error, Metrics
 from tidal.core.reliable import ack_topic
 from tidal.core.security import ChannelSecurity, CurveClient, make_role_keys
-from tidal.core.testing import make_trajectory
+from tidal.core.testing import make_trajectory, stop_process
 
 STRANGERS = ["no_keys", "wrong_server_key", "unlisted_key"]
 
@@ -110,13 +110,7 @@ class Run:
             _send(out, self.traj(), 5 if curve is not None and curve.server_key == self.buffer_key else 1)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -26,7 +26,7 @@ from tidal.core.channels import push
 from tidal.core.codec import MAGIC, Codec
 from tidal.core.protocol import PROTOCOL_VERSION, BatchRequest, Trajectory
 from tidal.core.reliable import AckedPusher
-from tidal.core.testing import free_endpoint
+from tidal.core.testing import free_endpoint, stop_process
 
 PRE = MAGIC + bytes(PROTOCOL_VERSION)
 VOCAB = 1000
@@ -57,13 +57,7 @@ class Buffer:
         return 0.0
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")

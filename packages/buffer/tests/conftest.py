@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tidal.buffer.client import BatchClient
-from tidal.core.testing import free_endpoint
+from tidal.core.testing import free_endpoint, stop_process
 
 HERE = Path(__file__).parent
 
@@ -57,13 +57,7 @@ class BufferProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
     def log_text(self) -> str:
         return "\n".join(p.read_text() for p in self.logs if p.exists())

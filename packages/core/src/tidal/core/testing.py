@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,18 @@ from tidal.core.protocol import (
     WorkRequest,
     trajectory_id,
 )
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM `proc` if it still runs, SIGKILL after `timeout` seconds; reaped either way."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
 
 
 def free_port() -> int:
