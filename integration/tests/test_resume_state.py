@@ -221,3 +221,12 @@ def test_a_stall_message_names_the_gate_the_duplicates_and_what_each_worker_wait
         assert "rollout-0 waits for weights (holds version 0, gate at 4)" in text
     finally:
         ctl.close()
+
+
+def test_a_fresh_run_into_a_folder_that_holds_one_points_to_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    assert main(["run", str(RECIPE), f'model="{tmp_path}"', f'run_dir="{run}"']) == 2
+    assert f"continue it with tidal run --resume {run}" in capsys.readouterr().err
