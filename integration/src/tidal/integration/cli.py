@@ -67,25 +67,50 @@ def _logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from tidal.core.errors import ConfigError, PluginError, PluginNotFound
-    from tidal.integration.recipe import check_models, load_recipe
+    from tidal.integration.recipe import check_models, default_run_dir, load_recipe
     from tidal.integration.report import report
+    from tidal.integration.resume import RunFolderBusy, check_resumable, resume_command
     from tidal.integration.run import run
 
     _logging(args.log_level)
+    resume = Path(args.resume) if args.resume else None
+    overrides = ([args.recipe] if resume is not None and args.recipe else []) + list(args.overrides)
+    if resume is None and not args.recipe:
+        print("tidal run: give a recipe (tidal run RECIPE.toml) or a run folder to continue "
+              "(tidal run --resume RUN_DIR)", file=sys.stderr)
+        return 2
     try:  # refused here: no run folder made, no process started
-        cfg = load_recipe(args.recipe, args.overrides)
+        if resume is not None:
+            if not (resume / "config.json").is_file():
+                raise ConfigError(f"{resume} holds no run to resume (no config.json); start one with "
+                                  f"tidal run RECIPE run_dir={resume}")
+            cfg = load_recipe(resume / "config.json", overrides)
+            why = check_resumable(resume, cfg.budget.versions)
+            if why:
+                print(f"tidal run: {why}", file=sys.stderr)
+                return 0 if "completed" in why else 2
+        else:
+            cfg = load_recipe(args.recipe, overrides)
+            folder = default_run_dir(cfg)
+            if (folder / "config.json").is_file() and (folder / "metrics.jsonl").is_file():
+                raise ConfigError(f"{folder} already holds a run: continue it with {resume_command(folder)} "
+                                  f"(overrides may follow), or give another run_dir")
         check_models(cfg)
     except (ConfigError, PluginNotFound) as e:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     try:
-        result = run(cfg, nproc_learner=args.nproc)
-    except (ConfigError, PluginNotFound, PluginError) as e:  # found in the driver, before any role started
+        result = run(cfg, run_dir=resume, nproc_learner=args.nproc, resume=resume is not None, overrides=overrides)
+    except (ConfigError, PluginNotFound, PluginError, RunFolderBusy) as e:  # before any role started
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     png = report(result.run_dir)
     print(f"run {result.status}: {result.versions} versions in {result.wall_s / 60:.1f} min; report {png}")
+    if result.status != "completed":
+        print(f"continue it with: {resume_command(result.run_dir)}")
     return 0 if result.status == "completed" else 1
 
 
@@ -193,9 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "no model, ...) is refused before any process starts or the run folder is made.",
         epilog="Overrides use dotted TOML syntax: workers=4 learner.backend_options.optim.lr=1e-4 "
                "budget.versions=200 mode=sync domains='[{env=\"countdown\"}]'")
-    p.add_argument("recipe", help="the run's TOML recipe (see integration/recipes/)")
+    p.add_argument("recipe", nargs="?", default="", help="the run's TOML recipe (see integration/recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top of the recipe")
     p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed) on this machine")
+    p.add_argument("--resume", metavar="RUN_DIR", default="",
+                   help="continue the run in RUN_DIR (interrupted, stalled, failed, or its driver killed): its "
+                        "recipe from RUN_DIR/config.json, overrides applied on top and recorded; versions, group "
+                        "numbering, evaluation history and elapsed time carry on. Refused while another driver "
+                        "runs that folder; a completed run has nothing to resume unless budget.versions is raised")
     p.add_argument("--log-level", default=log_level)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser(

@@ -48,6 +48,7 @@ from tidal.core.protocol import (
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.recipe import RunConfig
+from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.stops import split_stops
 from tidal.rollout.worker import EVAL_KEY
 from tidal.staleness.depth import DepthGate
@@ -131,8 +132,10 @@ class Domain:
 
 class Controller:
     def __init__(self, cfg: RunConfig, *, endpoint: str, learner_pub: str, buffer_pub: str, run_dir: Path,
-                 tokenizer, emit: Callable[[Metrics], None], security: ChannelSecurity | None = None) -> None:
+                 tokenizer, emit: Callable[[Metrics], None], security: ChannelSecurity | None = None,
+                 resume: ResumePoint | None = None) -> None:
         self.cfg = cfg
+        self.resume = resume
         self.tok = tokenizer
         self.emit = emit
         # with the run's keys: only its rollout workers get in (refusals counted: auth/refused), and the
@@ -145,7 +148,16 @@ class Controller:
         self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0, curve=sec.client("buffer"))
         self.protocol_errors: dict[str, int] = {}  # malformed messages dropped, by ProtocolError.reason
         staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
-        self.gate = DepthGate(staleness, cfg.batch_samples, state_path=run_dir / "depth_gate.json")
+        gate_path = run_dir / "depth_gate.json"
+        if resume is not None:  # rebuilt from the buffer's WAL and the checkpoint, never a dead run's counters
+            old = _old_gate(gate_path)
+            gate_path.unlink(missing_ok=True)
+        self.gate = DepthGate(staleness, cfg.batch_samples, state_path=gate_path)
+        if resume is not None:
+            self.gate.load_state_dict(resume.gate_state(old.get("granted", 0), old.get("rejected", 0)))
+            if old:
+                log.info("depth gate rebuilt: %s (the interrupted run's file said in_flight=%s accepted=%s)",
+                         self.gate, old.get("in_flight"), old.get("accepted"))
         self.rng = random.Random(cfg.seed)
         self.domains = [Domain(d.name or d.env, d.env,
                                registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
@@ -170,8 +182,13 @@ class Controller:
         self.last_error: dict[str, str] = {}  # role name -> the latest error it reported, for status
         self.failed_by_reason: dict[str, int] = {}
         self.tasks_skipped: dict[str, int] = {}  # domain -> tasks whose prompt the tokenizer cannot encode
-        self.next_group = 0
-        self.learner_version = 0
+        # group numbers and tasks drawn, journaled before each assignment leaves: never handed out twice
+        self.numbering = NumberingJournal(run_dir / NUMBERING)
+        self.next_group = resume.next_group if resume is not None else 0
+        self.tasks_drawn: dict[str, int] = {d.name: 0 for d in self.domains}
+        if resume is not None:
+            self._skip_drawn(resume)
+        self.learner_version = resume.version if resume is not None else 0
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
         self.learner_step_at = 0.0  # its wall clock
         self.learner_up_at = 0.0  # wall clock when the learner's first step (of this run) began
@@ -179,6 +196,12 @@ class Controller:
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
+        if resume is not None:  # the history goes on; evaluated versions are not evaluated again
+            self.eval_results = list(resume.evals)
+            for v, _, _ in resume.evals:
+                self.evals[v] = EvalRound(v, -1.0, {})
+            if cfg.eval.every:
+                self._next_eval = (resume.version // cfg.eval.every + 1) * cfg.eval.every
         self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
         self.counts = {"groups_granted": 0, "groups_done": 0, "groups_failed": 0, "groups_requeued": 0}
         # control-plane latency: from the last worker applying a version to the first grant it unlocked
@@ -209,17 +232,24 @@ class Controller:
         self._finish_evals()
 
     def drain(self, timeout: float) -> None:
-        """Read what the workers sent before they stopped (their last metrics), handing out nothing."""
+        """Read what the workers and the learner sent before they stopped (their last metrics: a learner
+        stopped mid-step still finishes and reports it), handing out nothing."""
         deadline = time.monotonic() + timeout
-        while poll([self.ch], timeout=max(0.0, deadline - time.monotonic())):
-            for _ in range(256):
-                try:
-                    peer, msg = self.ch.recv(timeout=0)
-                    self._on_worker(peer, msg)
-                except ChannelTimeout:
-                    break
-                except ProtocolError as e:
-                    self._protocol_error(e)
+        while ready := poll([self.ch, self.learner_sub, self.buffer_sub], timeout=max(0.0, deadline - time.monotonic())):
+            for ch in ready:
+                for _ in range(256):
+                    try:
+                        if ch is self.ch:
+                            peer, msg = self.ch.recv(timeout=0)
+                            self._on_worker(peer, msg)
+                        else:
+                            assert isinstance(ch, SubChannel)
+                            topic, msg = ch.recv(timeout=0)
+                            self._on_published(topic, msg)
+                    except ChannelTimeout:
+                        break
+                    except ProtocolError as e:
+                        self._protocol_error(e)
             if time.monotonic() >= deadline:
                 return
 
@@ -340,6 +370,16 @@ class Controller:
             self._opened_at = max((w.applied_at for w in self.live_workers()), default=0.0) or None
             self._maybe_start_eval(v)
 
+    def _skip_drawn(self, resume: ResumePoint) -> None:
+        """Continue each domain's task stream and the domain draws where the interrupted run stopped."""
+        for d in self.domains:
+            n = resume.tasks.get(d.name, 0)
+            for _ in range(n):
+                next(d.train)
+            self.tasks_drawn[d.name] = n
+        for _ in range(resume.draws):
+            self.rng.choices(range(len(self.domains)), weights=self.weights.tolist())
+
     def _dispatch(self) -> None:
         while self.eval_waiting and self.live_workers():  # evaluation goes without credit, first
             self._send_eval(self.eval_waiting.popleft())
@@ -373,11 +413,13 @@ class Controller:
         d = self.domains[int(self.rng.choices(range(len(self.domains)), weights=self.weights.tolist())[0])]
         while True:
             task = check_task(next(d.train), d.plugin, d.where)
+            self.tasks_drawn[d.name] += 1
             ids = self._encode(task.prompt, d)
             if ids is not None:
                 break
         gid = group_id(d.name, self.next_group)
         self.next_group += 1
+        self.numbering.record(Numbering(next_group=self.next_group, tasks=dict(self.tasks_drawn)))
         return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
                           answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata),
                           prompt=task.prompt, domain=task.domain)
@@ -487,6 +529,7 @@ class Controller:
             acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()])) if rnd.rewards else 0.0
             by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
             self.eval_results.append((v, acc, by_domain))
+            self.eval_results.sort(key=lambda e: e[0])  # rounds may finish out of order
             if rnd.failed:  # accuracy is over the problems that were scored; the rest are counted, not zeroed
                 log.warning("eval at version %d: %d of %d problems could not be scored, e.g. %s", v, len(rnd.failed),
                             len(rnd.expected), next(iter(rnd.failed.values())))
@@ -501,6 +544,31 @@ class Controller:
                      " ".join(f"{d}={a:.3f}" for d, a in by_domain.items()))
             self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
 
+    def diagnose(self) -> str:
+        """What the controller sees, for a stall message: the gate, the buffer, each worker."""
+        g = self.gate.state
+        buffer = next((v for k, v in self.last.items() if k.startswith("buffer")), {})
+        parts = [f"depth gate: capacity {self.gate.capacity()} (version {g.version}, accepted {g.accepted}, "
+                 f"in flight {g.in_flight})"
+                 + (" - no new group can be handed out until the learner trains more" if self.gate.capacity()
+                    < self.cfg.group_size else "")]
+        if buffer:
+            parts.append("buffer: " + ", ".join(f"{k} {buffer.get(k, 0):.0f}" for k in (
+                "depth/ready_samples", "depth/assembling_groups", "depth/outstanding_batches", "total/duplicates",
+                "total/dropped")) + (" (duplicates dropped: group ids the buffer had already seen)"
+                                     if buffer.get("total/duplicates", 0) else ""))
+        waiting = []
+        for w in self.workers.values():
+            if not w.alive:
+                waiting.append(f"{w.name} lost")
+            elif w.version < g.version:
+                waiting.append(f"{w.name} waits for weights (holds version {w.version}, gate at {g.version})")
+            else:
+                waiting.append(f"{w.name} at version {w.version}, {len(w.outstanding)} groups out, {w.credits} credits")
+        parts.append("workers: " + ("; ".join(waiting) if waiting else "none connected"))
+        parts.append(f"learner at version {self.learner_version} waits for a batch of {self.cfg.batch_samples} samples")
+        return ". ".join(parts)
+
     def eval_pending(self) -> bool:
         return any(r.started >= 0 for r in self.evals.values())
 
@@ -512,6 +580,7 @@ class Controller:
         latency = {"controller/apply_to_grant_ms_median": 1e3 * float(np.median(lat)),
                    "controller/apply_to_grant_ms_max": 1e3 * max(lat)} if lat else {}
         return {**latency, "controller/generation_version": float(self.generation_version()),
+                "controller/next_group": float(self.next_group),
                 "controller/learner_version": float(self.learner_version),
                 "controller/workers_alive": float(len(self.live_workers())),
                 "controller/gate_in_flight": float(g.in_flight), "controller/gate_accepted": float(g.accepted),
@@ -527,3 +596,14 @@ class Controller:
         for ch in (self.ch, self.learner_sub, self.buffer_sub):
             ch.close()
         self.gate.close()
+        self.numbering.close()
+
+
+def _old_gate(path: Path) -> dict[str, int]:
+    """The counters an interrupted run left in its gate file (diagnostics only), {} when unreadable."""
+    import json
+
+    try:
+        return json.loads(path.read_bytes().strip().split(b"\n")[-1])
+    except (OSError, ValueError, IndexError):
+        return {}

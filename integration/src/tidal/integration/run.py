@@ -46,12 +46,14 @@ from tidal.core.errors import ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
+from tidal.core.protocol import Metrics
 from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
 from tidal.integration.learner.parallel import ParallelConfig, check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
+from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
 from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.rollout.worker_config import DomainSpec
 
@@ -280,26 +282,41 @@ def driver_log(run_dir: Path) -> Iterator[Path]:
             h.setLevel(level)
 
 
-def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1) -> RunResult:
+def run(cfg: RunConfig, *, run_dir: Path | None = None, nproc_learner: int = 1, resume: bool = False,
+        overrides: list[str] | None = None) -> RunResult:
+    """Run `cfg` in `run_dir`; with `resume`, continue the run that folder holds (tidal.integration.resume)
+    with `overrides` (recorded in its resumes.jsonl) applied to its recipe."""
     run_dir = Path(run_dir or default_run_dir(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with driver_log(run_dir):
-        return _run_in(cfg, run_dir, nproc_learner)
+    lock = hold_lock(run_dir)  # raises RunFolderBusy while another driver runs this folder
+    try:
+        with driver_log(run_dir):
+            return _locked(cfg, run_dir, nproc_learner, resume, overrides or [])
+    finally:
+        lock.close()
 
 
-def _run_in(cfg: RunConfig, run_dir: Path, nproc_learner: int) -> RunResult:
+def _locked(cfg: RunConfig, run_dir: Path, nproc_learner: int, resume: bool, overrides: list[str]) -> RunResult:
+    point = None
+    if resume:
+        wait_roles_gone(run_dir, cfg.launch.shutdown_timeout_s + 30)  # a killed driver's roles stop by themselves
+        point = resume_point(run_dir, cfg.group_size, run_dir / cfg.buffer.wal_dir,
+                             Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints"))
+        log.info("resuming %s: %s", run_dir, point.describe())
+        with open(run_dir / "resumes.jsonl", "ab") as f:
+            f.write(msgspec.json.encode({"time": time.time(), "version": point.version, "overrides": overrides,
+                                         "next_group": point.next_group, "accepted": point.accepted}) + b"\n")
     if not cfg.launch.auth:
         log.warning("launch.auth = false: the run's channels are plaintext; any local process can push data "
                     "into the buffer, take or acknowledge batches, stop it, and talk to the controller")
     if cfg.launcher.name == "local":
         with ipc_folder(run_dir) as ipc_dir:
-            return _run(cfg, run_dir, nproc_learner, None, ipc_dir)
+            return _run(cfg, run_dir, nproc_learner, None, ipc_dir, point)
     with PortReservation() as ports:
-        return _run(cfg, run_dir, nproc_learner, ports, None)
+        return _run(cfg, run_dir, nproc_learner, ports, None, point)
 
 
 def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservation | None,
-         ipc_dir: Path | None) -> RunResult:
+         ipc_dir: Path | None, point: ResumePoint | None = None) -> RunResult:
     from tidal.rollout.tiny import load_tokenizer
 
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
@@ -315,11 +332,18 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
                               "budget_versions": cfg.budget.versions})
         raise
     sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
+    if point is not None:  # elapsed time and versions carry on; the resume is marked on the time axis
+        sink.t0 -= point.elapsed_s
+        sink.version = point.version
+        sink(Metrics(source="driver", step=point.version, time=time.time(),
+                     scalars={"event/resume": 1.0, "resume/version": float(point.version), "resume/elapsed_s": point.elapsed_s,
+                              "resume/next_group": float(point.next_group),
+                              "resume/gate_accepted": float(point.accepted)}))
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
         controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"],
                                 buffer_pub=ep["buffer_pub"], run_dir=run_dir, tokenizer=load_tokenizer(cfg.model),
-                                emit=sink, security=driver_sec)
+                                emit=sink, security=driver_sec, resume=point)
     except Exception as e:
         sink.close()
         write_final(run_dir, {"status": f"failed: {e}", "versions": 0, "budget_versions": cfg.budget.versions})

@@ -120,7 +120,10 @@ class Supervisor:
         self.roles_dir = self.run_dir / "roles"
         self.progress = Progress(self.cfg.launch.stall_timeout_s)
         self._eval0 = False
+        self._resume_eval: int | None = None  # a resumed run evaluates its checkpoint once the workers hold it
         self._next_status = 0.0
+        if self.controller.resume is not None:  # elapsed time (and budget.minutes) carry on
+            self.t0 -= self.controller.resume.elapsed_s
 
     # ------------------------------------------------------------------ the loop
 
@@ -164,10 +167,20 @@ class Supervisor:
     # ------------------------------------------------------------------ the parts
 
     def _start(self, now: float) -> None:
+        c = self.controller
         if self._eval0:
+            if self._resume_eval is not None and c.live_workers() and c.generation_version() >= self._resume_eval:
+                # the version every worker holds: the checkpoint's, or a newer one the learner made from
+                # samples the buffer kept before the workers caught up (evaluated under its own number)
+                if (v := c.generation_version()) not in c.evals:
+                    c.start_eval(v)
+                self._resume_eval = None
             return
         if self.controller.workers:  # the starting point, on the first worker to connect
-            self.controller.start_eval(0)
+            if c.resume is None:
+                self.controller.start_eval(0)
+            else:  # the checkpoint's weights, once every worker holds them
+                self._resume_eval = c.resume.version
             self._eval0, self.rl_start = True, time.time()
             self.progress = Progress(self.cfg.launch.stall_timeout_s)  # the stall clock starts with the roles up
         elif now - self.t0 > self.cfg.launch.start_timeout_s:
@@ -181,7 +194,7 @@ class Supervisor:
         if quiet:
             raise Stalled(f"no new policy version for {quiet:.0f} s (limit {self.progress.limit():.0f} s: "
                           f"launch.stall_timeout_s or 20x the median step); at version "
-                          f"{c.learner_version} of {self.cfg.budget.versions}. " + self.last_errors())
+                          f"{c.learner_version} of {self.cfg.budget.versions}. {c.diagnose()}. " + self.last_errors())
 
     def _on_exit(self, name: str, rc: int, now: float) -> None:
         if name == "learner" and rc == 0:
@@ -275,8 +288,12 @@ class Supervisor:
         final_buffer = buffer_status()
         codes.update(self.handle.stop(["buffer"], timeout))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
+        from tidal.integration.resume import resume_command
+
         write_final(self.run_dir, {
             "status": self.status, "versions": c.learner_version, "budget_versions": self.cfg.budget.versions,
+            **({} if self.status == "completed" else {"resume": resume_command(self.run_dir)}),
+            "resumed": c.resume.resumes + 1 if c.resume is not None else 0,
             "time_budget_reached": self.time_budget_hit, "final_eval": self.final_eval,
             "errors": {**c.last_error, **self.errors},
             "restarts": {k: v for k, v in self.restarts.items() if v},

@@ -159,6 +159,10 @@ class Learner:
 
     def run(self) -> int:
         cfg = self.cfg
+        if self.version > 0 and cfg.weights.every:
+            # resumed from a checkpoint: the generators (started over, or resumed with the run) get its
+            # weights now, not after the next step (which waits for samples made with them)
+            self.publish_weights()
         try:
             while cfg.max_steps == 0 or self.step < cfg.max_steps:
                 if not self._everyone(not self._stop):
