@@ -165,4 +165,6 @@ def test_three_interrupts_and_resumes_train_every_acked_sample_once(tmp_path, ti
     # one evaluation history: every version evaluated once, in order, from 0 to the budget
     evals = [e[0] for e in final["eval"]]
     assert evals == sorted(set(evals)) and evals[0] == 0 and evals[-1] == BUDGET, evals
-    assert {0, 8, 16, 24} <= set(evals), evals
+    # no hole longer than eval.every: a version the learner passed while no driver ran (killed, or between an
+    # interrupt and the exit checkpoint) is made up by the evaluation of the checkpoint the run resumed from
+    assert all(b - a <= 8 for a, b in itertools.pairwise(evals)), evals
