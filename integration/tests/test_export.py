@@ -180,3 +180,50 @@ def test_a_sharded_checkpoint_is_read_whole_and_best_is_the_best_evaluated_kept_
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] in (0, 15)))
     with pytest.raises(ValueError, match="no kept checkpoint .* was evaluated"):
         find_checkpoint(run, "best")
+
+
+def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_path):
+    """pin_best (what the controller calls when an evaluation beats every earlier one) makes
+    checkpoints/best a hard-linked copy of the kept checkpoint of that version; an unkept version pins
+    nothing; best survives latest being rewritten; `tidal export --checkpoint best` reads it."""
+    from tidal.integration.export import find_checkpoint
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.checkpoint import keep_last, pin_best, save_checkpoint
+    from tidal.rollout.tiny import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "base", seed=3)
+    be = SingleBackend(str(model_path), BackendConfig())
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    (run / "roles").mkdir(parents=True)
+    (run / "roles" / "learner.json").write_bytes(msgspec.json.encode(
+        LearnerConfig(model=str(model_path), checkpoint_dir=str(ckpts))))
+
+    def checkpoint(v: int) -> None:  # what the learner does at checkpoint_every = 2, keep_checkpoints = 2
+        with torch.no_grad():
+            for p in be.model.parameters():
+                p.add_(0.01)
+        save_checkpoint(ckpts / "latest", be, {"step": v, "version": v})
+        keep_last(ckpts, ckpts / "latest", v, 2)
+
+    def best_version() -> int:
+        return json.loads((ckpts / "best" / "progress.json").read_text())["version"]
+
+    checkpoint(2)
+    assert pin_best(ckpts, 2) == ckpts / "best" and best_version() == 2
+    weights_at_2 = {k: t.detach().clone() for k, t in be.named_weights()}
+    assert pin_best(ckpts, 3) is None and best_version() == 2  # 3 is not checkpointed: best stays
+    checkpoint(4)
+    checkpoint(6)  # latest rewritten, step-000002 dropped: best still holds version 2 whole
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best", "latest", "step-000004", "step-000006"]
+    assert best_version() == 2 and find_checkpoint(run, "best") == ckpts / "best"
+    out = _tidal("export", str(run), "--checkpoint", "best", "--out", str(tmp_path / "best-model"))
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "best-model").state_dict()
+    shared = [k for k in weights_at_2 if k in exported]
+    assert shared and all(torch.equal(exported[k], weights_at_2[k]) for k in shared)
+    assert pin_best(ckpts, 4) is not None and best_version() == 4  # from step-000004
+    assert pin_best(ckpts, 6) is not None and best_version() == 6  # from latest
+    assert not (ckpts / ".best-tmp").exists() and not (ckpts / ".best-old").exists()

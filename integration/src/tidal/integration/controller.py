@@ -196,6 +196,7 @@ class Controller:
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
+        self.checkpoint_dir = Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints")  # best/ pinned there
         if resume is not None:  # the history goes on; evaluated versions are not evaluated again
             self.eval_results = list(resume.evals)
             for v, _, _ in resume.evals:
@@ -528,6 +529,8 @@ class Controller:
             # accuracy counts full successes (reward 1); partial credit only shapes training
             acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()])) if rnd.rewards else 0.0
             by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
+            if all(acc > a for _, a, _ in self.eval_results):  # the run's best so far (the history carries over resumes)
+                self._pin_best(v, acc)
             self.eval_results.append((v, acc, by_domain))
             self.eval_results.sort(key=lambda e: e[0])  # rounds may finish out of order
             if rnd.failed:  # accuracy is over the problems that were scored; the rest are counted, not zeroed
@@ -543,6 +546,21 @@ class Controller:
             log.info("eval at version %d: accuracy %.3f %s", v, acc,
                      " ".join(f"{d}={a:.3f}" for d, a in by_domain.items()))
             self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
+
+    def _pin_best(self, version: int, acc: float) -> None:
+        from tidal.integration.learner.checkpoint import pin_best
+
+        try:
+            pinned = pin_best(self.checkpoint_dir, version)
+        except OSError as e:
+            log.warning("could not pin version %d as %s: %s", version, self.checkpoint_dir / "best", e)
+            return
+        if pinned is None:
+            log.info("eval at version %d is the best so far (accuracy %.3f) but no kept checkpoint holds it, so %s "
+                     "stays as it was: make eval.every a multiple of learner.checkpoint_every", version, acc,
+                     self.checkpoint_dir / "best")
+        else:
+            log.info("version %d pinned as %s (accuracy %.3f)", version, pinned, acc)
 
     def diagnose(self) -> str:
         """What the controller sees, for a stall message: the gate, the buffer, each worker."""

@@ -41,8 +41,8 @@ def _version(path: Path) -> int:
 
 def find_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
     """The checkpoint folder `which` names: "latest", a step number (kept as step-<N>: see
-    learner.keep_checkpoints) or "best" (the kept checkpoint whose policy version scored the highest
-    held-out accuracy in the run's evaluations)."""
+    learner.keep_checkpoints) or "best" (`checkpoints/best`, which the driver pins, or else the kept checkpoint
+    whose policy version scored the highest held-out accuracy in the run's evaluations)."""
     cfg = learner_config(run_dir)
     root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(run_dir) / "checkpoints"
     kept = kept_checkpoints(root)
@@ -55,6 +55,8 @@ def find_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
             raise FileNotFoundError(f"no complete checkpoint at {root / 'latest'}; kept: {names}")
         return kept["latest"]
     if which == "best":
+        if (root / "best" / "progress.json").is_file():  # pinned by the driver: the best evaluated checkpointed one
+            return root / "best"
         from tidal.integration.monitor import read_metrics
         from tidal.integration.report import summarize
 
