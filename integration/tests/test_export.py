@@ -188,7 +188,8 @@ def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_pa
     nothing; best survives latest being rewritten; `tidal export --checkpoint best` reads it."""
     from tidal.integration.export import find_checkpoint
     from tidal.integration.learner.backends import SingleBackend
-    from tidal.integration.learner.checkpoint import keep_last, pin_best, save_checkpoint
+    from tidal.integration.learner.best import pin_best
+    from tidal.integration.learner.checkpoint import keep_last, save_checkpoint
     from tidal.rollout.tiny import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / "base", seed=3)

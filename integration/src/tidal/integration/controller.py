@@ -529,7 +529,8 @@ class Controller:
             # accuracy counts full successes (reward 1); partial credit only shapes training
             acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()])) if rnd.rewards else 0.0
             by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
-            if all(acc > a for _, a, _ in self.eval_results):  # the run's best so far (the history carries over resumes)
+            # the run's best so far (the history carries over resumes); version 0 is the starting model itself
+            if v > 0 and all(acc > a for _, a, _ in self.eval_results):
                 self._pin_best(v, acc)
             self.eval_results.append((v, acc, by_domain))
             self.eval_results.sort(key=lambda e: e[0])  # rounds may finish out of order
@@ -548,7 +549,7 @@ class Controller:
             self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
 
     def _pin_best(self, version: int, acc: float) -> None:
-        from tidal.integration.learner.checkpoint import pin_best
+        from tidal.integration.learner.best import pin_best
 
         try:
             pinned = pin_best(self.checkpoint_dir, version)
