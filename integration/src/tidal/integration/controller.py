@@ -214,7 +214,23 @@ class Controller:
 
     def step(self, timeout: float = 0.05) -> None:
         """Handle what arrived within `timeout`, then hand out what the gate allows."""
-        for ch in poll([self.ch, self.learner_sub, self.buffer_sub], timeout=timeout):
+        self._take(poll([self.ch, self.learner_sub, self.buffer_sub], timeout=timeout))
+        self._advance_version()
+        self._dispatch()
+        self._finish_evals()
+
+    def drain(self, timeout: float) -> None:
+        """Read what the workers and the learner sent before they stopped (their last metrics: a learner
+        stopped mid-step still finishes and reports it), handing out nothing."""
+        deadline = time.monotonic() + timeout
+        while ready := poll([self.ch, self.learner_sub, self.buffer_sub], timeout=max(0.0, deadline - time.monotonic())):
+            self._take(ready)
+            if time.monotonic() >= deadline:
+                return
+
+    def _take(self, ready: list) -> None:
+        """Handle what waits on the `ready` channels: workers' messages and the learner's and buffer's."""
+        for ch in ready:
             for _ in range(256):  # drain, bounded so one busy peer cannot starve the rest
                 try:
                     if ch is self.ch:
@@ -228,31 +244,6 @@ class Controller:
                     break
                 except ProtocolError as e:
                     self._protocol_error(e)
-        self._advance_version()
-        self._dispatch()
-        self._finish_evals()
-
-    def drain(self, timeout: float) -> None:
-        """Read what the workers and the learner sent before they stopped (their last metrics: a learner
-        stopped mid-step still finishes and reports it), handing out nothing."""
-        deadline = time.monotonic() + timeout
-        while ready := poll([self.ch, self.learner_sub, self.buffer_sub], timeout=max(0.0, deadline - time.monotonic())):
-            for ch in ready:
-                for _ in range(256):
-                    try:
-                        if ch is self.ch:
-                            peer, msg = self.ch.recv(timeout=0)
-                            self._on_worker(peer, msg)
-                        else:
-                            assert isinstance(ch, SubChannel)
-                            topic, msg = ch.recv(timeout=0)
-                            self._on_published(topic, msg)
-                    except ChannelTimeout:
-                        break
-                    except ProtocolError as e:
-                        self._protocol_error(e)
-            if time.monotonic() >= deadline:
-                return
 
     def _protocol_error(self, e: ProtocolError) -> None:
         """A message no decoder could accept (of any kind: the codec turns every failure into this one):

@@ -13,6 +13,14 @@ import shutil
 from pathlib import Path
 
 
+def link(src: str, dst: str) -> None:
+    """A hard link of `src` at `dst` (no second copy on disk); a copy on a file system without them."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _progress_version(path: Path) -> int | None:
     try:
         return int(json.loads((path / "progress.json").read_text())["version"])
@@ -34,12 +42,6 @@ def pin_best(checkpoint_dir: str | Path, version: int) -> Path | None:
     for stale in (tmp, old):
         if stale.exists():
             shutil.rmtree(stale)
-
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:  # a file system without hard links: a copy
-            shutil.copy2(a, b)
 
     try:
         shutil.copytree(src, tmp, copy_function=link)

@@ -191,15 +191,11 @@ def keep_last(checkpoint_dir: str | Path, latest: str | Path, step: int, keep: i
         return
     import shutil
 
+    from tidal.integration.learner.best import link
+
     root, kept = Path(checkpoint_dir), Path(checkpoint_dir) / f"step-{step:06d}"
     if kept.exists():
         shutil.rmtree(kept)
-
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:  # a file system without hard links: a copy
-            shutil.copy2(src, dst)
 
     shutil.copytree(latest, kept, copy_function=link)
     steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
