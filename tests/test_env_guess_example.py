@@ -6,20 +6,19 @@ processes. Each in a fresh venv built the way tools/check_package_alone.py build
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
+import sys
 import textwrap
-import time
-import tomllib
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from fresh_tidal import PREPARE, env_logs, tidal_run, tidal_venv, workspace_dists
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tidal-env-guess"
-RECIPE = ROOT / "integration" / "tests" / "recipes" / "tiny.toml"
 
 PLAY = textwrap.dedent('''
     import importlib.util
@@ -86,29 +85,6 @@ def test_the_guess_example_installs_with_tidal_core_alone_and_plays_through_the_
     assert "played 4 games" in out.stdout
 
 
-# In the venv: a tiny model whose character tokenizer covers the game's texts (its prompt spells out the
-# tool call: `{`, `}`, `"`, `<`, `>`, `_` are not in the default alphabet), and where `guess_number` comes from.
-PREPARE = textwrap.dedent('''
-    import json, string, sys
-    from importlib.metadata import entry_points
-    from tidal.rollout.tiny import build_tiny_model
-
-    build_tiny_model(sys.argv[1], alphabet="".join(dict.fromkeys(string.printable)))
-    print(json.dumps(sorted(ep.dist.name for ep in entry_points(group="tidal") if ep.name == "guess_number")))
-''')
-
-
-def workspace_dists() -> list[str]:
-    """The distribution names of the workspace members (packages/* and integration, i.e. `tidal`)."""
-    folders = [*sorted((ROOT / "packages").glob("*/pyproject.toml")), ROOT / "integration" / "pyproject.toml"]
-    return [tomllib.loads(p.read_text())["project"]["name"] for p in folders]
-
-
-def env_logs(run_dir: Path) -> str:
-    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                   for p in sorted((run_dir / "logs").glob("*.log")))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tidal_run_trains_on_the_installed_guess_example_by_name_with_multi_turn_episodes(tmp_path, monkeypatch):
@@ -116,15 +92,12 @@ def test_tidal_run_trains_on_the_installed_guess_example_by_name_with_multi_turn
     import check_package_alone as alone
 
     dists = workspace_dists()
-    wheels = alone.build_wheels([*dists, EXAMPLE], tmp_path / "dist")
-    assert len(wheels) == len(dists) + 1, wheels
-    t0 = time.perf_counter()
-    py = alone.fresh_venv(tmp_path / "venv", wheels)
-    print(f"installed {len(wheels)} wheels with their PyPI dependencies in {time.perf_counter() - t0:.1f} s")
+    py = tidal_venv(tmp_path, EXAMPLE)
     assert alone.tidal_dists(py) == sorted([*dists, "tidal-env-guess"])
 
     model = tmp_path / "model"
-    out = subprocess.run([py, "-c", PREPARE, str(model)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run([py, "-c", PREPARE, str(model), "guess_number"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == ["tidal-env-guess"]  # its entry point, no other
     listed = subprocess.run([py, "-m", "tidal.integration.cli", "plugins", "env"], capture_output=True, text=True,
@@ -134,19 +107,11 @@ def test_tidal_run_trains_on_the_installed_guess_example_by_name_with_multi_turn
     # high=8: max_turns 5, a prompt of ~190 characters; prompt + episodes.max_tokens + one turn and its
     # answer stay within the tiny model's 512 positions
     run_dir = tmp_path / "run"
-    args = [py, "-m", "tidal.integration.cli", "run", str(RECIPE), f'model="{model}"', f'run_dir="{run_dir}"',
-            'monitor.progress="log"', "monitor.tensorboard=false", "workers=1",
-            'domains=[{env="guess_number", options={high=8}}]', "budget.versions=4", "sampling.max_tokens=8",
-            "eval.every=4", "eval.size=8", "rollout.episodes.max_tokens=200", "rollout.episodes.processes=1"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate(timeout=60)
-        pytest.fail(f"tidal run did not end within 420 s:\n{log[-4000:]}{env_logs(run_dir)}")
-    assert proc.returncode == 0, log[-4000:] + env_logs(run_dir)
+    rc, log, _ = tidal_run(py, tmp_path, run_dir, f'model="{model}"', 'monitor.progress="log"',
+                           "monitor.tensorboard=false", "workers=1", 'domains=[{env="guess_number", options={high=8}}]',
+                           "budget.versions=4", "sampling.max_tokens=8", "eval.every=4", "eval.size=8",
+                           "rollout.episodes.max_tokens=200", "rollout.episodes.processes=1")
+    assert rc == 0, log[-4000:] + env_logs(run_dir)
 
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "completed" and final["versions"] == 4 and final["restarts"] == {}, final
