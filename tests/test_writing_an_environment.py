@@ -105,6 +105,7 @@ def test_rewards_that_are_not_numbers_are_never_trained_on_and_the_run_fails_wit
     rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model),
                                  'domains=[{env="unitconv", options={outcome_fault="mixed"}}]', "budget.versions=10",
                                  "budget.minutes=4", "launch.no_trainable_group_s=20", timeout=400)
+    assert seconds < 150, f"a run that could not train took {seconds:.0f} s to say so"
     final = json.loads((run_dir / "final.json").read_text())
     status = final["status"]
     assert rc != 0 and status.startswith("failed: no group could be scored"), (status, out[-3000:])
