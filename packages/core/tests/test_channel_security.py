@@ -3,6 +3,7 @@ list and counts every other; what a listed client sends carries its key, which m
 
 from __future__ import annotations
 
+import contextlib
 import stat
 
 import pytest
@@ -71,7 +72,10 @@ def test_client_not_on_the_list_is_refused_and_counted(keys, who):
     else:
         curve = None
     with server, dealer(server.endpoint, curve=curve, linger=0) as c:
-        c.send(Control(command="stop"), timeout=5)
+        # a handshake refused before the send leaves the dealer no pipe to queue on: the send then times
+        # out, which is the refusal seen from the client's side (CI saw it once in ~900 runs)
+        with contextlib.suppress(ChannelTimeout):
+            c.send(Control(command="stop"), timeout=1)
         with pytest.raises(ChannelTimeout):
             server.recv(timeout=0.5)
         # refused and counted: by ZAP (a key not on the list) or by the handshake monitor (no keys, a
