@@ -4,7 +4,13 @@
 - ``counting``: multi-turn; the model must say 1, 2, ... `turns` in turn; step reward 1 per right number,
   outcome the fraction right; each step takes `delay_s`. Its first observation names the pid serving it
   (for kill drills).
-- ``sleepy``: its step never returns (the pool's timeout).
+- ``sleepy``: its step never returns (the pool's timeout), stuck in `wait_for_a_lookup_that_never_returns`.
+- ``sleepy_open``: its reset never returns (the same function).
+- ``slow_build``: its factory never returns (stuck in `load_a_dataset_forever`): the process never says Hello.
+- ``flooding``: `reset_chars` characters in its first observation, `step_chars` in each step's (a tool dump).
+- ``bad_reward``: done after one step; its step reward and `outcome()` are what `step_reward` and
+  `outcome` name in `_VALUES` (a string, None, NaN, ...).
+- ``bad_score``: a single-turn env whose `score` returns the string "1.0".
 - ``raising_step``: its step raises.
 - ``raising_verifier``: done after one step, then `outcome()` raises.
 - ``dies_on_open``: the process exits as an episode starts (a crash loop).
@@ -80,10 +86,82 @@ class Counting(_Env):
         return CountingEpisode(task, self.turns, self.delay_s)
 
 
+def wait_for_a_lookup_that_never_returns() -> None:
+    time.sleep(3600)
+
+
+def load_a_dataset_forever() -> None:
+    time.sleep(3600)
+
+
 class SleepyEpisode(_Episode):
     def step(self, action: str, role: str = AGENT) -> StepResult:
-        time.sleep(3600)
+        wait_for_a_lookup_that_never_returns()
         return StepResult(done=True)
+
+
+class SleepyOpenEpisode(_Episode):
+    def reset(self) -> Observation:
+        wait_for_a_lookup_that_never_returns()
+        return _user("never")
+
+
+class SlowBuild(_Env):
+    def __init__(self) -> None:
+        load_a_dataset_forever()
+
+
+class FloodingEpisode(_Episode):
+    def __init__(self, task: Task, reset_chars: int, step_chars: int) -> None:
+        super().__init__(task)
+        self.reset_chars, self.step_chars = reset_chars, step_chars
+
+    def reset(self) -> Observation:
+        return _user("r" * self.reset_chars)
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        dump = ChatMessage(role="tool", name="lookup", content="x" * self.step_chars)
+        return StepResult(observation=Observation(messages=[dump, ChatMessage(role="user", content="and?")]))
+
+
+class Flooding(_Env):
+    def __init__(self, reset_chars: int = 10, step_chars: int = 5 * 1024 * 1024) -> None:
+        self.reset_chars, self.step_chars = reset_chars, step_chars
+
+    def episode(self, task: Task) -> FloodingEpisode:
+        return FloodingEpisode(task, self.reset_chars, self.step_chars)
+
+
+_VALUES = {"string": "wrong", "str_number": "1.0", "none": None, "nan": float("nan"), "inf": float("inf"),
+           "one": 1, "true": True, "half": 0.5}
+
+
+class BadRewardEpisode(_Episode):
+    def __init__(self, task: Task, step_reward: str, outcome: str) -> None:
+        super().__init__(task)
+        self.step_reward, self.result = _VALUES[step_reward], _VALUES[outcome]
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        return StepResult(done=True, reward=self.step_reward)
+
+    def outcome(self) -> float:
+        return self.result
+
+
+class BadReward(_Env):
+    def __init__(self, step_reward: str = "half", outcome: str = "one") -> None:
+        self.step_reward, self.outcome = step_reward, outcome
+
+    def episode(self, task: Task) -> BadRewardEpisode:
+        return BadRewardEpisode(task, self.step_reward, self.outcome)
+
+
+class BadScore:
+    def tasks(self, split: str, seed: int) -> Iterator[Task]:
+        return (Task(prompt=f"task {i}") for i in itertools.count(seed))
+
+    def score(self, task: Task, completion: str) -> float:
+        return "1.0"  # type: ignore[return-value]  # the author's bug: a parsed answer, not converted
 
 
 class RaisingStepEpisode(_Episode):
@@ -111,4 +189,6 @@ class DiesOnOpen(_Env):
 @hookimpl
 def tidal_envs():
     return {"counting": Counting, "sleepy": _env_of(SleepyEpisode), "raising_step": _env_of(RaisingStepEpisode),
-            "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen}
+            "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen,
+            "sleepy_open": _env_of(SleepyOpenEpisode), "slow_build": SlowBuild, "flooding": Flooding,
+            "bad_reward": BadReward, "bad_score": BadScore}

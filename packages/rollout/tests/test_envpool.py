@@ -157,7 +157,16 @@ def test_a_process_killed_mid_episode_fails_its_episodes_with_env_died_and_comes
     assert gone(victim) and len(pool.pids) == 2
 
 
-def test_a_step_that_hangs_times_out_and_its_process_is_killed_and_replaced(make_pool):
+def reaped(pool: EnvPool, pid: int, timeout: float = 5.0) -> bool:
+    """Whether `pid` is gone within `timeout` while the pool is polled (it kills and reaps a stuck process
+    KILL_GRACE_S after the timeout, from `poll`)."""
+    deadline = time.monotonic() + timeout
+    while not gone(pid) and time.monotonic() < deadline:
+        pool.poll(timeout=0.05)
+    return gone(pid)
+
+
+def test_a_hanging_step_is_cut_at_step_timeout_with_its_stack_logged_and_bystanders_get_env_restarted(make_pool):
     pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
     pool.open("stuck", "sleepy", Task(prompt="p"))
     pool.open("bystander", "count", Task(prompt="p"))
@@ -165,14 +174,49 @@ def test_a_step_that_hangs_times_out_and_its_process_is_killed_and_replaced(make
     t0 = time.monotonic()
     pool.step("stuck", 1, "anything")
     replies = {r.episode_id: r for r in wait_for(pool, 2, timeout=5)}
-    assert time.monotonic() - t0 < 1.0 + 1.5
-    assert replies["stuck"].error_kind == "timeout" and "no answer to step 1 of episode stuck within 1 s" in replies["stuck"].error
-    assert replies["bystander"].error_kind == "env_died" and "was killed: stuck on episode stuck" in replies["bystander"].error
+    assert time.monotonic() - t0 < 1.0 + 1.0
+    assert not gone(pid), "the pool answered without waiting for the kill (KILL_GRACE_S later)"
+    assert replies["stuck"].error_kind == "timeout"
+    assert "no answer to step 1 of episode stuck within 1 s (step_timeout_s)" in replies["stuck"].error
+    bystander = replies["bystander"]
+    assert bystander.error_kind == "env_restarted" and "stuck on episode stuck" in bystander.error
+    assert "interrupted, not at fault" in bystander.error
     assert pool.counters["timeouts"] == 1 and pool.counters["restarts"] == 1
-    assert gone(pid)
+    assert pool.counters["episodes_interrupted"] == 1 and pool.counters["env_died"] == 0
+    assert reaped(pool, pid), "the stuck process was not killed"
+    log = (pool.log_dir / "env-0.log").read_text()
+    assert "stuck on episode stuck for more than 1 s: its Python stack follows" in log, log
+    assert "in wait_for_a_lookup_that_never_returns" in log and "envpool_plugins.py" in log, log
     pool.open("later", "count", Task(prompt="p"))
     r = one(pool)
     assert not r.error_kind and pid_of(r) != pid
+
+
+def test_a_hanging_open_is_cut_at_step_timeout_like_a_step(make_pool):
+    pool = make_pool({"sleepy": {"env": "sleepy_open"}, "count": {"env": "counting"}}, processes=1,
+                     step_timeout_s=1.0)
+    pool.open("bystander", "count", Task(prompt="p"))
+    pid = pid_of(one(pool))
+    t0 = time.monotonic()
+    pool.open("stuck", "sleepy", Task(prompt="p"))
+    replies = {r.episode_id: r for r in wait_for(pool, 2, timeout=5)}
+    assert time.monotonic() - t0 < 1.0 + 1.0
+    assert replies["stuck"].error_kind == "timeout" and "no answer to the open of episode stuck within 1 s" in replies[
+        "stuck"].error
+    assert replies["bystander"].error_kind == "env_restarted"
+    assert reaped(pool, pid)
+    assert "in wait_for_a_lookup_that_never_returns" in (pool.log_dir / "env-0.log").read_text()
+
+
+def test_a_process_whose_environment_never_builds_fails_start_at_start_timeout_with_its_stack(tmp_path):
+    pool = EnvPool({"slow": {"env": "slow_build"}}, log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH},
+                   plugins=["envpool_plugins"], start_timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(EnvPoolError, match=r"env-0 .* did not say Hello within 1.5 s \(start_timeout_s\)"):
+        pool.start()
+    assert time.monotonic() - t0 < 1.5 + 3
+    assert pool.pids == {}
+    assert "in load_a_dataset_forever" in (tmp_path / "env-0.log").read_text()
 
 
 def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
@@ -187,6 +231,67 @@ def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
     assert time.monotonic() - t0 > 1.0, "the last step waited longer than step_timeout_s in all"
     assert all(r.reward == 1.0 and not r.error_kind for r in replies)
     assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
+
+
+def test_an_oversized_observation_arrives_truncated_with_a_marker_and_counted(make_pool):
+    mb5 = 5 * 1024 * 1024
+    pool = make_pool({"f": {"env": "flooding", "options": {"reset_chars": 3000, "step_chars": mb5}}},
+                     max_observation_chars=1000)
+    pool.open("e", "f", Task(prompt="p"))
+    first = one(pool)
+    assert first.messages[0].content == "r" * 1000 + "\n[... truncated: 3000 characters, 2000 dropped]"
+    assert first.info == {"observations_truncated": 1.0, "observation_chars_dropped": 2000.0}
+    pool.step("e", 1, "look it up")
+    r = one(pool)
+    dump, question = r.messages
+    assert dump.role == "tool" and dump.name == "lookup"
+    assert dump.content == "x" * 1000 + f"\n[... truncated: {mb5} characters, {mb5 - 1000} dropped]"
+    assert question.content == "\n[... truncated: 4 characters, 4 dropped]", "the cap is on the whole observation"
+    assert r.info == {"observations_truncated": 1.0, "observation_chars_dropped": float(mb5 - 1000 + 4)}
+
+
+def test_rewards_that_are_not_real_numbers_are_verifier_errors_naming_the_authors_file_and_line(make_pool, monkeypatch):
+    import importlib
+    import inspect
+
+    monkeypatch.syspath_prepend(str(HERE))
+    envpool_plugins = importlib.import_module("envpool_plugins")  # for the lines the errors should name
+
+    def line(func) -> str:
+        return f"envpool_plugins.py:{inspect.getsourcelines(func)[1]}"
+
+    outcome, step, score = (line(envpool_plugins.BadRewardEpisode.outcome), line(envpool_plugins.BadRewardEpisode.step),
+                            line(envpool_plugins.BadScore.score))
+    cases = {  # domain: (its options, the error expected; "" = a reward)
+        "string": ({"outcome": "string"}, f"outcome() returned 'wrong' (str), not a real number (env bad_reward, {outcome})"),
+        "str_number": ({"outcome": "str_number"}, f"outcome() returned '1.0' (str), not a real number (env bad_reward, {outcome})"),
+        "none": ({"outcome": "none"}, f"outcome() returned None (NoneType), not a real number (env bad_reward, {outcome})"),
+        "nan": ({"outcome": "nan"}, f"outcome() returned nan (float), not a finite number (env bad_reward, {outcome})"),
+        "inf": ({"outcome": "inf"}, "outcome() returned inf (float), not a finite number"),
+        "step": ({"step_reward": "str_number"}, f"step() returned '1.0' (str), not a real number (env bad_reward, {step})"),
+        "good": ({"step_reward": "true", "outcome": "one"}, ""),
+    }
+    specs = {d: {"env": "bad_reward", "options": o} for d, (o, _) in cases.items()}
+    pool = make_pool({**specs, "score": {"env": "bad_score"}})
+    for d in [*cases, "score"]:
+        pool.open(d, d, Task(prompt="p"))
+    wait_for(pool, len(cases) + 1)
+    for d in [*cases, "score"]:
+        pool.step(d, 1, "x")
+    replies = {r.episode_id: r for r in wait_for(pool, len(cases) + 1)}
+    for d, (_, error) in cases.items():
+        r = replies[d]
+        if not error:
+            assert not r.error_kind and r.reward == 1.0 and r.outcome == 1.0, r
+            continue
+        assert r.error_kind == "verifier_error" and r.outcome is None and error in r.error, (d, r)
+    assert replies["step"].reward == 0.0 and replies["string"].reward == 0.5, "a bad step reward is not kept"
+    assert replies["score"].error_kind == "verifier_error"
+    assert f"score() returned '1.0' (str), not a real number (env bad_score, {score})" in replies["score"].error
+    assert pool.counters["verifier_errors"] == len(cases) - 1 + 1
+    log = (pool.log_dir / "env-0.log").read_text()
+    for shown in ("'wrong'", "None", "nan", "'1.0'", "inf"):  # each distinct value's first occurrence
+        assert f"returned {shown} (" in log, (shown, log)
 
 
 def test_a_verifier_that_raises_is_a_verifier_error_with_its_message_not_a_zero(make_pool):

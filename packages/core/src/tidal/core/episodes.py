@@ -17,6 +17,8 @@ same episode from a fresh render (counted as a split).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,8 +65,9 @@ class Episode(Protocol):
         ...
 
     def outcome(self) -> float:
-        """The final reward once done (the verifier). Raises when it cannot verify: the worker counts it
-        as an error, never as a zero reward."""
+        """The final reward once done (the verifier): a real finite number (bool, int or float). Raises
+        when it cannot verify: the worker counts it as an error, never as a zero reward; so is any other
+        value (None, NaN, a string such as "1.0")."""
         ...
 
 
@@ -77,6 +80,35 @@ class EpisodicEnvironment(Protocol):
     def tasks(self, split: str, seed: int) -> Iterator[Task]: ...
 
     def episode(self, task: Task) -> Episode: ...
+
+
+class NotAReward(ValueError):
+    """A reward that is not a real finite number (see `real_reward`)."""
+
+    def __init__(self, what: str, value: Any) -> None:
+        self.what, self.value = what, value
+        kind = "finite" if isinstance(value, numbers.Real) else "real"
+        super().__init__(f"{what} returned {value!r:.80} ({type(value).__name__}), not a {kind} number")
+
+
+def _numpy_number(value: Any) -> bool:
+    """A numpy bool or number scalar (`np.isclose(...)` is a np.bool_, which is no `numbers.Real`);
+    read from its dtype, so that tidal.core needs no numpy here."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return kind in ("b", "i", "u", "f") and getattr(value, "shape", None) == ()
+
+
+def real_reward(value: Any, what: str) -> float:
+    """`value` as a reward; NotAReward unless it is a real finite number (bool, int, float, or a numpy
+    scalar of those). A string is refused even when it reads as a number: "1.0" from a verifier is a bug
+    (a parsed answer returned unconverted), and training on it would hide the bug. `what` names the
+    call in the message ("outcome()", "score()")."""
+    if not isinstance(value, numbers.Real) and not _numpy_number(value):
+        raise NotAReward(what, value)
+    reward = float(value)
+    if not math.isfinite(reward):  # NaN or inf would poison every advantage of its group
+        raise NotAReward(what, value)
+    return reward
 
 
 def is_episodic(env: Any) -> bool:
@@ -173,7 +205,7 @@ class _SingleTurnEpisode:
     def outcome(self) -> float:
         if self._action is None:
             raise RuntimeError("outcome() before the episode's one step")
-        return float(self._env.score(self._task, self._action))
+        return real_reward(self._env.score(self._task, self._action), "score()")
 
 
 class SingleTurnEpisodes:
@@ -196,6 +228,7 @@ __all__ = [
     "ChatMessage",
     "Episode",
     "EpisodicEnvironment",
+    "NotAReward",
     "Observation",
     "Renderer",
     "SingleTurnEpisodes",
@@ -206,4 +239,5 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "is_episodic",
+    "real_reward",
 ]

@@ -368,8 +368,11 @@ class EpisodeReply(_Msg):
     max_turns: int = 0  # seq 0: actions allowed
     stop: list[str] = []  # seq 0: strings that end a turn holding a tool call (kept in the sampled text)
     error: str = ""  # "" = ok; else what failed (the episode is over, and it is not a zero reward)
-    # "env_error", "verifier_error", "unknown_episode", "bad_request"; the pool synthesizes "env_died" and
-    # "timeout" for a process that died or was stuck
+    # from the environment process: "env_error" (the environment raised), "verifier_error" (outcome()
+    # raised, or a reward is not a real finite number), "unknown_episode", "bad_request"; synthesized by the
+    # pool: "timeout" (this episode's request got no answer within step_timeout_s: its process is killed),
+    # "env_restarted" (another episode's request got stuck and the pool killed the process: this one is not
+    # at fault, and may be retried), "env_died" (the process died by itself while serving it)
     error_kind: str = ""
 
 

@@ -14,17 +14,24 @@ process is a new peer and a late answer of its predecessor is recognised and dro
 the process that had the fewest when it was opened, and stays there.
 
 Every request gets exactly one answer from `poll`, and an answer with ``error_kind`` or ``done`` ends the
-episode (later messages about it are ignored; `close_episode` is then a no-op):
+episode (later messages about it are ignored; `close_episode` is then a no-op). The kinds:
 
-- the process's `EpisodeReply` (``env_error``, ``verifier_error`` and ``bad_request`` come from there);
-- ``env_died``: the process died (kill -9, crash); every episode it held is answered so, then it is
-  restarted (counted in ``restarts``);
-- ``timeout``: a process that has requests waiting and has answered none of them for `step_timeout_s`
-  (`open_timeout_s` when the oldest is an open: it may build the environment first) is stuck on the
-  oldest (it serves one message at a time, in order, so time queued behind other episodes' steps does
-  not count): that request gets ``timeout``, the process is killed and restarted, and its other
-  episodes get ``env_died``;
+- from the process's `EpisodeReply`: ``env_error`` (the environment raised), ``verifier_error``
+  (`outcome()` raised, or a reward is not a real finite number), ``bad_request``;
+- ``timeout``: the episode whose request (an open or a step: the process builds its environments
+  before it says Hello, so both are bounded alike) got no answer for `step_timeout_s`. A process that
+  has requests waiting and has answered none of them for that long is stuck on the oldest (it serves
+  one message at a time, in order, so time queued behind other episodes' steps does not count). Its
+  Python stack is written to its log (SIGUSR1), and it is killed `KILL_GRACE_S` later without the
+  caller waiting, and restarted at once (counted in ``timeouts`` and ``restarts``);
+- ``env_restarted``: an episode of a process the pool killed (stuck on another episode, or silent for
+  `start_timeout_s` at its start): not at fault, so it may be retried (counted in ``episodes_interrupted``);
+- ``env_died``: an episode of a process that died by itself (kill -9 from outside, a crash); every
+  episode it held is answered so, then it is restarted (counted in ``env_died`` and ``restarts``);
 - ``unknown_episode``: `step` of an episode the pool does not hold (already ended or never opened).
+
+Every limit an episode can meet is a parameter here, set from the recipe's `rollout.episodes`
+(`EpisodesConfig`): `step_timeout_s`, `start_timeout_s`, `max_observation_chars`.
 
 A process that fails `max_failures_in_a_row` times (died, timed out, never said Hello) with no answer in
 between makes `start` / `poll` raise `EnvPoolError` naming it and its log: a broken environment ends the
@@ -55,12 +62,15 @@ from tidal.core.interfaces import Task
 from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
 from tidal.core.security import AuthGuard, ChannelSecurity, make_role_keys
-from tidal.rollout.envproc import EnvProcConfig, EnvSpec
+from tidal.rollout.envproc import MAX_OBSERVATION_CHARS, EnvProcConfig, EnvSpec
 
 log = logging.getLogger("tidal.rollout.envpool")
 
-COUNTERS = ("restarts", "timeouts", "env_died", "env_errors", "verifier_errors", "bad_requests", "late_replies",
-            "episodes_opened")
+COUNTERS = ("restarts", "timeouts", "env_died", "episodes_interrupted", "env_errors", "verifier_errors",
+            "bad_requests", "late_replies", "episodes_opened")
+# A stuck process gets SIGUSR1 (its stack to its log), then SIGKILL this much later: the dump takes
+# milliseconds, and the pool does not wait for it (other processes' episodes go on meanwhile).
+KILL_GRACE_S = 1.0
 _ERROR_COUNTER = {"env_error": "env_errors", "verifier_error": "verifier_errors", "bad_request": "bad_requests",
                   "unknown_episode": "bad_requests"}
 
@@ -88,6 +98,16 @@ class _Slot:
     def waiting(self, episodes: dict[str, _Episode]) -> list[_Episode]:
         """Its episodes whose request was sent and is not answered yet."""
         return [e for e in (episodes[i] for i in self.episodes) if e.pending and e.sent_at != float("inf")]
+
+
+@dataclass(eq=False)
+class _Dying:
+    """A process the pool is killing: SIGKILL to its session at `kill_at`, then reaped (by `_service`)."""
+
+    proc: subprocess.Popen
+    name: str
+    kill_at: float
+    killed: bool = False
 
 
 @dataclass(eq=False)
@@ -126,11 +146,11 @@ class EnvPool:
         step_timeout_s: float = 30.0,
         plugins: Sequence[str] = (),
         *,
-        open_timeout_s: float = 120.0,  # an open may build the domain's environment first (data, models)
         name: str = "env",  # processes are <name>-0, <name>-1, ... (logs <log_dir>/<name>-<i>.log)
         log_dir: str | os.PathLike[str] | None = None,  # None: a temporary folder, removed by close()
         environ: Mapping[str, str] | None = None,  # extra environment variables of the processes (PYTHONPATH, ...)
-        start_timeout_s: float = 60.0,  # how long a process may take to say Hello
+        start_timeout_s: float = 120.0,  # how long a process may take to say Hello (it builds its environments first)
+        max_observation_chars: int = MAX_OBSERVATION_CHARS,  # the processes cut longer observations (marked, counted)
         stop_grace_s: float = 5.0,  # SIGTERM, then SIGKILL after this long
         max_failures_in_a_row: int = 3,
         endpoint: str = "tcp://127.0.0.1:*",  # where the ROUTER binds
@@ -145,11 +165,13 @@ class EnvPool:
                               f"{{'env': plugin name, 'options': {{...}}}}") from None
         if not self.specs:
             raise ValueError("an environment pool needs at least one domain in `specs`")
-        if processes < 1 or step_timeout_s <= 0 or open_timeout_s <= 0 or max_failures_in_a_row < 1:
-            raise ValueError(f"need processes >= 1, step_timeout_s and open_timeout_s > 0 and max_failures_in_a_row "
-                             f">= 1, got {processes}, {step_timeout_s}, {open_timeout_s}, {max_failures_in_a_row}")
+        if (processes < 1 or step_timeout_s <= 0 or start_timeout_s <= 0 or max_observation_chars < 1
+                or max_failures_in_a_row < 1):
+            raise ValueError(f"need processes >= 1, step_timeout_s and start_timeout_s > 0, max_observation_chars and "
+                             f"max_failures_in_a_row >= 1, got {processes}, {step_timeout_s}, {start_timeout_s}, "
+                             f"{max_observation_chars}, {max_failures_in_a_row}")
         self.processes, self.step_timeout_s, self.plugins = processes, step_timeout_s, list(plugins)
-        self.open_timeout_s = open_timeout_s
+        self.max_observation_chars = max_observation_chars
         self.name, self.environ = name, dict(environ or {})
         self.start_timeout_s, self.stop_grace_s = start_timeout_s, stop_grace_s
         self.max_failures_in_a_row = max_failures_in_a_row
@@ -162,12 +184,14 @@ class EnvPool:
         self._counts = dict.fromkeys(COUNTERS, 0.0)
         self._logged: set[str] = set()
         self._slots: list[_Slot] = []
+        self._dying: list[_Dying] = []
         self._episodes: dict[str, _Episode] = {}
         self._by_identity: dict[bytes, _Slot] = {}
         self._out: list[EpisodeReply] = []
         self._ch: RouterChannel | None = None
         self._closed = False
         self._broken: EnvPoolError | None = None  # raised again by every later call
+        self._starting = False  # in start(): a silent process fails it (not restarted)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -188,24 +212,30 @@ class EnvPool:
         self._ch = router(self._bind, hello=make_hello("envpool", self.name), linger=0,
                           curve=server.server(guard=self._guard, where=f"{self.name} environment pool"))
         self._config_path = self.log_dir / f"{self.name}.json"
-        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=self.specs, plugins=self.plugins, security=client)
+        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=self.specs, plugins=self.plugins, security=client,
+                            max_observation_chars=self.max_observation_chars)
         self._config_path.write_bytes(msgspec.json.encode(cfg))
         for i in range(self.processes):
             name = f"{self.name}-{i}"
             slot = _Slot(i, name, self.log_dir / f"{name}.log", self.log_dir / f"{name}.error")
             self._slots.append(slot)
             self._spawn(slot)
+        self._starting = True
         try:
             while not all(s.ready for s in self._slots):
                 for s in self._slots:
                     if not s.ready and time.monotonic() - s.started_at > self.start_timeout_s:
-                        raise EnvPoolError(f"environment process {s.name} (pid {s.proc.pid if s.proc else '?'}) did "
-                                           f"not say Hello within {self.start_timeout_s:g} s; see its log "
-                                           f"{s.log_path}{_tail(s.log_path)}")
+                        why = f"did not say Hello within {self.start_timeout_s:g} s (start_timeout_s)"
+                        self._dump_stack(s, why)
+                        time.sleep(0.2)  # for the stack to reach the log's tail below (it is being stopped anyway)
+                        raise EnvPoolError(f"environment process {s.name} (pid {s.proc.pid if s.proc else '?'}) "
+                                           f"{why}; see its log {s.log_path}{_tail(s.log_path, 24)}")
                 self._service(0.02)
         except BaseException:
             self.close()
             raise
+        finally:
+            self._starting = False
         log.info("%s: %d environment processes serving %s (logs in %s)", self.name, self.processes,
                  sorted(self.specs), self.log_dir)
 
@@ -226,6 +256,13 @@ class EnvPool:
                 log.warning("%s: %s did not stop within %g s of SIGTERM: killed", self.name, s.name,
                             self.stop_grace_s)
             self._kill(s)  # and whatever it started in its session
+        for d in self._dying:
+            self._signal_group(d.proc.pid, signal.SIGKILL)
+            try:
+                d.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s: %s (pid %d) survived SIGKILL for 5 s", self.name, d.name, d.proc.pid)
+        self._dying.clear()
         self._guard.close()
         if self._ch is not None:
             self._ch.close(linger=0)
@@ -303,7 +340,8 @@ class EnvPool:
 
     @property
     def counters(self) -> dict[str, float]:
-        """restarts, timeouts, env_died (episodes lost with their process), env_errors, verifier_errors,
+        """restarts, timeouts, env_died (episodes lost with a process that died by itself),
+        episodes_interrupted (episodes of a process the pool killed), env_errors, verifier_errors,
         bad_requests, late_replies, episodes_opened, and the gauge episodes_open."""
         return {**self._counts, "episodes_open": float(len(self._episodes))}
 
@@ -342,10 +380,55 @@ class EnvPool:
 
     def _signal(self, slot: _Slot, sig: int) -> None:
         if slot.proc is not None:
-            try:
-                os.killpg(slot.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._signal_group(slot.proc.pid, sig)
+
+    @staticmethod
+    def _signal_group(pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _dump_stack(self, slot: _Slot, why: str) -> None:
+        """Have `slot`'s process write every thread's Python stack to its log (faulthandler, registered
+        by `setup_role_process`), after a line that says why; the author sees where it was stuck."""
+        if slot.proc is None or slot.proc.poll() is not None:
+            return
+        try:
+            with open(slot.log_path, "a") as f:  # O_APPEND, as the process's own output: lines do not interleave
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tidal.rollout.envpool ERROR {slot.name} (pid "
+                        f"{slot.proc.pid}) {why}: its Python stack follows, then it is killed\n")
+        except OSError:
+            pass  # the stack still goes to the process's own log stream
+        try:
+            os.kill(slot.proc.pid, signal.SIGUSR1)  # the process alone: its children would die of it
+        except ProcessLookupError:
+            pass  # gone meanwhile: it is being killed anyway
+
+    def _stop_stuck(self, slot: _Slot, why: str) -> None:
+        """Dump `slot`'s stack now and SIGKILL it `KILL_GRACE_S` later (`_reap`): never blocks the caller."""
+        if slot.proc is None:
+            return
+        self._dump_stack(slot, why)
+        self._dying.append(_Dying(slot.proc, slot.name, time.monotonic() + KILL_GRACE_S))
+        slot.proc = None
+
+    def _reap(self) -> None:
+        """SIGKILL the stuck processes whose grace is over, and reap them. A dying process is not polled
+        before its SIGKILL: unreaped, its pid (its session's id) cannot be another process's yet."""
+        now = time.monotonic()
+        for d in list(self._dying):
+            if not d.killed:
+                if now < d.kill_at:
+                    continue
+                if d.proc.returncode is None:  # (reaped already: its pid may be another's by now)
+                    self._signal_group(d.proc.pid, signal.SIGKILL)
+                d.killed, d.kill_at = True, now + 30.0
+            if d.proc.poll() is not None:
+                self._dying.remove(d)
+            elif now > d.kill_at:  # unkillable (uninterruptible I/O): nothing more to do
+                log.error("%s: %s (pid %d) survived SIGKILL for 30 s", self.name, d.name, d.proc.pid)
+                self._dying.remove(d)
 
     def _kill(self, slot: _Slot) -> None:
         self._signal(slot, signal.SIGKILL)
@@ -373,7 +456,8 @@ class EnvPool:
     def _service(self, wait: float) -> None:
         assert self._ch is not None
         if wait > 0:
-            due = min((d for _, d in filter(None, map(self._serving, self._slots))), default=float("inf"))
+            due = min([d for _, d in filter(None, map(self._serving, self._slots))] + [d.kill_at for d in self._dying],
+                      default=float("inf"))
             wait = max(0.0, min(wait, due - time.monotonic()))
             if wait > 0:
                 poll([self._ch], wait)
@@ -391,6 +475,7 @@ class EnvPool:
         for slot in self._slots:
             self._check_slot(slot)
         self._check_deadlines()
+        self._reap()
 
     def _on_message(self, peer: bytes, msg: Any) -> None:
         slot = self._by_identity.get(peer)
@@ -416,7 +501,9 @@ class EnvPool:
         self._out.append(msg)
 
     def _check_slot(self, slot: _Slot) -> None:
-        assert self._ch is not None and slot.proc is not None
+        assert self._ch is not None
+        if slot.proc is None:  # being killed, its replacement not started (the pool is broken)
+            return
         rc = slot.proc.poll()
         if rc is not None:
             self._failed(slot, f"died with {_exit_text(rc)}", rc=rc)
@@ -427,8 +514,9 @@ class EnvPool:
                 for msg, ep in queued:
                     if ep is None or self._episodes.get(ep.id) is ep:
                         self._send(slot, msg, ep)
-            elif time.monotonic() - slot.started_at > self.start_timeout_s:
-                self._failed(slot, f"did not say Hello within {self.start_timeout_s:g} s", kill=True)
+            elif time.monotonic() - slot.started_at > self.start_timeout_s and not self._starting:
+                # (during start() its own check raises at once: a first start is not retried)
+                self._failed(slot, f"did not say Hello within {self.start_timeout_s:g} s (start_timeout_s)", kill=True)
 
     def _serving(self, slot: _Slot) -> tuple[_Episode, float] | None:
         """The request `slot` is serving (the oldest waiting: it serves one at a time, in order) and when
@@ -436,23 +524,22 @@ class EnvPool:
         waiting = slot.waiting(self._episodes)
         if not waiting:
             return None
-        ep = min(waiting, key=lambda e: e.sent_at)
-        return ep, slot.progress_at + (self.open_timeout_s if ep.seq == 0 else self.step_timeout_s)
+        return min(waiting, key=lambda e: e.sent_at), slot.progress_at + self.step_timeout_s
 
     def _check_deadlines(self) -> None:
-        """A process that answered nothing for the timeout of the request it serves is stuck on it: that
-        request times out, the process is killed (and its other episodes are answered env_died)."""
+        """A process that answered nothing for `step_timeout_s` is stuck on the request it serves: that
+        request times out, the process is killed (and its other episodes are answered env_restarted)."""
         now = time.monotonic()
         for slot in self._slots:
             serving = self._serving(slot)
             if serving is None or now <= serving[1]:
                 continue
-            ep = serving[0]
-            limit = self.open_timeout_s if ep.seq == 0 else self.step_timeout_s
+            ep, limit = serving[0], self.step_timeout_s
             pid = slot.proc.pid if slot.proc else 0
             what = "the open" if ep.seq == 0 else f"step {ep.seq}"
             text = (f"environment process {slot.name} (pid {pid}) gave no answer to {what} of episode {ep.id} within "
-                    f"{limit:g} s; the process was killed and restarted (log: {slot.log_path})")
+                    f"{limit:g} s (step_timeout_s); the process was killed and restarted (its Python stack is in "
+                    f"its log: {slot.log_path})")
             self._counts["timeouts"] += 1
             self._note("timeout", text, f"timeouts {self._counts['timeouts']:g}")
             self._forget(ep)
@@ -460,16 +547,21 @@ class EnvPool:
             self._failed(slot, f"was killed: stuck on episode {ep.id} for more than {limit:g} s", kill=True)
 
     def _failed(self, slot: _Slot, why: str, *, rc: int | None = None, kill: bool = False) -> None:
-        """`slot`'s process is gone (or is to go): answer its episodes, restart it (or give up)."""
+        """`slot`'s process is gone (`rc`), or is to go (`kill`: the pool stops it, its stack to its log):
+        answer its episodes (env_died, or env_restarted when the pool killed it), restart it (or give up)."""
         pid = slot.proc.pid if slot.proc else 0
-        if kill or rc is not None:
+        if kill:
+            self._stop_stuck(slot, why)
+        elif rc is not None:
             self._kill(slot)  # reaps it, and ends whatever it left in its session
+        kind, counter = ("env_restarted", "episodes_interrupted") if kill else ("env_died", "env_died")
+        fate = "episode interrupted, not at fault" if kill else "episode dropped"
         for eid in sorted(slot.episodes):
             ep = self._episodes.pop(eid)
-            self._counts["env_died"] += 1
-            self._out.append(EpisodeReply(episode_id=eid, seq=ep.seq, done=True, error_kind="env_died",
-                                          error=f"environment process {slot.name} (pid {pid}) {why}; episode "
-                                                f"dropped (log: {slot.log_path})"))
+            self._counts[counter] += 1
+            self._out.append(EpisodeReply(episode_id=eid, seq=ep.seq, done=True, error_kind=kind,
+                                          error=f"environment process {slot.name} (pid {pid}) {why}; {fate} "
+                                                f"(log: {slot.log_path})"))
         slot.episodes.clear()
         slot.outbox.clear()
         self._by_identity.pop(slot.identity, None)
@@ -484,7 +576,8 @@ class EnvPool:
             self._broken = EnvPoolError(f"{detail}: {reason}; domains {sorted(self.specs)}; see its log "
                                         f"{slot.log_path}{_tail(slot.log_path)}")
             raise self._broken
-        self._note("env_died", f"{detail}; restarting it{f' ({refused})' if refused else ''}; log {slot.log_path}",
+        self._note("env_restarted" if kill else "env_died",
+                   f"{detail}; restarting it{f' ({refused})' if refused else ''}; log {slot.log_path}",
                    f"restarts {self._counts['restarts'] + 1:g}", _tail(slot.log_path))
         self._counts["restarts"] += 1
         self._spawn(slot)

@@ -2,19 +2,26 @@
 
     python -m tidal.rollout.envproc --config envproc.json --name env-0 --identity env-0/1
 
-Started by `tidal.rollout.envpool.EnvPool`, never by hand in a run. It connects a DEALER (identity
+Started by `tidal.rollout.envpool.EnvPool`, never by hand in a run. It builds the environment of every
+domain first (through the plugin registry; a single-turn `Environment` is served through
+`SingleTurnEpisodes`), so that no request waits on a build: the pool bounds the time until Hello by its
+``start_timeout_s``, and every request after it by ``step_timeout_s``. Then it connects a DEALER (identity
 ``--identity``) to the pool's ROUTER at `endpoint`, says Hello, and serves one message at a time:
 
 - `EpisodeOpen` -> ``env.episode(Task(...))`` and ``reset()``; the reply (seq 0) carries the first
-  observation, the episode's tools and the environment's `max_turns`. The environment of a domain is
-  built on its first episode through the plugin registry; a single-turn `Environment` is served through
-  `SingleTurnEpisodes`.
+  observation, the episode's tools and the environment's `max_turns`.
 - `EpisodeStep` -> ``step(action)``; the reply carries the step's reward, info and next observation.
   When the episode is done, or this was its `max_turns`-th action (info ``max_turns_reached``), the
-  reply has ``done`` and ``outcome()``. A step that raises ends the episode with ``env_error``, an
-  outcome that raises (or is NaN) with ``verifier_error``: never a silent zero.
+  reply has ``done`` and ``outcome()``. A step that raises ends the episode with ``env_error``; an
+  outcome that raises, or a reward (step or outcome) that is not a real finite number, with
+  ``verifier_error`` naming the author's file and line (`tidal.rollout.episode_checks`): never a silent
+  zero, never a substitute reward.
 - `EpisodeClose` forgets an episode (no reply); a finished or failed one is already forgotten.
 - `Control(command="stop")`, SIGTERM, or the death of the process that started it end it.
+
+Observations (reset's and each step's, tool results included) are capped at `max_observation_chars`
+characters, marked and counted in the reply's info. ``kill -USR1`` writes every thread's Python stack to
+the log (`setup_role_process` registers it): the pool does that before it kills a stuck process.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -36,17 +42,19 @@ import msgspec
 
 from tidal.core.channels import dealer, make_hello
 from tidal.core.config import ConfigStruct, load_config
-from tidal.core.episodes import AGENT, Episode, SingleTurnEpisodes, is_episodic
+from tidal.core.episodes import AGENT, Episode, NotAReward, SingleTurnEpisodes, is_episodic
 from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
 from tidal.core.security import ChannelSecurity
+from tidal.rollout.episode_checks import BadReward, RewardCheck, cap_messages, observation_info
 
 log = logging.getLogger("tidal.rollout.envproc")
 
 MAX_TURNS_REACHED = "max_turns_reached"  # EpisodeReply.info key: the process ended the episode at max_turns
+MAX_OBSERVATION_CHARS = 16384  # the default cap (EpisodesConfig.max_observation_chars)
 
 
 class EnvSpec(ConfigStruct):
@@ -64,6 +72,7 @@ class EnvProcConfig(ConfigStruct):
     identity: str = ""  # the DEALER identity the pool routes by ("" = name); new for every restart
     connect_timeout_s: float = 60.0  # how long to wait for the pool's answer to our Hello
     parent_check_s: float = 0.5  # how often the parent's liveness is checked
+    max_observation_chars: int = MAX_OBSERVATION_CHARS  # an observation's characters beyond this are dropped
     # CURVE: this process's key (the pool's own, made per pool in an owner-only folder) and the pool's
     # public key as server "envpool"; unset = plaintext
     security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
@@ -84,15 +93,16 @@ def register_plugins(modules: list[str]) -> None:
 class _Open:
     episode: Episode
     max_turns: int
+    domain: str
     turns: int = 0
 
 
 class _Failed(Exception):
-    """Ends the message being served with an error reply of `kind`."""
+    """Ends the message being served with an error reply of `kind` (`logged`: its log line was written)."""
 
-    def __init__(self, kind: str, text: str, reward: float = 0.0) -> None:
+    def __init__(self, kind: str, text: str, reward: float = 0.0, logged: bool = False) -> None:
         super().__init__(text)
-        self.kind, self.reward = kind, reward
+        self.kind, self.reward, self.logged = kind, reward, logged
 
 
 def _describe(e: BaseException) -> str:
@@ -104,13 +114,31 @@ class EpisodeHost:
     process wraps one around its channel, and `LocalEpisodes` runs one in the caller's process (offline
     evaluation, where no fault isolation is wanted)."""
 
-    def __init__(self, domains: dict[str, EnvSpec], name: str = "env") -> None:
-        self.domains, self.name = domains, name
+    def __init__(self, domains: dict[str, EnvSpec], name: str = "env",
+                 max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
+        if max_observation_chars < 1:
+            raise ConfigError(f"max_observation_chars must be >= 1, got {max_observation_chars}",
+                              field="max_observation_chars")
+        self.domains, self.name, self.max_observation_chars = domains, name, max_observation_chars
         self.envs: dict[str, Any] = {}
         self.episodes: dict[str, _Open] = {}
+        self.rewards = RewardCheck(name)
         self._logged: set[tuple[str, str]] = set()  # (error kind, exception type) logged with a traceback
         for domain, spec in domains.items():  # a misspelt name or option fails at start, not per episode
             registry.check("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+
+    def build_all(self) -> None:
+        """Build every domain's environment now (an environment process does, before it says Hello).
+        A factory that raises is a ConfigError naming the domain: the pool stops with it instead of
+        failing every episode."""
+        for domain, spec in self.domains.items():
+            try:
+                self.env(domain)
+            except _Failed as f:
+                log.error("%s: %s", self.name, f, exc_info=f.__cause__)
+                raise ConfigError(f"{f}; fix the environment's options or its factory (the traceback is in "
+                                  f"this process's log)", field=f"domains.{domain}") from None
+            log.info("%s: built environment %r of domain %r", self.name, spec.env, domain)
 
     def env(self, domain: str) -> Any:
         if domain not in self.envs:
@@ -146,13 +174,13 @@ class EpisodeHost:
             return handler(msg)
         except _Failed as f:
             self.episodes.pop(episode_id, None)
-            return self.error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward)
+            return self.error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward, logged=f.logged)
 
     def error(self, episode_id: str, seq: int, kind: str, text: str, cause: BaseException | None,
-              reward: float = 0.0) -> EpisodeReply:
+              reward: float = 0.0, logged: bool = False) -> EpisodeReply:
         self.episodes.pop(episode_id, None)
         key = (kind, type(cause).__name__)
-        if key not in self._logged:  # the traceback once per kind; later ones are counted by the pool
+        if key not in self._logged and not logged:  # the traceback once per kind; later ones are counted by the pool
             self._logged.add(key)
             log.error("%s: episode %s, seq %d: %s: %s (later %s of this type are not logged here)", self.name,
                       episode_id, seq, kind, text, kind, exc_info=cause)
@@ -169,9 +197,10 @@ class EpisodeHost:
             tools, stop = list(episode.tools), [str(x) for x in episode.stop]
         except Exception as e:
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
-        self.episodes[msg.episode_id] = _Open(episode, env.max_turns)
-        return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=list(obs.messages), token_ids=obs.token_ids,
-                            tools=tools, max_turns=env.max_turns, stop=stop)
+        self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain)
+        messages, dropped = cap_messages(obs.messages, self.max_observation_chars)
+        return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=messages, token_ids=obs.token_ids,
+                            tools=tools, max_turns=env.max_turns, stop=stop, info=observation_info(dropped))
 
     def _step(self, msg: EpisodeStep) -> EpisodeReply:
         op = self.episodes.get(msg.episode_id)
@@ -182,29 +211,48 @@ class EpisodeHost:
             raise _Failed("bad_request", f"episode {msg.episode_id!r} expects step {op.turns + 1}, got {msg.seq}")
         try:
             result = op.episode.step(msg.action, msg.role or AGENT)
-            reward = float(result.reward)
+            info = {k: float(v) for k, v in result.info.items()}
         except Exception as e:
             raise _Failed("env_error", f"step {msg.seq} failed: {_describe(e)}") from e
-        if math.isnan(reward):
-            raise _Failed("env_error", f"step {msg.seq} gave a NaN reward")
+        reward = self._reward(result.reward, "step()", op.episode.step, op, msg.episode_id)
         op.turns += 1
-        info = {k: float(v) for k, v in result.info.items()}
         done = bool(result.done)
         if not done and op.turns >= op.max_turns:
             done, info[MAX_TURNS_REACHED] = True, 1.0
         obs = result.observation
         if not done:
+            messages, dropped = cap_messages(obs.messages if obs else [], self.max_observation_chars)
+            info.update(observation_info(dropped))
             return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info,
-                                messages=list(obs.messages) if obs else [], token_ids=obs.token_ids if obs else None)
+                                messages=messages, token_ids=obs.token_ids if obs else None)
+        env = self.envs[op.domain]  # a single-turn env's reward is its score(): name that in an error
+        scorer = env.env.score if isinstance(env, SingleTurnEpisodes) else op.episode.outcome
         try:
-            outcome = float(op.episode.outcome())
+            value = op.episode.outcome()
+        except NotAReward as e:  # refused by the single-turn adapter
+            raise self._bad_reward(self.rewards.refused(e, scorer, op.domain, self._env_name(op), msg.episode_id),
+                                   reward) from None
         except Exception as e:
             raise _Failed("verifier_error", f"outcome() failed: {_describe(e)}", reward) from e
-        if math.isnan(outcome):
-            raise _Failed("verifier_error", "outcome() is NaN", reward)
+        outcome = self._reward(value, "outcome()", scorer, op, msg.episode_id, reward)
         del self.episodes[msg.episode_id]
         return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,
                             outcome=outcome)
+
+    def _env_name(self, op: _Open) -> str:
+        spec = self.domains.get(op.domain)
+        return spec.env if spec is not None else op.domain
+
+    def _reward(self, value: Any, what: str, func: Any, op: _Open, episode_id: str, step_reward: float = 0.0) -> float:
+        """`value` as a reward, or the episode's verifier_error (logged by RewardCheck, once per value)."""
+        try:
+            return self.rewards.reward(value, what, func, op.domain, self._env_name(op), episode_id)
+        except BadReward as e:
+            raise self._bad_reward(e, step_reward) from None
+
+    @staticmethod
+    def _bad_reward(e: BadReward, step_reward: float) -> _Failed:
+        return _Failed("verifier_error", str(e), step_reward, logged=True)
 
 
 class EnvProcess:
@@ -212,7 +260,8 @@ class EnvProcess:
 
     def __init__(self, cfg: EnvProcConfig) -> None:
         self.cfg = cfg
-        self.host = EpisodeHost(cfg.domains, cfg.name)
+        self.host = EpisodeHost(cfg.domains, cfg.name, cfg.max_observation_chars)
+        self.host.build_all()  # before Hello: the pool's start_timeout_s bounds it, and no open waits on it
         self._stop = False
         self.ch = dealer(cfg.endpoint, identity=(cfg.identity or cfg.name).encode(), linger=0,
                          curve=cfg.security.client("envpool"))

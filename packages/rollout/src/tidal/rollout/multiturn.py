@@ -55,7 +55,18 @@ class EpisodesConfig(ConfigStruct):
 
     renderer: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="plain"))  # `tidal plugins renderer`
     processes: int = 2  # environment processes episodes run in
-    step_timeout_s: float = 30.0  # an environment step (a tool call included) that takes longer fails its episode
+    # Every limit an episode can meet in its environment process is one of these fields (no hidden ones).
+    # An open (episode() and reset()) or a step (the author's tool calls included) that takes longer fails
+    # its episode ("timeout"): the process's Python stack goes to its log, the process is killed and
+    # restarted, and its other episodes end "env_restarted" (not at fault)
+    step_timeout_s: float = 30.0
+    # how long an environment process may take to start and build every domain's environment (data,
+    # models) before it serves; a start that takes longer counts as a failure of the process
+    start_timeout_s: float = 120.0
+    # characters of one observation (reset's, or a step's: tool results included) kept; the rest is dropped
+    # in the environment process with a marker, and counted (rollout/episodes/info/observations_truncated,
+    # .../observation_chars_dropped): the worker never tokenises an unbounded string
+    max_observation_chars: int = 16384
     max_tokens: int = 256  # tokens of one sample after its prompt (actions + observations); then truncated
     # local plugin modules (importable, not installed) that the driver, the workers and their environment
     # processes register before building anything: an env under development, a test env
@@ -164,6 +175,7 @@ class MultiTurn:
             self._fail(run, r.error_kind or "env_error", r.error or "the environment process reported an error")
         if r.seq != run.turns:
             return None  # not the answer to this episode's pending request
+        self._count_info(run, r)
         if r.seq == 0:
             run.tools, run.max_turns, run.stop = list(r.tools), max(1, r.max_turns or 1), list(r.stop)
             run.conversation = list(r.messages)
@@ -177,12 +189,6 @@ class MultiTurn:
             self._generate(run)
             return None
         seg = run.segments[-1]
-        for k, v in r.info.items():  # the environment's step counters: known ones, and its own
-            if k in self.counters:
-                self.counters[k] += float(v)
-            else:
-                self.info_sums[k] = self.info_sums.get(k, 0.0) + float(v)
-            run.info[k] = run.info.get(k, 0.0) + float(v)
         seg.step_rewards.append(float(r.reward))
         seg.step_ends.append(len(seg.ids))  # the step ended where its action's tokens end
         self.counters["step_reward_sum"] += float(r.reward)
@@ -198,6 +204,15 @@ class MultiTurn:
                                        f"(episodes.max_tokens={self.cfg.max_tokens})")
         self._generate(run)
         return None
+
+    def _count_info(self, run: EpisodeRun, r: EpisodeReply) -> None:
+        """The reply's counters (the first observation's too: a truncated one is counted there)."""
+        for k, v in r.info.items():  # known ones, and the environment's own
+            if k in self.counters:
+                self.counters[k] += float(v)
+            else:
+                self.info_sums[k] = self.info_sums.get(k, 0.0) + float(v)
+            run.info[k] = run.info.get(k, 0.0) + float(v)
 
     def on_result(self, res: GenerationResult) -> None:
         """A turn's generation finished: its tokens join the sample, its text goes to the environment."""
@@ -369,7 +384,8 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any]
     specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in domains.items()}
     specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
     pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
-                   name=f"{worker}-env", log_dir=cfg.log_dir or None)
+                   name=f"{worker}-env", log_dir=cfg.log_dir or None, start_timeout_s=cfg.start_timeout_s,
+                   max_observation_chars=cfg.max_observation_chars)
     pool.start()
     log.info("%s: %d environment processes for multi-turn domains (logs in %s)", worker, cfg.processes, pool.log_dir)
 
