@@ -300,7 +300,8 @@ class Controller:
         self.drops.settled(msg.ok, msg.reason, msg.detail, msg.left_out if msg.ok else 0)
         if msg.ok:
             left_out = min(max(msg.left_out, 0), a.num_samples)
-            self.gate.accept(a.num_samples - left_out)
+            if left_out < a.num_samples:
+                self.gate.accept(a.num_samples - left_out)
             if left_out:
                 self.gate.reject(left_out)
             self.counts["groups_done"] += 1

@@ -119,7 +119,7 @@ class EpisodeRun:
     outcome: float | None = None  # set when done
     info: dict[str, float] = field(default_factory=dict)
     retries: int = 0  # how many earlier episodes of this sample failed and were run again
-    failed: str = ""  # why it failed (the group goes on without it: on_error = "survivors")
+    failed: str = ""  # why it failed, its own text (the group goes on without it: on_error = "survivors")
 
     @property
     def done(self) -> bool:
@@ -338,7 +338,7 @@ class MultiTurn:
         if run.retries < cfg.max_retries and (cfg.on_error == "retry" or e.reason in INFRASTRUCTURE):
             self._retry(run)
             return "retried"
-        run.failed = f"{e.reason}: {e.cause}"
+        run.failed = e.cause or e.reason
         self.failed_runs[run.id] = run
         if cfg.on_error != "survivors":
             return "drop"
@@ -368,7 +368,7 @@ class MultiTurn:
             self.engine.abort([rid])
 
     def left_out(self, group_id: str) -> list[str]:
-        """Why each failed sample of a group was left out ("<kind>: <text>"), in sample order."""
+        """Why each failed sample of a group was left out (the failure's own text), in sample order."""
         return [f for f in (self._slot_run(eid).failed for eid in self.slots.get(group_id, [])) if f]
 
     def _slot_run(self, eid: str) -> EpisodeRun:
