@@ -121,3 +121,87 @@ def test_an_evaluation_that_scored_nothing_has_no_accuracy_and_is_never_best(tmp
     finally:
         worker.close()
         ctl.close()
+
+
+# An author's environment whose every outcome is a verifier error: registered by module name
+# (rollout.episodes.plugins) in the driver, the worker and its environment process.
+FAILING_ENV = '''
+import itertools
+
+from tidal.core.episodes import AGENT, Observation, StepResult
+from tidal.core.interfaces import Task
+from tidal.core.plugins import hookimpl
+from tidal.core.protocol import ChatMessage
+
+
+class Episode:
+    roles, tools, stop = (AGENT,), (), ()
+
+    def __init__(self, task):
+        self.task = task
+
+    def reset(self):
+        return Observation(messages=[ChatMessage(role="user", content=self.task.prompt)])
+
+    def step(self, action, role=AGENT):
+        return StepResult(done=True)
+
+    def outcome(self):
+        raise ValueError("the judge cannot read this answer (judge_tidal/env.py:21)")
+
+
+class Judge:
+    max_turns = 1
+
+    def tasks(self, split, seed):
+        return (Task(prompt=f"add {i} and {i}", answer=str(2 * i), domain="judge") for i in itertools.count(seed))
+
+    def episode(self, task):
+        return Episode(task)
+
+
+@hookimpl
+def tidal_envs():
+    return {"judge": Judge}
+'''
+
+
+@pytest.fixture(scope="module")
+def judge_world(tmp_path_factory) -> tuple[Path, dict]:
+    import os
+
+    from tidal.rollout.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("judge")
+    model = build_tiny_model(root / "model", seed=0)
+    site = root / "site"
+    site.mkdir()
+    (site / "judge_env.py").write_text(FAILING_ENV)
+    return model, {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+@pytest.mark.system
+@pytest.mark.timeout(120)
+def test_a_run_whose_every_outcome_is_a_verifier_error_ends_failed_with_the_authors_text(judge_world, tmp_path,
+                                                                                         tidal_cli):
+    import json
+
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    rc, out = tidal_cli.run(judge_world, run_dir, 'domains=[{env="judge"}]', 'rollout.episodes.plugins=["judge_env"]',
+                            "rollout.episodes.processes=1", "rollout.episodes.max_tokens=32", "workers=1",
+                            "group_size=4", "batch_groups=2", "sampling.max_tokens=4", "eval.every=1000",
+                            "eval.size=4", "launch.no_trainable_group_s=5", timeout=110)
+    seconds = time.monotonic() - t0
+    final = json.loads((run_dir / "final.json").read_text())
+    status = final["status"]
+    assert rc != 0 and status.startswith("failed: no group could be scored in 5 s: 100 % verifier errors"), \
+        (status, out[-3000:] + tidal_cli.logs(run_dir))
+    assert "outcome() failed: ValueError: the judge cannot read this answer (judge_tidal/env.py:21)" in status, status
+    assert final["versions"] == 0 and final["eval_unscored"] == [0] and final["eval"] == [], final
+    ctl = final["controller"]
+    assert ctl["controller/groups_dropped/verifier_error"] >= 1 and ctl["controller/groups_done"] == 0, ctl
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval/accuracy" in m["scalars"] for m in metrics), "an unscored eval got an accuracy"
+    assert seconds < 60, f"a run that could not train took {seconds:.0f} s to say so"

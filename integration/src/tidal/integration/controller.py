@@ -308,7 +308,12 @@ class Controller:
         else:
             self.gate.reject(a.num_samples)
             self.counts["groups_dropped"] += 1
-            log.warning("group %s dropped on %s (%s): %s", gid, worker, msg.reason or "unspecified", msg.detail)
+            reason = msg.reason or "unspecified"
+            # the first of each reason in full; the rest are counted (a run that cannot train drops many a
+            # second) and the driver warns of a high drop rate with its top cause
+            level = logging.WARNING if self.drops.by_reason[reason] == 1 else logging.DEBUG
+            log.log(level, "group %s dropped on %s (%s): %s; later drops of this kind are counted "
+                    "(controller/groups_dropped/%s)", gid, worker, reason, msg.detail, reason)
 
     def _eval_failed(self, a: Assignment, msg: Ack) -> None:
         """An evaluation group came back unscored. An abort (a weight update caught it) is tried again, a
