@@ -115,13 +115,13 @@ def test_tidal_run_trains_on_the_installed_guess_example_by_name_with_multi_turn
 
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "completed" and final["versions"] == 4 and final["restarts"] == {}, final
-    assert final["errors"] == {} and final["controller"]["controller/groups_failed"] == 0, final
+    assert final["errors"] == {} and final["controller"]["controller/groups_dropped"] == 0, final
     assert [(e[0], sorted(e[2])) for e in final["eval"]] == [(0, ["guess_number"]), (4, ["guess_number"])]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     worker = [r["scalars"] for r in rows if r["source"] == "rollout-0" and "rollout/episodes/episodes" in r["scalars"]]
     assert worker, "no rollout worker row with episode counters in metrics.jsonl"
     last = worker[-1]
     assert last["rollout/episodes/episodes"] > 0 and last["rollout/episodes/turns_per_episode"] > 1, last
-    assert last["rollout/episodes/episodes_dropped"] == 0 and last["rollout/envpool/verifier_errors"] == 0, last
+    assert last["rollout/episodes/failed"] == 0 and last["rollout/envpool/verifier_errors"] == 0, last
     env_log_files = sorted(p.name for p in (run_dir / "logs").glob("rollout-0-env-*.log"))
     assert env_log_files == ["rollout-0-env-0.log"], sorted(p.name for p in (run_dir / "logs").iterdir())

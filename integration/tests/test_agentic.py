@@ -146,16 +146,17 @@ def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, t
     f = json.loads((run_dir / "final.json").read_text())
     assert f["status"] == "completed" and f["versions"] == 30, f["status"]
     last = f["rollout"]["rollout-0"]  # the worker's final counters
-    # the environment process killed with -9: its episodes dropped (counted), the process restarted
+    # the environment process killed with -9: its episodes failed and retried (counted), the process restarted
     assert last["rollout/envpool/env_died"] >= 1 and last["rollout/envpool/restarts"] >= 1, last
-    assert last["rollout/episodes/dropped/env_died"] >= 1, last
+    assert last["rollout/episodes/failed/env_died"] >= 1, last
+    assert last["rollout/episodes/retried"] >= 1, last  # an infrastructure failure is retried, not dropped
     # the verifier that raises: counted as an error, its group dropped (never a zero reward)
-    assert last["rollout/envpool/verifier_errors"] >= 1 and last["rollout/episodes/dropped/verifier_error"] >= 1
+    assert last["rollout/envpool/verifier_errors"] >= 1 and last["rollout/episodes/failed/verifier_error"] >= 1
     # the tool that sleeps forever and the one that floods its output: error observations, counted
     assert last["rollout/episodes/tool_errors"] >= 2 and last["rollout/episodes/tool_calls"] >= 2, last
     assert last["rollout/episodes/info/tool_timeout"] >= 1 and last["rollout/episodes/info/tool_output_limit"] >= 1
     ctl = f["controller"]
-    assert ctl.get("controller/groups_failed/env_died", 0) >= 1 and ctl.get("controller/groups_failed/verifier_error", 0) >= 1
+    assert ctl.get("controller/groups_dropped/verifier_error", 0) >= 1, ctl
     assert ctl["controller/groups_done"] >= 120  # 30 steps x 4 groups trained
     env_logs = sorted((run_dir / "logs").glob("rollout-0-env-*.log"))
     assert env_logs, sorted(p.name for p in (run_dir / "logs").iterdir())

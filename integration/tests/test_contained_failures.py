@@ -133,11 +133,11 @@ def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path, tidal
     assert any(e["eval/failed"] > 0 for e in evals)
     # dropped training groups counted by reason, on the worker and at the controller
     ctl = f["controller"]
-    assert ctl["controller/groups_failed/score_error"] > 0 and ctl["controller/groups_done"] > 0
-    assert "controller/groups_failed/reward_error" not in ctl  # the reward plugin never failed
-    assert set(k for k in ctl if k.startswith("controller/groups_failed/")) == {"controller/groups_failed/score_error"}
-    worker = [m["scalars"] for m in metrics if m["source"] == "rollout-0" and "rollout/groups_done" in m["scalars"]]
-    assert worker[-1].get("rollout/groups_dropped/score_error", 0) > 0
+    assert ctl["controller/groups_dropped/score_error"] > 0 and ctl["controller/groups_done"] > 0
+    assert "controller/groups_dropped/reward_error" not in ctl  # the reward plugin never failed
+    assert set(k for k in ctl if k.startswith("controller/groups_dropped/")) == {"controller/groups_dropped/score_error"}
+    worker = [m["scalars"] for m in metrics if m["source"] == "rollout-0" and "rollout/groups/done" in m["scalars"]]
+    assert worker[-1].get("rollout/groups/dropped/score_error", 0) > 0
     # the traceback once; no sample was scored without its prompt or by the other domain's instance
     log = (run_dir / "logs" / "rollout-0.log").read_text()
     assert len(re.findall(r"^RuntimeError: acme verifier crashed$", log, re.M)) == 1, log[-3000:]

@@ -111,7 +111,7 @@ def test_evaluation_work_of_a_lost_worker_waits_apart_from_training_credits(tmp_
         assert (version, accuracy) == (0, 1.0) and by_domain == {"arithmetic": 1.0}
         rnd = ctl.evals[0]
         assert set(rnd.failed) == {a0.group_id} and len(rnd.rewards) == 3
-        assert ctl.status()["controller/groups_failed/score_error"] == 1
+        assert "controller/groups_dropped/score_error" not in ctl.status()  # an eval problem is no training group
         assert ctl.last_error["rollout-1"].endswith("verifier crashed")
     finally:
         first.close()

@@ -14,6 +14,8 @@
 - ``raising_step``: its step raises.
 - ``raising_verifier``: done after one step, then `outcome()` raises.
 - ``dies_on_open``: the process exits as an episode starts (a crash loop).
+- ``flaky``: done after one step; the episodes this env object makes are numbered as opened, and those
+  numbered in `fail` have an `outcome()` that raises (the author's text names the episode number).
 """
 
 from __future__ import annotations
@@ -181,6 +183,29 @@ def _env_of(episode_type: type) -> type:
     return type(episode_type.__name__.replace("Episode", ""), (_Env,), {"episode": lambda self, task: episode_type(task)})
 
 
+class FlakyEpisode(_Episode):
+    def __init__(self, task: Task, number: int, fails: bool) -> None:
+        super().__init__(task)
+        self.number, self.fails = number, fails
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        return StepResult(done=True)
+
+    def outcome(self) -> float:
+        if self.fails:
+            raise ValueError(f"flaky verifier: episode {self.number} cannot be judged")
+        return 1.0
+
+
+class Flaky(_Env):
+    def __init__(self, fail: list[int] | None = None) -> None:
+        self.fail, self.opened = set(fail or []), 0
+
+    def episode(self, task: Task) -> FlakyEpisode:
+        self.opened += 1
+        return FlakyEpisode(task, self.opened - 1, self.opened - 1 in self.fail)
+
+
 class DiesOnOpen(_Env):
     def episode(self, task: Task) -> _Episode:
         os._exit(3)
@@ -191,4 +216,4 @@ def tidal_envs():
     return {"counting": Counting, "sleepy": _env_of(SleepyEpisode), "raising_step": _env_of(RaisingStepEpisode),
             "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen,
             "sleepy_open": _env_of(SleepyOpenEpisode), "slow_build": SlowBuild, "flooding": Flooding,
-            "bad_reward": BadReward, "bad_score": BadScore}
+            "bad_reward": BadReward, "bad_score": BadScore, "flaky": Flaky}

@@ -47,6 +47,7 @@ from tidal.core.protocol import (
     group_id,
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
+from tidal.integration.drops import Drops
 from tidal.integration.recipe import RunConfig
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.stops import split_stops
@@ -180,7 +181,7 @@ class Controller:
         self.eval_waiting: deque[Assignment] = deque()  # evaluation work with no live worker (sent without)
         self.eval_attempts: dict[str, int] = {}
         self.last_error: dict[str, str] = {}  # role name -> the latest error it reported, for status
-        self.failed_by_reason: dict[str, int] = {}
+        self.drops = Drops(window_s=cfg.launch.drop_rate_window_s)  # training groups trained or dropped, and why
         self.tasks_skipped: dict[str, int] = {}  # domain -> tasks whose prompt the tokenizer cannot encode
         # group numbers and tasks drawn, journaled before each assignment leaves: never handed out twice
         self.numbering = NumberingJournal(run_dir / NUMBERING)
@@ -196,6 +197,7 @@ class Controller:
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
+        self.eval_unscored: list[int] = []  # versions whose evaluation scored no problem (no accuracy)
         self.checkpoint_dir = Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints")  # best/ pinned there
         if resume is not None:  # the history goes on; evaluated versions are not evaluated again
             self.eval_results = list(resume.evals)
@@ -204,7 +206,7 @@ class Controller:
             if cfg.eval.every:
                 self._next_eval = (resume.version // cfg.eval.every + 1) * cfg.eval.every
         self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
-        self.counts = {"groups_granted": 0, "groups_done": 0, "groups_failed": 0, "groups_requeued": 0}
+        self.counts = {"groups_granted": 0, "groups_done": 0, "groups_dropped": 0, "groups_requeued": 0}
         # control-plane latency: from the last worker applying a version to the first grant it unlocked
         self._opened_at: float | None = None  # applied_at of the version that last opened the gate
         self.apply_to_grant_s: list[float] = []
@@ -273,22 +275,13 @@ class Controller:
                 a = w.outstanding.pop(gid, None)
                 if a is None:
                     continue
-                if not msg.ok:
-                    reason = msg.reason or "unspecified"
-                    self.failed_by_reason[reason] = self.failed_by_reason.get(reason, 0) + 1
-                    if reason != "abort":
-                        self.last_error[name] = f"group {gid}: {msg.detail}"
+                if not msg.ok and msg.reason != "abort":
+                    self.last_error[name] = f"group {gid}: {msg.detail}"
                 if EVAL_KEY in a.metadata:
                     if not msg.ok:
                         self._eval_failed(a, msg)
                     continue
-                if msg.ok:
-                    self.gate.accept(a.num_samples)
-                    self.counts["groups_done"] += 1
-                else:
-                    self.gate.reject(a.num_samples)
-                    self.counts["groups_failed"] += 1
-                    log.warning("group %s failed on %s: %s", gid, name, msg.detail)
+                self._settled(gid, name, a, msg)
         elif isinstance(msg, Trajectory) and msg.group_id in w.outstanding:
             a = w.outstanding.pop(msg.group_id)
             rnd = self.evals.get(int(a.metadata[EVAL_KEY]))
@@ -300,6 +293,27 @@ class Controller:
         elif isinstance(msg, Error):  # e.g. an assignment the worker could not decode
             self.last_error[name] = msg.detail
             log.error("%s reported: %s", name, msg.detail)
+
+    def _settled(self, gid: str, worker: str, a: Assignment, msg: Ack) -> None:
+        """A training group came back: its delivered samples count for the gate, the rest return capacity.
+        Samples left out (failed episodes of a group trained on its survivors) never reach the buffer."""
+        self.drops.settled(msg.ok, msg.reason, msg.detail, msg.left_out if msg.ok else 0)
+        if msg.ok:
+            left_out = min(max(msg.left_out, 0), a.num_samples)
+            if left_out < a.num_samples:
+                self.gate.accept(a.num_samples - left_out)
+            if left_out:
+                self.gate.reject(left_out)
+            self.counts["groups_done"] += 1
+        else:
+            self.gate.reject(a.num_samples)
+            self.counts["groups_dropped"] += 1
+            reason = msg.reason or "unspecified"
+            # the first of each reason in full; the rest are counted (a run that cannot train drops many a
+            # second) and the driver warns of a high drop rate with its top cause
+            level = logging.WARNING if self.drops.by_reason[reason] == 1 else logging.DEBUG
+            log.log(level, "group %s dropped on %s (%s): %s; later drops of this kind are counted "
+                    "(controller/groups_dropped/%s)", gid, worker, reason, msg.detail, reason)
 
     def _eval_failed(self, a: Assignment, msg: Ack) -> None:
         """An evaluation group came back unscored. An abort (a weight update caught it) is tried again, a
@@ -514,11 +528,14 @@ class Controller:
             if not rnd.done or rnd.started < 0:
                 continue
             rnd.started = -1.0  # reported
+            if not rnd.rewards:
+                self._unscored_eval(v, rnd)
+                continue
             per: dict[str, list[float]] = {}
             for gid, r in rnd.rewards.items():
                 per.setdefault(rnd.expected[gid], []).append(r)
             # accuracy counts full successes (reward 1); partial credit only shapes training
-            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()])) if rnd.rewards else 0.0
+            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()]))
             by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
             # the run's best so far (the history carries over resumes); version 0 is the starting model itself
             if v > 0 and all(acc > a for _, a, _ in self.eval_results):
@@ -529,7 +546,7 @@ class Controller:
                 log.warning("eval at version %d: %d of %d problems could not be scored, e.g. %s", v, len(rnd.failed),
                             len(rnd.expected), next(iter(rnd.failed.values())))
             scalars = {"eval/accuracy": acc,
-                       "eval/reward": float(np.mean(list(rnd.rewards.values()))) if rnd.rewards else 0.0,
+                       "eval/reward": float(np.mean(list(rnd.rewards.values()))),
                        "eval/failed": float(len(rnd.failed)),
                        "eval/version": float(v),
                        "eval/token_version_min": float(min(rnd.versions, default=v)),
@@ -538,6 +555,15 @@ class Controller:
             log.info("eval at version %d: accuracy %.3f %s", v, acc,
                      " ".join(f"{d}={a:.3f}" for d, a in by_domain.items()))
             self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
+
+    def _unscored_eval(self, v: int, rnd: EvalRound) -> None:
+        """An evaluation that scored nothing has no accuracy (0.0 would read as a model that is always
+        wrong): it is recorded as unscored (final.json `eval_unscored`, the report) and never pinned as best."""
+        self.eval_unscored.append(v)
+        log.warning("eval at version %d scored nothing: %d of %d problems could not be scored, e.g. %s; no accuracy "
+                    "is reported", v, len(rnd.failed), len(rnd.expected), next(iter(rnd.failed.values()), "?"))
+        self._record(Metrics(source="controller", step=v, time=time.time(), scalars={
+            "eval/unscored": 1.0, "eval/failed": float(len(rnd.failed)), "eval/version": float(v)}))
 
     def _pin_best(self, version: int, acc: float) -> None:
         from tidal.integration.learner.best import pin_best
@@ -596,7 +622,9 @@ class Controller:
                 "controller/gate_in_flight": float(g.in_flight), "controller/gate_accepted": float(g.accepted),
                 "controller/gate_capacity": float(self.gate.capacity()),
                 **{f"controller/{k}": float(v) for k, v in self.counts.items()},
-                **{f"controller/groups_failed/{k}": float(v) for k, v in self.failed_by_reason.items()},
+                **{f"controller/groups_dropped/{k}": float(v) for k, v in self.drops.by_reason.items()},
+                "controller/samples_left_out": float(self.drops.samples_left_out),
+                "controller/drop_rate": self.drops.rate()[0],  # share of the window's training groups dropped
                 **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()},
                 "controller/auth_refused": float(self.auth.refused),
                 **{f"controller/protocol_errors/{k}": float(v) for k, v in self.protocol_errors.items()}}

@@ -90,6 +90,14 @@ class LaunchConfig(ConfigStruct):
     # no new policy version for this long (or 20x the median time per version, if longer) ends the run
     # with status "stalled" and each role's last error; 0 = never
     stall_timeout_s: float = 300.0
+    # no training group could be trained on (every one dropped: verifier errors, failed episodes...) for
+    # this long after the first worker connected: the run ends "failed: no group could be scored in N s: ..."
+    # with the top cause; 0 = never
+    no_trainable_group_s: float = 60.0
+    # more than this share of the training groups dropped over `drop_rate_window_s` is a warning in the
+    # driver log with its top cause, and a `drop_rate` event in metrics.jsonl (once per window)
+    max_drop_rate: float = 0.5
+    drop_rate_window_s: float = 60.0
     # torch threads per learner rank and rollout worker; 0 = this machine's cores shared out by load: half
     # to the learner's ranks (its step is the critical path once generation runs ahead), the rest split
     # over the workers, at least one each

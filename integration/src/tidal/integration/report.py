@@ -9,7 +9,8 @@ adds a row: tool calls per episode and the tool-error rate, turns per episode, a
 The health row: throughput over time (samples trained per second by the learner, samples generated per
 second by the workers), buffer depth and the gate's groups in flight over time, and the run's events.
 Events are metrics rows with a key `event/KIND` = 1 (restart: the driver restarted a role, its name in
-`event/restart/ROLE`; stall: no new version for too long; resume: `tidal run --resume` continued the run);
+`event/restart/ROLE`; stall: no new version for too long; drop_rate: more
+training groups dropped than `launch.max_drop_rate`; resume: `tidal run --resume` continued the run);
 every plot over wall-clock time marks them with a vertical line (restart red dashed, stall black,
 resume green).
 """
@@ -43,6 +44,9 @@ def summarize(rows: list[dict]) -> dict:
         "lag_mean": float(lags.mean()) if lags.size else 0.0,
         "lag_max": int(lags.max()) if lags.size else 0,
         "reward_last": float(learner[-1]["scalars"].get("reward/mean", 0.0)) if learner else 0.0,
+        # evaluations that scored no problem: no accuracy, listed apart (never a 0.0 beside the real ones)
+        "eval_unscored": [int(r["scalars"]["eval/version"]) for r in rows
+                          if r["source"] == "controller" and r["scalars"].get("eval/unscored")],
     }
     if out["eval"]:
         out["eval_start"] = out["eval"][0]["accuracy"]
@@ -52,12 +56,12 @@ def summarize(rows: list[dict]) -> dict:
 
 
 EPISODE_COUNTERS = ("episodes", "finished_turns", "finished_tool_calls", "finished_tool_errors", "splits",
-                    "truncated", "episodes_dropped")
+                    "truncated", "failed")
 
 
 def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
     """Per-window rates of the rollout workers' episode counters (summed over workers): {"minutes",
-    "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "splits", "truncated", "dropped"};
+    "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "splits", "truncated", "failed"};
     {} when the run has no multi-turn domain."""
     last: dict[str, dict[str, float]] = {}
     points: list[tuple[float, dict[str, float]]] = []
@@ -74,7 +78,7 @@ def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
     points.sort(key=lambda p: p[0])
     per = max(1, len(last))  # one window = one report of every worker
     out: dict[str, list[float]] = {k: [] for k in ("minutes", "tool_calls_per_episode", "tool_error_rate",
-                                                   "turns_per_episode", "splits", "truncated", "dropped")}
+                                                   "turns_per_episode", "splits", "truncated", "failed")}
     for i in range(0, len(points), per):
         chunk = points[i:i + per]
         d = {k: sum(p[1][k] for p in chunk) for k in EPISODE_COUNTERS}
@@ -88,7 +92,7 @@ def episode_rates(rows: list[dict]) -> dict[str, list[float]]:
         out["turns_per_episode"].append(d["finished_turns"] / d["episodes"])
         out["splits"].append(d["splits"])
         out["truncated"].append(d["truncated"])
-        out["dropped"].append(d["episodes_dropped"])
+        out["failed"].append(d["failed"])
     return out if out["minutes"] else {}
 
 
@@ -100,13 +104,14 @@ def _plot_episodes(ax, e: dict[str, list[float]]) -> None:
     ax[0].legend()
     ax[1].plot(t, e["turns_per_episode"], lw=1, color="tab:brown")
     ax[1].set(title="turns per episode", xlabel="wall-clock (min)", ylabel="turns")
-    for key, color in (("splits", "tab:gray"), ("truncated", "tab:olive"), ("dropped", "tab:red")):
+    for key, color in (("splits", "tab:gray"), ("truncated", "tab:olive"), ("failed", "tab:red")):
         ax[2].plot(t, e[key], lw=1, color=color, label=key)
-    ax[2].set(title="episodes split / truncated / dropped (per window)", xlabel="wall-clock (min)", ylabel="count")
+    ax[2].set(title="episodes split / truncated / failed (per window)", xlabel="wall-clock (min)", ylabel="count")
     ax[2].legend()
 
 
-EVENT_STYLE = {"restart": ("tab:red", "--"), "stall": ("black", "-"), "resume": ("tab:green", "-")}
+EVENT_STYLE = {"restart": ("tab:red", "--"), "stall": ("black", "-"), "resume": ("tab:green", "-"),
+               "drop_rate": ("tab:orange", ":")}
 
 
 def events(rows: list[dict]) -> list[tuple[float, str, str]]:
@@ -240,6 +245,8 @@ def report(run_dir: str | Path) -> Path:
             f"{summary['wall_s'] / 60:.1f} min"
     if "eval_start" in summary:
         title += f"; held-out accuracy {100 * summary['eval_start']:.1f}% -> {100 * summary['eval_end']:.1f}%"
+    if summary["eval_unscored"]:
+        title += f"; eval unscored at version {', '.join(map(str, summary['eval_unscored']))}"
     fig.suptitle(title)
     fig.tight_layout()
     png = run_dir / "report.png"

@@ -7,6 +7,8 @@
 - `_reap_silent`: a worker that stopped heartbeating is killed and its groups go to the others;
 - `_report`: the controller's status to the metrics and the display;
 - `_time_budget`: `budget.minutes` stops the learner;
+- `_watch_drops`: a run that could train no group for `launch.no_trainable_group_s` ends failed with the
+  top cause; a drop rate above `launch.max_drop_rate` is a warning and a `drop_rate` event;
 - `_finished`: after the learner's last step, the final evaluation, then the end.
 
 A part that ends the run raises `Stop` (status "failed: ...") or `Stalled` (status "stalled: ...");
@@ -122,6 +124,8 @@ class Supervisor:
         self._eval0 = False
         self._resume_eval: int | None = None  # a resumed run evaluates its checkpoint once the workers hold it
         self._next_status = 0.0
+        self._rl_start_mono = 0.0  # monotonic time of rl_start: the clock of launch.no_trainable_group_s
+        self._next_drop_warning = 0.0
         if self.controller.resume is not None:  # elapsed time (and budget.minutes) carry on
             self.t0 -= self.controller.resume.elapsed_s
 
@@ -136,6 +140,9 @@ class Supervisor:
             if self.learner_done and c.learner_version < self.cfg.budget.versions and not self.time_budget_hit:
                 self.status = (f"failed: the learner stopped at version {c.learner_version} of "
                                f"{self.cfg.budget.versions}; see {self.run_dir / 'logs' / 'learner'}.log")
+            elif c.learner_version == 0 and self.cfg.budget.versions > 0:  # a run that trained nothing did not complete
+                self.status = f"failed: {self.untrained()}"
+                log.error("%s", self.status)
         except Stalled as e:
             self.status = f"stalled: {e}"
             log.error("run stalled: %s", e)
@@ -162,6 +169,7 @@ class Supervisor:
         self._reap_silent()
         self._report(now)
         self._time_budget(now)
+        self._watch_drops(now)
         return self._finished(now)
 
     # ------------------------------------------------------------------ the parts
@@ -181,7 +189,7 @@ class Supervisor:
                 self.controller.start_eval(0)
             else:  # the checkpoint's weights, once every worker holds them
                 self._resume_eval = c.resume.version
-            self._eval0, self.rl_start = True, time.time()
+            self._eval0, self.rl_start, self._rl_start_mono = True, time.time(), now
             self.progress = Progress(self.cfg.launch.stall_timeout_s)  # the stall clock starts with the roles up
         elif now - self.t0 > self.cfg.launch.start_timeout_s:
             raise Stop(f"no rollout worker connected within {self.cfg.launch.start_timeout_s:.0f} s "
@@ -242,7 +250,8 @@ class Supervisor:
     def event(self, kind: str, **scalars: float) -> None:
         """An event row in metrics.jsonl (`tidal report` marks it): source "controller", `event/KIND` = 1
         and the usual time and version fields, plus any detail (`event/restart/ROLE`: that role's
-        restarts so far). Kinds: restart, stall; `tidal run --resume` writes resume."""
+        restarts so far). Kinds: restart, stall, drop_rate (`event/drop_rate/rate`: the share of
+        training groups dropped over `launch.drop_rate_window_s`); `tidal run --resume` writes resume."""
         c = self.controller
         self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(),
                           scalars={f"event/{kind}": 1.0, **scalars}))
@@ -253,6 +262,31 @@ class Supervisor:
             log.info("time budget of %.1f min reached: stopping the learner", minutes)
             self.handle.signal("learner", signal.SIGTERM)
             self.time_budget_hit = True
+
+    def _watch_drops(self, now: float) -> None:
+        c, launch = self.controller, self.cfg.launch
+        d = c.drops
+        if (launch.no_trainable_group_s and self.rl_start is not None and d.trained == 0 and d.dropped
+                and now - self._rl_start_mono >= launch.no_trainable_group_s):
+            raise Stop(f"no group could be scored in {launch.no_trainable_group_s:g} s: {d.summary()}. "
+                       f"Groups dropped by reason: {self._by_reason()}; role logs: {self.run_dir / 'logs'}")
+        rate, n = d.rate()
+        if rate > launch.max_drop_rate and n >= 4 and now >= self._next_drop_warning:
+            self._next_drop_warning = now + launch.drop_rate_window_s
+            log.warning("%.0f %% of the last %d training groups were dropped (over %g s; launch.max_drop_rate is "
+                        "%g): top cause %s", 100 * rate, n, launch.drop_rate_window_s, launch.max_drop_rate,
+                        d.summary())
+            self.event("drop_rate", **{"event/drop_rate/rate": rate})
+
+    def untrained(self) -> str:
+        """Why a run ended with 0 versions trained, for its status."""
+        d = self.controller.drops
+        if d.dropped:
+            return f"0 versions trained: {d.trained} groups trained on, {d.dropped} dropped: {d.summary()}"
+        return f"0 versions trained ({d.trained} groups reached the buffer). {self.controller.diagnose()}"
+
+    def _by_reason(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(self.controller.drops.by_reason.items())) or "none"
 
     def _finished(self, now: float) -> bool:
         if not self.learner_done:
@@ -297,7 +331,7 @@ class Supervisor:
             "time_budget_reached": self.time_budget_hit, "final_eval": self.final_eval,
             "errors": {**c.last_error, **self.errors},
             "restarts": {k: v for k, v in self.restarts.items() if v},
-            "eval": c.eval_results, "controller": c.status(), "buffer": final_buffer,
+            "eval": c.eval_results, "eval_unscored": c.eval_unscored, "controller": c.status(), "buffer": final_buffer,
             "rollout": {k: v for k, v in sorted(c.last.items()) if k.startswith("rollout")}})
         self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(), scalars=c.status()))
 
@@ -305,7 +339,7 @@ class Supervisor:
         """The latest error each role reported (or left when it exited), for a stall or timeout message."""
         c = self.controller
         found = {**c.last_error, **self.errors}
-        failed = ", ".join(f"{k} {v}" for k, v in sorted(c.failed_by_reason.items()))
+        failed = ", ".join(f"{k} {v}" for k, v in sorted(c.drops.by_reason.items()))
         parts = [f"{k}: {v}" for k, v in sorted(found.items())]
         text = "Last errors: " + (" | ".join(parts) if parts else "none reported")
         if failed:
@@ -345,5 +379,5 @@ def summary(c: Controller, elapsed: float) -> dict[str, str]:
         "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
         "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",
         "workers": f"{len(c.live_workers())}",
-        "dropped": f"{sum(c.failed_by_reason.values())}",  # groups dropped by a worker (controller/groups_failed/*)
+        "dropped": f"{c.drops.dropped}",  # training groups dropped by a worker (controller/groups_dropped/*)
     }

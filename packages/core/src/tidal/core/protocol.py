@@ -118,6 +118,9 @@ class Ack(_Msg):
     # "decode_error", "reward_error", "abort", "refused", ... ("" = unspecified)
     reason: str = ""
     version: int = -1  # kind "weights": the policy version applied (or refused); -1 = not about a version
+    # kind "assignment" with ok True: samples of the group left out (failed episodes of a group trained on its
+    # survivors): settled, never delivered; `detail` then says why the first was left out
+    left_out: int = 0
 
 
 # --------------------------------------------------------------------------- control plane

@@ -12,9 +12,9 @@ split): segment k > 0 has the id ``segment_id(<sample id>, k)`` and the episode'
 
 Each step's reward sits at the completion index where that step's action ended (`Trajectory.step_ends`,
 exclusive), and the outcome is `Trajectory.reward`: the two meet only in the advantage estimator
-(``grpo_process``). An episode that errs (environment died, timed out, raised; verifier raised) drops its
-group, counted by kind; it never becomes a zero reward. An episode that runs out of its token budget is
-truncated: it ends with reward 0 (counted).
+(``grpo_process``). An episode that errs (environment died, timed out, raised; verifier raised) is counted by
+kind and never becomes a zero reward; `EpisodesConfig.on_error` says what its group does (`MultiTurn.on_failure`).
+An episode that runs out of its token budget is truncated: it ends with reward 0 (counted).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import msgspec
 import numpy as np
@@ -46,7 +46,7 @@ from tidal.core.protocol import (
 log = logging.getLogger("tidal.rollout.multiturn")
 
 COUNTERS = ("episodes", "turns", "tool_calls", "tool_errors", "invalid_calls", "step_reward_sum", "splits",
-            "truncated", "episodes_dropped", "finished_turns", "finished_tool_calls", "finished_tool_errors",
+            "truncated", "failed", "retried", "finished_turns", "finished_tool_calls", "finished_tool_errors",
             "renderer_problems")
 
 
@@ -72,6 +72,18 @@ class EpisodesConfig(ConfigStruct):
     # processes register before building anything: an env under development, a test env
     plugins: list[str] = []
     log_dir: str = ""  # where environment processes log (<worker>-env-<i>.log); "" = a temporary folder
+    # what a failed episode does to its group (docs/plugins.md, "When an episode fails"):
+    # - "drop_group": the group is not trained on. The default because GRPO's baseline is the group's mean:
+    #   when failures correlate with the reward (hard tasks fail more), training on the rest biases it;
+    # - "survivors": the group trains on the episodes that finished, when at least `min_survivors` did
+    #   (its baseline is then over those), else it is dropped;
+    # - "retry": the episode is run again (a new episode id, `<sample id>~r1`), up to `max_retries` times,
+    #   then the group is dropped.
+    # An episode lost to the infrastructure (`env_died`, `env_restarted`: its process died or was killed for
+    # another episode) is retried up to `max_retries` times whatever the choice.
+    on_error: Literal["drop_group", "survivors", "retry"] = "drop_group"
+    min_survivors: int = 2  # on_error = "survivors": fewer finished episodes than this drop the group
+    max_retries: int = 1  # reruns of one sample's episode (on_error = "retry", and infrastructure failures)
 
 
 @dataclass
@@ -117,6 +129,8 @@ class EpisodeRun:
     last_action: list[int] = field(default_factory=list)
     outcome: float | None = None  # set when done
     info: dict[str, float] = field(default_factory=dict)
+    retries: int = 0  # how many earlier episodes of this sample failed and were run again
+    failed: str = ""  # why it failed, its own text (the group goes on without it: on_error = "survivors")
 
     @property
     def done(self) -> bool:
@@ -127,12 +141,17 @@ class EpisodeRun:
         return sum(len(s.ids) for s in self.segments)
 
 
-class EpisodeFailed(Exception):
-    """An episode could not finish: its group is dropped with `reason` (counted), the worker goes on."""
+# failures of the machinery, not of the author's episode: retried whatever `on_error` says
+INFRASTRUCTURE = frozenset({"env_died", "env_restarted"})
 
-    def __init__(self, group_id: str, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.group_id, self.reason = group_id, reason
+
+class EpisodeFailed(Exception):
+    """An episode could not finish: `MultiTurn.on_failure` decides what its group does, the worker goes on.
+    `cause` is the failure's own text (the author's, for a verifier error), without the episode id."""
+
+    def __init__(self, group_id: str, reason: str, detail: str, episode_id: str = "") -> None:
+        super().__init__(f"episode {episode_id}: {detail}" if episode_id else detail)
+        self.group_id, self.reason, self.cause, self.episode_id = group_id, reason, detail, episode_id
 
 
 class MultiTurn:
@@ -146,17 +165,22 @@ class MultiTurn:
         self.runs: dict[str, EpisodeRun] = {}  # episode id -> run
         self.by_request: dict[str, str] = {}  # engine request id -> episode id
         self.assignments: dict[str, Assignment] = {}  # group id -> its assignment
+        self.tasks: dict[str, Task] = {}  # group id -> its task (a retried episode is opened with it again)
+        self.slots: dict[str, list[str]] = {}  # group id -> the episode id each sample now runs under
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
-        self.dropped_by_reason: dict[str, int] = {}
+        self.failed_by_kind: dict[str, int] = {}  # failed episodes by kind (env_died, verifier_error, ...)
+        self.failed_runs: dict[str, EpisodeRun] = {}  # failed episodes a group goes on without (survivors)
         self.info_sums: dict[str, float] = {}  # step info keys the environment reports beyond COUNTERS
         self._stops: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
 
     # ------------------------------------------------------------------ starting
 
     def start(self, a: Assignment, task: Task) -> None:
-        self.assignments[a.group_id] = a
+        self.assignments[a.group_id], self.tasks[a.group_id] = a, task
+        self.slots[a.group_id] = []
         for i in range(a.num_samples):
             eid = trajectory_id(a.group_id, i)
+            self.slots[a.group_id].append(eid)
             self.runs[eid] = EpisodeRun(group_id=a.group_id, index=i, id=eid)
             self.pool.open(eid, a.task, task)
 
@@ -296,9 +320,12 @@ class MultiTurn:
         self.counters["finished_turns"] += run.turns
         self.counters["finished_tool_calls"] += run.info.get("tool_calls", 0.0)
         self.counters["finished_tool_errors"] += run.info.get("tool_errors", 0.0)
-        a = self.assignments[run.group_id]
-        runs = [self.runs.get(trajectory_id(a.group_id, i)) for i in range(a.num_samples)]
-        return a.group_id if all(r is not None and r.done for r in runs) else None
+        return run.group_id if self._complete(run.group_id) else None
+
+    def _complete(self, group_id: str) -> bool:
+        """Every sample of the group has ended: finished, truncated, or failed for good."""
+        runs = [self.runs.get(eid) or self.failed_runs.get(eid) for eid in self.slots[group_id]]
+        return all(r is not None and (r.done or r.failed) for r in runs)
 
     def _truncate(self, run: EpisodeRun, why: str) -> str | None:
         self.counters["truncated"] += 1
@@ -308,24 +335,74 @@ class MultiTurn:
         return self._finished(run)
 
     def _fail(self, run: EpisodeRun, reason: str, detail: str) -> NoReturn:
-        raise EpisodeFailed(run.group_id, reason, f"episode {run.id}: {detail}")
+        raise EpisodeFailed(run.group_id, reason, detail, run.id)
+
+    # ------------------------------------------------------------------ failures
+
+    def on_failure(self, e: EpisodeFailed) -> Literal["retried", "waiting", "complete", "drop"]:
+        """What a failed episode means for its group (counted here, by kind): "retried" (a new episode of
+        the same sample runs), "waiting" (the group goes on without it; others still run), "complete" (the
+        group's other episodes have all ended: deliver its survivors), "drop" (the group cannot train)."""
+        run = self.runs.get(e.episode_id)
+        if run is None or e.group_id not in self.assignments:
+            return "drop"  # an episode of a group already settled
+        self.counters["failed"] += 1
+        self.failed_by_kind[e.reason] = self.failed_by_kind.get(e.reason, 0) + 1
+        self._stop_episode(run)
+        cfg = self.cfg
+        if run.retries < cfg.max_retries and (cfg.on_error == "retry" or e.reason in INFRASTRUCTURE):
+            self._retry(run)
+            return "retried"
+        run.failed = e.cause or e.reason
+        self.failed_runs[run.id] = run
+        if cfg.on_error != "survivors":
+            return "drop"
+        alive = sum(1 for eid in self.slots[e.group_id] if not self._slot_run(eid).failed)
+        if alive < max(cfg.min_survivors, 1):
+            return "drop"
+        return "complete" if self._complete(e.group_id) else "waiting"
+
+    def _retry(self, run: EpisodeRun) -> None:
+        """The sample's episode again, under a new id (the environment process and the buffer never see
+        one episode id twice): ``<sample id>~r<k>``."""
+        sample = trajectory_id(run.group_id, run.index)
+        retry = EpisodeRun(group_id=run.group_id, index=run.index, id=f"{sample}~r{run.retries + 1}",
+                           retries=run.retries + 1)
+        self.counters["retried"] += 1
+        self.slots[run.group_id][run.index] = retry.id
+        self.runs[retry.id] = retry
+        a = self.assignments[run.group_id]
+        self.pool.open(retry.id, a.task, self.tasks[run.group_id])
+
+    def _stop_episode(self, run: EpisodeRun) -> None:
+        """A failed episode leaves the pool and the engine (its process may hold it; a turn may be running)."""
+        self.runs.pop(run.id, None)
+        self.pool.close_episode(run.id)
+        for rid in [rid for rid, eid in self.by_request.items() if eid == run.id]:
+            del self.by_request[rid]
+            self.engine.abort([rid])
+
+    def left_out(self, group_id: str) -> list[str]:
+        """Why each failed sample of a group was left out (the failure's own text), in sample order."""
+        return [f for f in (self._slot_run(eid).failed for eid in self.slots.get(group_id, [])) if f]
+
+    def _slot_run(self, eid: str) -> EpisodeRun:
+        return self.runs.get(eid) or self.failed_runs[eid]
 
     def forget(self, group_id: str) -> None:
         """Drop a group's episodes (failed, delivered or abandoned): close the live ones in the pool."""
         a = self.assignments.pop(group_id, None)
+        self.tasks.pop(group_id, None)
         if a is None:
             return
-        for i in range(a.num_samples):
-            run = self.runs.pop(trajectory_id(group_id, i), None)
+        for eid in self.slots.pop(group_id, []):
+            self.failed_runs.pop(eid, None)
+            run = self.runs.pop(eid, None)
             if run is not None and not run.done:
                 self.pool.close_episode(run.id)
         for rid in [rid for rid, eid in self.by_request.items() if eid.startswith(group_id + ":")]:
             del self.by_request[rid]
             self.engine.abort([rid])
-
-    def dropped(self, reason: str) -> None:
-        self.counters["episodes_dropped"] += 1
-        self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
 
     # ------------------------------------------------------------------ delivery
 
@@ -333,8 +410,10 @@ class MultiTurn:
         """Every segment of every episode of a finished group, as trajectories (group_size = their count)."""
         a = self.assignments[group_id]
         out: list[Trajectory] = []
-        for i in range(a.num_samples):
-            run = self.runs[trajectory_id(group_id, i)]
+        for eid in self.slots[group_id]:
+            run = self._slot_run(eid)
+            if run.failed:  # left out: the group's baseline is over the episodes that finished
+                continue
             for k, seg in enumerate(run.segments):
                 out.append(_trajectory(a, run, k, seg, source))
         for t in out:
@@ -349,7 +428,7 @@ class MultiTurn:
             "rollout/episodes/tool_calls_per_episode": c["finished_tool_calls"] / n,
             "rollout/episodes/tool_error_rate": c["finished_tool_errors"] / max(c["finished_tool_calls"], 1.0),
             "rollout/episodes/step_reward_mean": c["step_reward_sum"] / max(c["turns"], 1.0),
-            **{f"rollout/episodes/dropped/{r}": float(v) for r, v in self.dropped_by_reason.items()},
+            **{f"rollout/episodes/failed/{r}": float(v) for r, v in self.failed_by_kind.items()},
             **{f"rollout/episodes/info/{k}": v for k, v in self.info_sums.items()},
         })
         out.update({f"rollout/envpool/{k}": float(v) for k, v in self.pool.counters.items()})

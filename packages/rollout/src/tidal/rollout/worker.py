@@ -7,7 +7,8 @@ Talks to three peers, all through tidal.core channels:
 - the **controller** (DEALER -> its ROUTER): the worker says Hello, then asks for work with
   `WorkRequest(want=n)` (credit-based: it never holds more groups than `max_groups`), receives
   `Assignment`s, reports each group with `Ack(kind=ACK_ASSIGNMENT)` once the buffer has acknowledged every
-  sample (``ok=False`` with the reason when a group was dropped), and sends `Heartbeat` and `Metrics`.
+  sample (``ok=False`` with the reason when a group was dropped; ``left_out`` = its failed episodes when it
+  trained on its survivors), and sends `Heartbeat` and `Metrics`.
   A `Heartbeat` also goes out the moment new weights are applied: the controller's depth gate opens on
   it, so the version report never waits for the heartbeat period (that is for liveness only).
   `Control(command="stop")` ends it after in-flight trajectories are delivered. A `WeightsAvailable`
@@ -98,6 +99,7 @@ class _Group:
     started: float = field(default_factory=time.monotonic)
     eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
     episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
+    left_out: list[str] = field(default_factory=list)  # why each failed episode was left out (survivors)
 
 
 def sample_seed(group_id: str, index: int, base: int | None) -> int:
@@ -145,7 +147,8 @@ class RolloutWorker:
         self._waker = Waker()
         self._results = ResultForwarder(self.engine, self._waker)
         self.weights = WeightApplier(self.engine, self._waker, cfg.name)
-        self.counters = dict.fromkeys(("groups_done", "groups_dropped", "samples", "tokens", "reward_sum"), 0.0)
+        self.counters = dict.fromkeys(("groups_done", "groups_dropped", "groups_trained_on_survivors", "samples",
+                                       "tokens", "reward_sum"), 0.0)
         self._window_start = time.monotonic()
         self._window_tokens = 0.0
         self._window_samples = 0.0
@@ -306,9 +309,25 @@ class RolloutWorker:
                 self._deliver(self.groups[gid], [])
 
     def _episode_failed(self, e: EpisodeFailed) -> None:
+        """`episodes.on_error` through `MultiTurn.on_failure`: retried, waited out, delivered on the
+        survivors, or the group dropped. The Ack's detail is the failure's own text (the author's, for a
+        verifier error): the controller quotes the most frequent one when a run cannot train."""
         group = self.groups.get(e.group_id)
-        if group is not None:
-            self._drop(group, e.reason, str(e))
+        if group is None or self.multiturn is None:
+            return
+        what = self.multiturn.on_failure(e)
+        if what == "drop":
+            self._log_episode_failure(group, e)
+            self._drop(group, e.reason, e.cause)
+        elif what == "complete":
+            self._deliver(group, [])
+
+    def _log_episode_failure(self, group: _Group, e: EpisodeFailed) -> None:
+        if (e.reason, "episode") not in self._logged_kinds:  # once per kind; later ones are counted
+            self._logged_kinds.add((e.reason, "episode"))
+            log.error("%s: group %s of domain %r dropped: %s (%s); later failures of this kind are only counted "
+                      "(rollout/episodes/failed/%s, rollout/groups/dropped/%s)", self.cfg.name, group.assignment.group_id,
+                      group.assignment.task, e, e.reason, e.reason, e.reason)
 
     def _on_result(self, res: GenerationResult) -> None:
         if self.multiturn is not None and self.multiturn.owns(res.request_id):
@@ -342,13 +361,7 @@ class RolloutWorker:
         gid = group.assignment.group_id
         self.groups.pop(gid, None)
         if group.episodic and self.multiturn is not None:
-            self.multiturn.dropped(reason)
             self.multiturn.forget(gid)
-            if (reason, "episode") not in self._logged_kinds:
-                self._logged_kinds.add((reason, "episode"))
-                log.error("%s: group %s of domain %r dropped (%s: %s); later drops of this kind are only counted "
-                          "(rollout/episodes/dropped/%s)", self.cfg.name, gid, group.assignment.task, reason, why,
-                          reason)
         self.counters["groups_dropped"] += 1
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
         if cause is not None:
@@ -388,6 +401,7 @@ class RolloutWorker:
         assert self.multiturn is not None
         gid = group.assignment.group_id
         members = self.multiturn.trajectories(gid, self.cfg.name)
+        group.left_out = self.multiturn.left_out(gid)
         self.multiturn.forget(gid)
         group.sent = True
         if group.eval:  # the episode's last segment carries its outcome
@@ -430,10 +444,15 @@ class RolloutWorker:
             rejected = [t for t in (trajectory_id(gid, i) for i in range(group.assignment.num_samples))
                         if t in self.pusher.rejected]
             self.counters["groups_dropped" if rejected else "groups_done"] += 1
-            self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], ok=not rejected,
-                               detail=f"buffer refused {len(rejected)} of its samples: "
-                                      f"{self.pusher.rejected[rejected[0]]}" if rejected else "",
-                               reason="refused" if rejected else ""))
+            if rejected:
+                self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], ok=False, reason="refused",
+                                   detail=f"buffer refused {len(rejected)} of its samples: "
+                                          f"{self.pusher.rejected[rejected[0]]}"))
+                return
+            if group.left_out:
+                self.counters["groups_trained_on_survivors"] += 1
+            self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], left_out=len(group.left_out),
+                               detail=group.left_out[0] if group.left_out else ""))
 
     # ------------------------------------------------------------------ reporting
 
@@ -453,14 +472,15 @@ class RolloutWorker:
             "rollout/tokens_per_s": self._window_tokens / elapsed,
             "rollout/samples_per_s": (c["samples"] - self._window_samples) / elapsed,
             "rollout/samples": c["samples"],
-            "rollout/groups_done": c["groups_done"],
-            "rollout/groups_dropped": c["groups_dropped"],
+            "rollout/groups/done": c["groups_done"],
+            "rollout/groups/dropped": c["groups_dropped"],
+            "rollout/groups/trained_on_survivors": c["groups_trained_on_survivors"],
             "rollout/reward_mean": c["reward_sum"] / c["samples"] if c["samples"] else 0.0,
             "rollout/weight_updates": float(self.weights.updates),
             "rollout/weight_update_failures": float(self.weights.failures),
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
-            **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
+            **{f"rollout/groups/dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
             **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
             **(self.multiturn.metrics() if self.multiturn is not None else {}),
         }
