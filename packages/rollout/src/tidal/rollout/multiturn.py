@@ -106,6 +106,7 @@ class EpisodeRun:
     last_action: list[int] = field(default_factory=list)
     outcome: float | None = None  # set when done
     info: dict[str, float] = field(default_factory=dict)
+    turn_versions: list[int] = field(default_factory=list)  # each action's newest policy version (transcripts)
 
     @property
     def done(self) -> bool:
@@ -119,9 +120,10 @@ class EpisodeRun:
 class EpisodeFailed(Exception):
     """An episode could not finish: its group is dropped with `reason` (counted), the worker goes on."""
 
-    def __init__(self, group_id: str, reason: str, detail: str) -> None:
+    def __init__(self, group_id: str, reason: str, detail: str, episode_id: str = "") -> None:
         super().__init__(detail)
         self.group_id, self.reason = group_id, reason
+        self.episode_id = episode_id  # the failed episode (its transcript is written before the group goes)
 
 
 class MultiTurn:
@@ -211,6 +213,7 @@ class MultiTurn:
         seg.add(res.completion_ids, res.logprobs, res.versions)
         seg.finish = res.finish_reason
         run.last_action = list(res.completion_ids)
+        run.turn_versions.append(max(res.versions, default=NO_VERSION))
         run.turns += 1
         self.counters["turns"] += 1
         try:
@@ -293,7 +296,7 @@ class MultiTurn:
         return self._finished(run)
 
     def _fail(self, run: EpisodeRun, reason: str, detail: str) -> NoReturn:
-        raise EpisodeFailed(run.group_id, reason, f"episode {run.id}: {detail}")
+        raise EpisodeFailed(run.group_id, reason, f"episode {run.id}: {detail}", episode_id=run.id)
 
     def forget(self, group_id: str) -> None:
         """Drop a group's episodes (failed, delivered or abandoned): close the live ones in the pool."""

@@ -69,6 +69,7 @@ from tidal.rollout.engines.common import submit_all, warm_up
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
 from tidal.rollout.results import ResultForwarder, trajectory_of
 from tidal.rollout.scoring import Domains, SampleError
+from tidal.rollout.transcripts import TranscriptWriter, episode_record, single_record
 from tidal.rollout.worker_config import WorkerConfig
 
 log = logging.getLogger("tidal.rollout.worker")
@@ -154,6 +155,7 @@ class RolloutWorker:
         self._acked_log = (open(cfg.acked_log.replace("{name}", cfg.name), "a", encoding="utf-8")
                            if cfg.acked_log else None)
         self.multiturn: MultiTurn | None = None  # started with the first episodic group
+        self.transcripts = TranscriptWriter(cfg.transcripts, cfg.name)  # what the model wrote, sampled
 
     # ------------------------------------------------------------------ helpers
 
@@ -308,6 +310,9 @@ class RolloutWorker:
     def _episode_failed(self, e: EpisodeFailed) -> None:
         group = self.groups.get(e.group_id)
         if group is not None:
+            run = self.multiturn.runs.get(e.episode_id) if self.multiturn is not None else None
+            if run is not None and not group.eval and self.transcripts.wants_failure():
+                self.transcripts.write(episode_record(run, self.cfg.name, group.assignment.task, e.reason, str(e)))
             self._drop(group, e.reason, str(e))
 
     def _on_result(self, res: GenerationResult) -> None:
@@ -364,6 +369,8 @@ class RolloutWorker:
             self._deliver_episodes(group)
             return
         a = group.assignment
+        if not group.eval and self.transcripts.take_group():
+            self._write_single(group, rewards)
         members: list[Trajectory] = []
         for i in range(a.num_samples):
             res = group.results[i]
@@ -388,6 +395,8 @@ class RolloutWorker:
         assert self.multiturn is not None
         gid = group.assignment.group_id
         members = self.multiturn.trajectories(gid, self.cfg.name)
+        if not group.eval:
+            self._write_episodes(group)
         self.multiturn.forget(gid)
         group.sent = True
         if group.eval:  # the episode's last segment carries its outcome
@@ -403,6 +412,25 @@ class RolloutWorker:
             self._window_tokens += t.completion_ids.shape[0]
         self.counters["reward_sum"] += sum(t.reward for t in members)
         self.pusher.send(TrajectoryGroup(id=gid, trajectories=members, source=self.cfg.name))
+
+    def _write_single(self, group: _Group, rewards: list[float]) -> None:
+        a = group.assignment
+        prompt = a.prompt or self.domains.decode([int(x) for x in a.prompt_ids.numpy()])
+        for i in range(a.num_samples):
+            res = group.results[i]
+            self.transcripts.write(single_record(self.cfg.name, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
+                                                 self.domains.decode(res.completion_ids), rewards[i], res.versions,
+                                                 res.finish_reason))
+
+    def _write_episodes(self, group: _Group) -> None:
+        """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
+        assert self.multiturn is not None
+        a = group.assignment
+        every = self.transcripts.take_group()
+        for i in range(a.num_samples):
+            run = self.multiturn.runs.get(trajectory_id(a.group_id, i))
+            if run is not None and (every or (len(run.segments) > 1 and self.transcripts.wants_failure())):
+                self.transcripts.write(episode_record(run, self.cfg.name, a.task))
 
     def _on_ack(self, ids: list[str]) -> None:
         if self._acked_log is not None:  # one write per ack, straight to the OS (a kill -9 keeps it)
@@ -460,6 +488,7 @@ class RolloutWorker:
             "rollout/weight_update_failures": float(self.weights.failures),
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
+            "rollout/transcripts_written": float(self.transcripts.written),
             **{f"rollout/groups_dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
             **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
             **(self.multiturn.metrics() if self.multiturn is not None else {}),
@@ -501,6 +530,7 @@ class RolloutWorker:
             self.wsub.close()
         if self._acked_log is not None:
             self._acked_log.close()
+        self.transcripts.close()
         self._waker.close()
 
     def stop(self) -> None:
