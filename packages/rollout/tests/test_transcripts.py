@@ -138,3 +138,10 @@ def _fail_one(engine, tok, pool) -> EpisodeFailed:
             assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
             return e
     raise AssertionError("the raising episode did not fail within 60 s")
+
+
+def test_a_single_turn_sample_that_could_not_be_scored():
+    r = single_record("rollout-0", "arithmetic", "g1", "g1:0", "What is 6 x 7?", "forty-two", None, [1], "stop",
+                      "reward_error", "group g1: the reward was nan")
+    assert r["failed"] and r["reward"] is None and r["finish"] == "failed" and r["error_kind"] == "reward_error"
+    assert r["messages"][1] == {"role": "assistant", "text": "forty-two", "version": 1}

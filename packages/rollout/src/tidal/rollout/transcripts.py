@@ -147,14 +147,19 @@ def episode_record(run: Any, worker: str, domain: str, error_kind: str = "", err
 
 
 def single_record(worker: str, domain: str, group_id: str, sample_id: str, prompt: str, completion: str,
-                  reward: float, versions: Sequence[int], finish: str) -> dict[str, Any]:
-    """The transcript of one single-turn sample: the prompt, what the model answered, its reward."""
+                  reward: float | None, versions: Sequence[int], finish: str, error_kind: str = "",
+                  error: str = "") -> dict[str, Any]:
+    """The transcript of one single-turn sample: the prompt, what the model answered, its reward (None
+    for a sample of a group that could not be scored: `error_kind` and `error` say why)."""
     span = _span(versions)
-    answer: dict[str, Any] = {"role": "assistant", "text": completion, "reward": reward}
+    answer: dict[str, Any] = {"role": "assistant", "text": completion}
+    if reward is not None:
+        answer["reward"] = reward
     if span:
         answer["version"] = span[1]
-    return {**_base(worker, "single", domain, group_id, sample_id, span), "reward": reward, "failed": False,
-            "error_kind": "", "error": "", "segments": 1, "finish": finish,
+    failed = bool(error_kind or error)
+    return {**_base(worker, "single", domain, group_id, sample_id, span), "reward": reward, "failed": failed,
+            "error_kind": error_kind, "error": error, "segments": 1, "finish": "failed" if failed else finish,
             "messages": [{"role": "user", "text": prompt}, answer]}
 
 

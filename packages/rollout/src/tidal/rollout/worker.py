@@ -339,6 +339,8 @@ class RolloutWorker:
             rewards = [self.domains.score(group.assignment.task, group.task, group.results[i])
                        for i in range(group.assignment.num_samples)]
         except SampleError as e:
+            if not group.eval and self.transcripts.wants_failure():
+                self._write_single(group, None, e.reason, str(e))
             self._drop(group, e.reason, str(e), e.cause)
             return
         self._deliver(group, rewards)
@@ -413,14 +415,19 @@ class RolloutWorker:
         self.counters["reward_sum"] += sum(t.reward for t in members)
         self.pusher.send(TrajectoryGroup(id=gid, trajectories=members, source=self.cfg.name))
 
-    def _write_single(self, group: _Group, rewards: list[float]) -> None:
+    def _write_single(self, group: _Group, rewards: list[float] | None, error_kind: str = "", error: str = "") -> None:
+        """Every sample of a single-turn group (`rewards` None: a group that could not be scored, and why)."""
         a = group.assignment
         prompt = a.prompt or self.domains.decode([int(x) for x in a.prompt_ids.numpy()])
         for i in range(a.num_samples):
             res = group.results[i]
+            try:  # a sample the tokenizer cannot decode (a decode_error group) is shown as its token ids
+                text = self.domains.decode(res.completion_ids)
+            except Exception:
+                text = " ".join(map(str, res.completion_ids))
             self.transcripts.write(single_record(self.cfg.name, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
-                                                 self.domains.decode(res.completion_ids), rewards[i], res.versions,
-                                                 res.finish_reason))
+                                                 text, rewards[i] if rewards is not None else None, res.versions,
+                                                 res.finish_reason, error_kind, error))
 
     def _write_episodes(self, group: _Group) -> None:
         """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
