@@ -178,3 +178,13 @@ def test_the_tool_demo_learns_to_call_the_calculator(tmp_path):
     assert summary["episodes"]["tool_calls_per_episode"] >= 0.7, summary["episodes"]  # the warm start: ~0.2
     assert (out / "run" / "report.png").is_file()
     assert "tool calls per episode" in proc.stdout and "RL phase:" in proc.stdout
+
+    # what the model wrote (issue 39's done-when): a multi-turn transcript with a calculator call, shown
+    assert summary["samples"]["count"] >= 1 and summary["samples"]["dir"] == str(out / "run" / "samples")
+    shown = subprocess.run([sys.executable, "-m", "tidal.integration.cli", "samples", str(out / "run"), "-n", "0"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    called = [b for b in shown.stdout.split("\n\n") if "→ calculator(...)" in b and "tool[calculator]: <result>" in b]
+    assert called, shown.stdout[-3000:]
+    assert called[-1].startswith("[multiply]  version ") and called[-1].count("  assistant: ") >= 2, called[-1]
+    assert "<calc>" in called[-1] and "step reward" in called[-1], called[-1]

@@ -134,7 +134,7 @@ def test_run_refuses_a_folder_that_holds_no_model_naming_what_is_missing(tmp_pat
 def test_help_says_where_the_run_folder_goes_and_describes_status_report_export():
     run_help = tidal("run", "--help").stdout
     assert "runs/NAME-DATE-TIME" in run_help and "run_dir" in run_help
-    for command in ("status", "report", "export"):
+    for command in ("status", "report", "export", "samples"):
         text = tidal(command, "--help").stdout
         assert "usage:" in text and len(text.split("\n\n")[1]) > 80, text  # a description, not just the usage
     demo = tidal("demo", "--help").stdout

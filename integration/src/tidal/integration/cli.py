@@ -139,9 +139,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     s = summarize(read_metrics(args.run_dir))
     print(f"{png}\n{s['versions']} versions, {s['samples_trained']:.0f} samples trained, {s['wall_s'] / 60:.1f} min, "
           f"lag mean {s['lag_mean']:.2f} (max {s['lag_max']})")
+    from tidal.integration.samples import summary as samples_summary
+
+    t = samples_summary(args.run_dir)
+    if t["count"]:
+        print(f"{t['count']} transcripts ({t['failed']} failed) in {t['dir']}: tidal samples {args.run_dir}")
     for ev in s["eval"]:
         print(f"  eval at version {ev['version']:>4}  ({ev['elapsed_s'] / 60:5.1f} min)  accuracy {100 * ev['accuracy']:.1f}%")
     return 0
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    from tidal.integration.samples import show
+
+    if not os.path.isdir(args.run_dir):
+        print(f"tidal samples: {args.run_dir} is not a folder (give the run folder `tidal run` printed)", file=sys.stderr)
+        return 2
+    rc, text = show(args.run_dir, version=args.version, domain=args.domain, failed=args.failed, n=args.n,
+                    as_json=args.json)
+    print(text, file=sys.stdout if rc == 0 else sys.stderr)
+    return rc
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -265,6 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "RUN_DIR/metrics.jsonl. Works while the run goes on, from another terminal, and after it ended.")
     p.add_argument("run_dir", nargs="?", help="the run folder (default: the newest under ./runs)")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser(
+        "samples", help="print what the model wrote: transcripts the rollout workers sampled (RUN_DIR/samples)",
+        description="Each rollout worker writes a sample of transcripts to RUN_DIR/samples/<worker>.jsonl: every "
+                    "sample of every Nth group (rollout.transcripts.every, default 10) and every episode that failed "
+                    "or was split (rollout.transcripts.failed). This prints the last N that match, oldest first: a "
+                    "header (domain, policy version, final reward, episode id, the error of a failed one), then "
+                    "each message as `user:` / `assistant:` / `tool[name]:` with its text, the tools an action "
+                    "called (→ name(...)) and its step reward. Works while the run goes on.",
+        epilog="Examples: tidal samples runs/tools-20261204-101500 --failed;  "
+               "tidal samples RUN_DIR --domain unitconv --version 12 -n 2;  tidal samples RUN_DIR --json | jq .reward")
+    p.add_argument("run_dir", help="the run folder (what `tidal run` printed)")
+    p.add_argument("--version", type=int, default=None, help="only transcripts with tokens of this policy version")
+    p.add_argument("--domain", default=None, help="only this recipe domain (its name, or its env's)")
+    p.add_argument("--failed", action="store_true", help="only episodes that failed (with their error)")
+    p.add_argument("-n", type=int, default=5, help="how many, the newest (default 5; 0 = all)")
+    p.add_argument("--json", action="store_true", help="the raw records, one JSON object a line")
+    p.set_defaults(func=cmd_samples)
     p = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model folder (transformers, vLLM)",
         description="Offline, without a running run: the weights of a kept checkpoint of RUN_DIR (its "

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tidal.integration.monitor import read_metrics
+from tidal.integration.samples import summary as samples_summary
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -237,6 +238,7 @@ def report(run_dir: str | Path) -> Path:
         a.grid(alpha=0.3)
     summary = summarize(rows)
     summary["events"] = {k: sum(1 for e in evs if e[1] == k) for k in sorted({e[1] for e in evs})}
+    summary["samples"] = samples_summary(run_dir)  # where the transcripts are (`tidal samples RUN_DIR`)
     if episodes:
         # the last quarter of the run's windows (one window alone is a handful of episodes)
         tail = max(1, len(episodes["minutes"]) // 4)

@@ -135,6 +135,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
             # its environment processes (multi-turn domains) log beside the roles
             episodes=msgspec.structs.replace(cfg.rollout.episodes,
                                              log_dir=cfg.rollout.episodes.log_dir or str(run_dir / "logs")),
+            # what the model wrote: RUN_DIR/samples/rollout-<i>.jsonl (`tidal samples RUN_DIR`)
+            transcripts=msgspec.structs.replace(cfg.rollout.transcripts,
+                                                dir=cfg.rollout.transcripts.dir or str(run_dir / "samples")),
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
         roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
@@ -371,6 +374,7 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
         if sup.handle is not None:
             sup.finish(lambda: _buffer_status(ep["serve"], driver_sec))
         controller.close()
+        _samples_to_tensorboard(sink, run_dir, controller.learner_version)
         sink.close()
         for s, h in old.items():
             signal.signal(s, h)
@@ -382,6 +386,18 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
                      eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
                      wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=rl_start,
                      worker_up=worker_up)
+
+
+def _samples_to_tensorboard(sink: MetricsSink, run_dir: Path, version: int) -> None:
+    """A few of the workers' transcripts as TensorBoard text (`samples/<domain>`), once the run ended."""
+    if sink.tb is None:
+        return
+    from tidal.integration.samples import to_tensorboard
+
+    try:
+        to_tensorboard(sink.tb, run_dir, version)
+    except (OSError, ValueError) as e:  # a transcript file that cannot be read costs the text, not the run
+        log.warning("transcripts not added to TensorBoard: %s", e)
 
 
 def one_line(e: BaseException) -> str:

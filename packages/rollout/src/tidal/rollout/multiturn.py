@@ -131,6 +131,7 @@ class EpisodeRun:
     info: dict[str, float] = field(default_factory=dict)
     retries: int = 0  # how many earlier episodes of this sample failed and were run again
     failed: str = ""  # why it failed, its own text (the group goes on without it: on_error = "survivors")
+    turn_versions: list[int] = field(default_factory=list)  # each action's newest policy version (transcripts)
 
     @property
     def done(self) -> bool:
@@ -250,6 +251,7 @@ class MultiTurn:
         seg.add(res.completion_ids, res.logprobs, res.versions)
         seg.finish = res.finish_reason
         run.last_action = list(res.completion_ids)
+        run.turn_versions.append(max(res.versions, default=NO_VERSION))
         run.turns += 1
         self.counters["turns"] += 1
         try:

@@ -70,6 +70,7 @@ from tidal.rollout.engines.common import submit_all, warm_up
 from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
 from tidal.rollout.results import ResultForwarder, trajectory_of
 from tidal.rollout.scoring import Domains, SampleError
+from tidal.rollout.transcripts import TranscriptWriter, episode_record, single_record
 from tidal.rollout.worker_config import WorkerConfig
 
 log = logging.getLogger("tidal.rollout.worker")
@@ -157,6 +158,7 @@ class RolloutWorker:
         self._acked_log = (open(cfg.acked_log.replace("{name}", cfg.name), "a", encoding="utf-8")
                            if cfg.acked_log else None)
         self.multiturn: MultiTurn | None = None  # started with the first episodic group
+        self.transcripts = TranscriptWriter(cfg.transcripts, cfg.name)  # what the model wrote, sampled
 
     # ------------------------------------------------------------------ helpers
 
@@ -315,6 +317,9 @@ class RolloutWorker:
         group = self.groups.get(e.group_id)
         if group is None or self.multiturn is None:
             return
+        run = self.multiturn.runs.get(e.episode_id)  # before on_failure takes it out of the pool
+        if run is not None and not group.eval and self.transcripts.wants_failure():
+            self.transcripts.write(episode_record(run, self.cfg.name, group.assignment.task, e.reason, str(e)))
         what = self.multiturn.on_failure(e)
         if what == "drop":
             self._log_episode_failure(group, e)
@@ -353,6 +358,8 @@ class RolloutWorker:
             rewards = [self.domains.score(group.assignment.task, group.task, group.results[i])
                        for i in range(group.assignment.num_samples)]
         except SampleError as e:
+            if not group.eval and self.transcripts.wants_failure():
+                self._write_single(group, None, e.reason, str(e))
             self._drop(group, e.reason, str(e), e.cause)
             return
         self._deliver(group, rewards)
@@ -377,6 +384,8 @@ class RolloutWorker:
             self._deliver_episodes(group)
             return
         a = group.assignment
+        if not group.eval and self.transcripts.take_group():
+            self._write_single(group, rewards)
         members: list[Trajectory] = []
         for i in range(a.num_samples):
             res = group.results[i]
@@ -402,6 +411,8 @@ class RolloutWorker:
         gid = group.assignment.group_id
         members = self.multiturn.trajectories(gid, self.cfg.name)
         group.left_out = self.multiturn.left_out(gid)
+        if not group.eval:
+            self._write_episodes(group)
         self.multiturn.forget(gid)
         group.sent = True
         if group.eval:  # the episode's last segment carries its outcome
@@ -417,6 +428,30 @@ class RolloutWorker:
             self._window_tokens += t.completion_ids.shape[0]
         self.counters["reward_sum"] += sum(t.reward for t in members)
         self.pusher.send(TrajectoryGroup(id=gid, trajectories=members, source=self.cfg.name))
+
+    def _write_single(self, group: _Group, rewards: list[float] | None, error_kind: str = "", error: str = "") -> None:
+        """Every sample of a single-turn group (`rewards` None: a group that could not be scored, and why)."""
+        a = group.assignment
+        prompt = a.prompt or self.domains.decode([int(x) for x in a.prompt_ids.numpy()])
+        for i in range(a.num_samples):
+            res = group.results[i]
+            try:  # a sample the tokenizer cannot decode (a decode_error group) is shown as its token ids
+                text = self.domains.decode(res.completion_ids)
+            except Exception:
+                text = " ".join(map(str, res.completion_ids))
+            self.transcripts.write(single_record(self.cfg.name, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
+                                                 text, rewards[i] if rewards is not None else None, res.versions,
+                                                 res.finish_reason, error_kind, error))
+
+    def _write_episodes(self, group: _Group) -> None:
+        """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
+        assert self.multiturn is not None
+        a = group.assignment
+        every = self.transcripts.take_group()
+        for i in range(a.num_samples):
+            run = self.multiturn.runs.get(trajectory_id(a.group_id, i))
+            if run is not None and (every or (len(run.segments) > 1 and self.transcripts.wants_failure())):
+                self.transcripts.write(episode_record(run, self.cfg.name, a.task))
 
     def _on_ack(self, ids: list[str]) -> None:
         if self._acked_log is not None:  # one write per ack, straight to the OS (a kill -9 keeps it)
@@ -481,6 +516,7 @@ class RolloutWorker:
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
             **{f"rollout/groups/dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
+            "rollout/transcripts_written": float(self.transcripts.written),
             **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
             **(self.multiturn.metrics() if self.multiturn is not None else {}),
         }
@@ -521,6 +557,7 @@ class RolloutWorker:
             self.wsub.close()
         if self._acked_log is not None:
             self._acked_log.close()
+        self.transcripts.close()
         self._waker.close()
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.protocol import TOPIC_WEIGHTS
 from tidal.core.security import ChannelSecurity
 from tidal.rollout.multiturn import EpisodesConfig
+from tidal.rollout.transcripts import TranscriptsConfig
 
 
 class DomainSpec(ConfigStruct):
@@ -46,6 +47,8 @@ class WorkerConfig(ConfigStruct):
     # roles start, not by the first batch the learner waits for; 0 skips it
     warmup_samples: int = 8
     episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
+    # a sample of what the model wrote, as readable transcripts (`tidal samples RUN_DIR`)
+    transcripts: TranscriptsConfig = msgspec.field(default_factory=TranscriptsConfig)
     # a run's CURVE keys (tidal run fills it): this worker's key and the driver's, buffer's and learner's
     # public keys; unset = plaintext (loopback only)
     security: ChannelSecurity = msgspec.field(default_factory=ChannelSecurity)
