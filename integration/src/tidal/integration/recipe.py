@@ -46,10 +46,10 @@ class DomainConfig(ConfigStruct):
 
 
 class SamplingConfig(ConfigStruct):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
+    temperature: float = 1.0  # of training samples; must be > 0 (a greedy sample carries no policy gradient)
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off
+    top_k: int = -1  # keep the k likeliest tokens; -1 = off
+    max_tokens: int = 64  # tokens per completion; in a multi-turn episode per turn (rollout.episodes.max_tokens caps the sample)
     # generation ends once the completion's text contains any of these strings (the token completing one is
     # kept); one that the tokenizer writes as a single token is checked as a stop token id, at no decoding cost
     stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])
@@ -106,12 +106,12 @@ class LaunchConfig(ConfigStruct):
 
 
 class RunConfig(ConfigStruct):
-    name: str = "run"
+    name: str = "run"  # the run's name: its default folder and its reports
     run_dir: str = ""  # "" = runs/<name>-<date>-<time>
     mode: Literal["async", "sync"] = "async"  # sync: the same roles in lock-step (generate, train, sync)
     launcher: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="local"))
     model: str = ""  # local Hugging Face folder (learner and workers start from it)
-    seed: int = 0
+    seed: int = 0  # seeds the task streams (domain i draws with seed + i), the sampler and the learner
     group_size: int = 8  # G samples per prompt
     batch_groups: int = 8  # groups per learner step
     max_staleness: int = 2  # depth gate: no sample is more than this many versions old when trained (async)
