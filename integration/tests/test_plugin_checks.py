@@ -147,3 +147,31 @@ def test_an_env_that_cannot_make_its_first_task_is_refused_before_any_process_st
             "KeyError: 'first' (acme_no_tasks.py:8)") in err, err
     # launch.check_envs = false: the pre-flight is skipped (the controller meets the error instead)
     assert load_recipe(RECIPE, [f'model="{model}"', *recipe, "launch.check_envs=false"]).launch.check_envs is False
+
+
+EMPTY = """
+from tidal.core.plugins import hookimpl
+
+
+class Empty:
+    def tasks(self, split, seed):
+        return iter(())
+
+    def score(self, task, completion):
+        return 0.0
+
+
+@hookimpl
+def tidal_envs():
+    return {"empty": Empty}
+"""
+
+
+def test_an_env_whose_train_stream_is_empty_is_refused_naming_the_domain(model, tmp_path, capsys, monkeypatch):
+    (tmp_path / "acme_empty.py").write_text(EMPTY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{tmp_path / "run"}"',
+               "rollout.episodes.plugins=['acme_empty']", "domains=[{env='empty'}]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "run").exists(), err
+    assert "domains[0]: env 'empty' made no train task" in err, err

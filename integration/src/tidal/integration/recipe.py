@@ -249,10 +249,14 @@ def preflight_env(cfg: RunConfig, i: int):
     splits = ("train", "eval") if cfg.eval.every and cfg.eval.size else ("train",)
     for split in splits:
         try:
-            next(iter(env.tasks(split, cfg.seed + i)))
-        except Exception as e:  # StopIteration included: an env that makes no tasks cannot train or evaluate
+            first = next(iter(env.tasks(split, cfg.seed + i)), None)
+        except Exception as e:
             raise build_failure("env", d.env, registry.get("env", d.env), e, field=f"domains[{i}]",
                                 doing=f"make its first {split} task") from e
+        if first is None and split == "train":  # an eval stream may be short, even empty; a train one never
+            raise ConfigError(f"domains[{i}]: env {d.env!r} made no train task (its tasks(\"train\", "
+                              f"{cfg.seed + i}) yielded nothing): a training stream must never end",
+                              field=f"domains[{i}]")
     return env
 
 
