@@ -112,3 +112,66 @@ def test_the_command_itself_refuses_with_exit_2_and_no_traceback(model, tmp_path
     assert proc.returncode == 2, proc.stderr
     assert "`learner.train.loss.options.clip_hi`" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not run_dir.exists()
+
+
+NO_TASKS = """
+from tidal.core.plugins import hookimpl
+
+
+class NoTasks:
+    def tasks(self, split, seed):
+        rows = {}
+        yield rows["first"]  # the author's bug: reached only when the first task is drawn
+
+    def score(self, task, completion):
+        return 0.0
+
+
+@hookimpl
+def tidal_envs():
+    return {"no_tasks": NoTasks}
+"""
+
+
+def test_an_env_that_cannot_make_its_first_task_is_refused_before_any_process_starts(model, tmp_path, capsys,
+                                                                                    monkeypatch):
+    from tidal.integration.recipe import load_recipe
+
+    (tmp_path / "acme_no_tasks.py").write_text(NO_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = ["rollout.episodes.plugins=['acme_no_tasks']", "domains=[{env='no_tasks'}]"]
+    rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{tmp_path / "run"}"', *recipe])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "run").exists(), err
+    assert ("domains[0]: environment plugin 'no_tasks' (module acme_no_tasks) failed to make its first train task: "
+            "KeyError: 'first' (acme_no_tasks.py:8)") in err, err
+    # launch.check_envs = false: the pre-flight is skipped (the controller meets the error instead)
+    assert load_recipe(RECIPE, [f'model="{model}"', *recipe, "launch.check_envs=false"]).launch.check_envs is False
+
+
+EMPTY = """
+from tidal.core.plugins import hookimpl
+
+
+class Empty:
+    def tasks(self, split, seed):
+        return iter(())
+
+    def score(self, task, completion):
+        return 0.0
+
+
+@hookimpl
+def tidal_envs():
+    return {"empty": Empty}
+"""
+
+
+def test_an_env_whose_train_stream_is_empty_is_refused_naming_the_domain(model, tmp_path, capsys, monkeypatch):
+    (tmp_path / "acme_empty.py").write_text(EMPTY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{tmp_path / "run"}"',
+               "rollout.episodes.plugins=['acme_empty']", "domains=[{env='empty'}]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "run").exists(), err
+    assert "domains[0]: env 'empty' made no train task" in err, err

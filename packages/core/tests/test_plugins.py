@@ -137,7 +137,9 @@ def test_build_names_the_field_and_what_the_plugin_takes():
         reg.build("env", "levels", {"level": 9}, field="domains[0]")
 
 
-def test_build_leaves_a_type_error_from_inside_the_plugin_alone():
+def test_a_type_error_from_inside_the_plugin_is_its_bug_not_a_bad_option():
+    from tidal.core.plugins import PluginBuildError
+
     class Broken:
         @hookimpl
         def tidal_envs(self):
@@ -148,5 +150,51 @@ def test_build_leaves_a_type_error_from_inside_the_plugin_alone():
 
     reg = Registry(load_entry_points=False)
     reg.register(Broken(), name="broken")
-    with pytest.raises(TypeError, match="has no len"):
+    with pytest.raises(PluginBuildError) as e:
         reg.build("env", "broken", {}, field="domains[0]")
+    text = str(e.value)
+    assert "failed to build: TypeError: object of type 'int' has no len()" in text and "options" not in text, text
+    assert isinstance(e.value.__cause__, TypeError)
+
+
+LAZY = """
+    from tidal.core.plugins import hookimpl
+
+    def lazy(**options):
+        from acme_lazy_env.backend import Backend  # the dependency is imported only when the env is built
+        return Backend()
+
+    @hookimpl
+    def tidal_envs():
+        return {"lazy": lazy}
+"""
+
+
+def test_a_module_that_fails_to_import_in_the_factory_is_one_line_naming_field_plugin_module_and_line(
+        tmp_path, monkeypatch):
+    from tidal.core.plugins import PluginBuildError
+
+    package = tmp_path / "acme_lazy_env"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "backend.py").write_text("# a backend on a library that is not installed\nimport not_installed_xyz\n")
+    write_plugin_dist(tmp_path, "acme-lazy", "acme-lazy", "acme_lazy_plugin", LAZY)
+    (tmp_path / "acme_lazy_plugin.py").rename(package / "plugin.py")
+    (tmp_path / "acme_lazy-0.1.dist-info" / "entry_points.txt").write_text("[tidal]\nacme-lazy = acme_lazy_env.plugin\n")
+    (tmp_path / "acme_lazy-0.1.dist-info" / "RECORD").write_text("acme_lazy_env/__init__.py,,\nacme_lazy_env/plugin.py,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry()
+    with pytest.raises(PluginBuildError) as e:
+        reg.build("env", "lazy", {}, field="domains[0]", name_key="env")
+    assert str(e.value) == ("domains[0]: environment plugin 'lazy' (module acme_lazy_env.plugin, distribution "
+                            "acme-lazy) failed to build: ModuleNotFoundError: No module named 'not_installed_xyz' "
+                            "(acme_lazy_env/backend.py:2)")
+    assert e.value.field == "domains[0]" and e.value.where == "acme_lazy_env/backend.py:2"
+
+
+def test_a_plugin_that_fails_to_import_eagerly_is_reported_with_the_authors_line(tmp_path, monkeypatch):
+    write_plugin_dist(tmp_path, "tidal-test-broken", "test-broken", "tidal_test_broken",
+                      "# needs a library that is not installed\nimport not_a_module_at_all\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginNotFound, match=r"test-broken: ModuleNotFoundError.* at tidal_test_broken\.py:2\)"):
+        Registry().get("env", "broken")

@@ -99,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{folder} already holds a run: continue it with {resume_command(folder)} "
                                   f"(overrides may follow), or give another run_dir")
         check_models(cfg)
-    except (ConfigError, PluginNotFound) as e:
+    except (ConfigError, PluginNotFound, PluginError) as e:  # PluginError: the pre-flight's first task is unusable
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     try:

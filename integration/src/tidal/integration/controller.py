@@ -48,7 +48,7 @@ from tidal.core.protocol import (
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.drops import Drops
-from tidal.integration.recipe import RunConfig
+from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.stops import split_stops
 from tidal.rollout.worker import EVAL_KEY
@@ -164,6 +164,8 @@ class Controller:
                                registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
                                d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
                         for i, d in enumerate(cfg.domains)]
+        for i, dom in enumerate(self.domains):  # done by the pre-flight already, unless launch.check_envs = false
+            check_env(cfg, i, dom.env)
         for i, d in enumerate(cfg.domains):  # a reward plugin's options fail here, before any worker starts
             if d.reward is not None:
                 registry.build("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")

@@ -46,10 +46,10 @@ class DomainConfig(ConfigStruct):
 
 
 class SamplingConfig(ConfigStruct):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
+    temperature: float = 1.0  # of training samples; must be > 0 (a greedy sample carries no policy gradient)
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off
+    top_k: int = -1  # keep the k likeliest tokens; -1 = off
+    max_tokens: int = 64  # tokens per completion; in a multi-turn episode per turn (rollout.episodes.max_tokens caps the sample)
     # generation ends once the completion's text contains any of these strings (the token completing one is
     # kept); one that the tokenizer writes as a single token is checked as a stop token id, at no decoding cost
     stop: list[str] = msgspec.field(default_factory=lambda: ["\n"])
@@ -106,15 +106,20 @@ class LaunchConfig(ConfigStruct):
     # roles that use it, and checks which role sends what). Off: plaintext, and any local process can push
     # data into the buffer, take or acknowledge batches and stop it (a warning says so)
     auth: bool = True
+    # before any role starts, build each domain's environment in the driver and draw its first train and
+    # eval task, so that a plugin that fails to build (a missing lazily imported module) is refused in one
+    # line naming the field, the plugin and the author's file and line. false: for an environment slow to
+    # build; its errors then surface when the controller builds it, after the run folder is made
+    check_envs: bool = True
 
 
 class RunConfig(ConfigStruct):
-    name: str = "run"
+    name: str = "run"  # the run's name: its default folder and its reports
     run_dir: str = ""  # "" = runs/<name>-<date>-<time>
     mode: Literal["async", "sync"] = "async"  # sync: the same roles in lock-step (generate, train, sync)
     launcher: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="local"))
     model: str = ""  # local Hugging Face folder (learner and workers start from it)
-    seed: int = 0
+    seed: int = 0  # seeds the task streams (domain i draws with seed + i), the sampler and the learner
     group_size: int = 8  # G samples per prompt
     batch_groups: int = 8  # groups per learner step
     max_staleness: int = 2  # depth gate: no sample is more than this many versions old when trained (async)
@@ -201,7 +206,9 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
     check_plugins(cfg)
-    _check_episodic(cfg)
+    if cfg.launch.check_envs:
+        for i in range(len(cfg.domains)):
+            check_env(cfg, i, preflight_env(cfg, i))
 
 
 def check_models(cfg: RunConfig) -> None:
@@ -231,31 +238,54 @@ def check_model_folder(folder: str | Path, field: str = "model") -> None:
                           field=field)
 
 
-def _check_episodic(cfg: RunConfig) -> None:
+def preflight_env(cfg: RunConfig, i: int):
+    """Build domain `i`'s environment and draw its first train task (and eval task, when the run
+    evaluates), as the controller will: what fails here fails before any process starts, as one
+    `ConfigError` naming `domains[i]`. The controller builds its own instance afterwards, on purpose: the
+    draws made here must not shift the run's task stream."""
+    from tidal.core.plugin_failure import build_failure
+    from tidal.core.plugins import registry
+
+    d = cfg.domains[i]
+    try:
+        env = registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
+    except ConfigError as e:
+        if "domains[" in str(e):
+            raise
+        # an error from a plugin the env builds itself (its tools, its parser), which names only its own field
+        raise ConfigError(f"`domains[{i}].options` of env {d.env!r}: {e}", field=f"domains[{i}].options") from e
+    splits = ("train", "eval") if cfg.eval.every and cfg.eval.size else ("train",)
+    for split in splits:
+        try:
+            first = next(iter(env.tasks(split, cfg.seed + i)), None)
+        except Exception as e:
+            raise build_failure("env", d.env, registry.get("env", d.env), e, field=f"domains[{i}]",
+                                doing=f"make its first {split} task") from e
+        if first is None and split == "train":  # an eval stream may be short, even empty; a train one never
+            raise ConfigError(f"domains[{i}]: env {d.env!r} made no train task (its tasks(\"train\", "
+                              f"{cfg.seed + i}) yielded nothing): a training stream must never end",
+                              field=f"domains[{i}]")
+    return env
+
+
+def check_env(cfg: RunConfig, i: int, env) -> None:
     """Multi-turn domains score with their episodes' own verifier (a domain `reward` plugin would be
     ignored) and record no routing and no sampling masks yet (a sample's observation tokens are never
     sampled, so they have neither): a recipe asking for any of these with such a domain is refused."""
     from tidal.core.episodes import is_episodic
-    from tidal.core.plugins import registry
 
+    d = cfg.domains[i]
+    if not is_episodic(env):
+        return
     asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
-    for i, d in enumerate(cfg.domains):
-        try:  # built here once: what an env builds itself (an episodic env's tools, parser) is checked too
-            env = registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
-        except ConfigError as e:
-            if "domains[" in str(e):
-                raise
-            raise ConfigError(f"`domains[{i}].options` of env {d.env!r}: {e}", field=f"domains[{i}].options") from e
-        if not is_episodic(env):
-            continue
-        if d.reward is not None:
-            raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn: its episodes' outcome is the reward, so "
-                              f"the reward plugin {d.reward.name!r} would never run; remove domains[{i}].reward",
-                              field=f"domains[{i}].reward")
-        if asks:
-            raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn, and multi-turn samples record no "
-                              f"{' or '.join(asks)} yet: set sampling.{asks[0]} = false, or train this domain "
-                              f"in a recipe of its own", field=f"sampling.{asks[0]}")
+    if d.reward is not None:
+        raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn: its episodes' outcome is the reward, so "
+                          f"the reward plugin {d.reward.name!r} would never run; remove domains[{i}].reward",
+                          field=f"domains[{i}].reward")
+    if asks:
+        raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn, and multi-turn samples record no "
+                          f"{' or '.join(asks)} yet: set sampling.{asks[0]} = false, or train this domain "
+                          f"in a recipe of its own", field=f"sampling.{asks[0]}")
 
 
 def check_plugins(cfg: RunConfig) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import pluggy
 
 from tidal.core.errors import ConfigError, PluginConflict, PluginNotFound
+from tidal.core.plugin_failure import PluginBuildError, author_frame, build_failure
 from tidal.core.plugin_options import declare, fit, options_type
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,9 @@ class Registry:
                     pm.register(plugin, name=ep.name)
                 except Exception as e:  # a broken plugin must not take the others down
                     dist = ep.dist.name if ep.dist else "?"
-                    self.failed[ep.name] = f"{type(e).__name__}: {e} (entry point {ep.value!r} of {dist})"
+                    where = author_frame(e.__traceback__, ep.value.split(".")[0].split(":")[0])
+                    at = f", at {where}" if where else ""
+                    self.failed[ep.name] = f"{type(e).__name__}: {e} (entry point {ep.value!r} of {dist}{at})"
                     log.warning("tidal plugin %r failed to load: %s", ep.name, self.failed[ep.name])
         for plugin, name in self._extra:
             pm.register(plugin, name=name)
@@ -270,16 +273,20 @@ class Registry:
         """`create` for a plugin chosen in a config section at `field` (its dotted path, e.g.
         ``train.loss`` or ``domains[0]``): an unknown name, or options the factory does not take, raise a
         `ConfigError` that names the plugin and the field (``train.loss.name``, ``train.loss.options``)
-        and what exists (the registered names; the options it does take), not a bare error from inside."""
+        and what exists (the registered names; the options it does take), not a bare error from inside. Any
+        other error of the factory (a lazily imported module that is missing) is a `PluginBuildError`
+        naming the field, the plugin, its module and distribution, and the author's file and line."""
         at = f"{field}." if field else ""
         factory = self._get_for(kind, name, at, name_key)
         options = self._checked(kind, name, factory, options, at)
         try:
             return factory(*args, **options)
+        except ConfigError:
+            raise  # already names its field (a tool or parser the plugin builds through this registry)
         except TypeError as e:
             text = str(e)
             if not _BAD_CALL.search(text):
-                raise
+                raise build_failure(kind, name, factory, e, field=field) from e
             takes = _accepted(factory, e)
             hint = f"; it takes: {', '.join(takes)}" if takes else ""
             raise ConfigError(f"{kind} {name!r} does not accept the options at `{at}options` {sorted(options)}: "
@@ -287,6 +294,8 @@ class Registry:
         except ValueError as e:  # the factory's own check of a value: building it again would fail again
             raise ConfigError(f"{kind} {name!r} refused the options at `{at}options` {dict(options)}: {e}",
                               field=f"{at}options") from e
+        except Exception as e:  # a lazy import that fails, a bug in the constructor: one line, the author's
+            raise build_failure(kind, name, factory, e, field=field) from e
 
     def check(self, kind: str, name: str, options: Mapping[str, Any], *, field: str = "",
               name_key: str = "name") -> dict[str, Any]:
@@ -353,4 +362,4 @@ def get(kind: str, name: str) -> Factory:
     return registry.get(kind, name)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "KINDS", "Registry", "TidalSpecs", "declare", "get", "hookimpl", "hookspec", "registry"]
+__all__ = ["ENTRY_POINT_GROUP", "KINDS", "PluginBuildError", "Registry", "TidalSpecs", "declare", "get", "hookimpl", "hookspec", "registry"]
