@@ -77,9 +77,12 @@ def test_a_module_that_fails_to_import_in_its_factory_is_refused_before_launch(v
 def test_a_tool_that_hangs_or_floods_costs_one_episode_and_the_worker_lives(venv):
     py, tmp, model = venv
     run_dir = tmp / "faulty-tools"
-    tools = "tools={unit_factor={hang_every=9, flood_every=5, flood_mb=50}}"
+    tools = "tools={unit_factor={hang_every=15, flood_every=5, flood_mb=50}}"
+    # a hang costs its episode alone when the group may train on its survivors (the default, drop_group,
+    # would lose the group: a group of 8 untrained episodes meets a hang more often than not)
     rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model), f'domains=[{{env="unitconv", options={{{tools}}}}}]',
-                                 "budget.versions=10000", "budget.minutes=1", "rollout.episodes.step_timeout_s=3")
+                                 "budget.versions=10000", "budget.minutes=1", "rollout.episodes.step_timeout_s=3",
+                                 'rollout.episodes.on_error="survivors"', "group_size=4", "batch_groups=2")
     assert rc == 0, out[-4000:] + env_logs(run_dir)
     assert seconds < 60 + 60 + 10, f"a 1-minute budget took {seconds:.0f} s"
     final = json.loads((run_dir / "final.json").read_text())
@@ -87,6 +90,7 @@ def test_a_tool_that_hangs_or_floods_costs_one_episode_and_the_worker_lives(venv
     assert final["restarts"] == {}, final  # the worker never went silent
     worker = scalars(run_dir, "rollout-0")
     assert worker["rollout/envpool/timeouts"] >= 1, worker
+    assert worker["rollout/groups/trained_on_survivors"] >= 1, worker  # the hang cost an episode, not its group
     assert worker["rollout/episodes/info/observations_truncated"] >= 1, worker
     env_log = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("rollout-0-env-*.log"))
     assert "unitconv_tidal/tools.py" in env_log and "in run" in env_log, env_log[-3000:]  # the stuck call's stack
