@@ -239,14 +239,14 @@ def test_an_oversized_observation_arrives_truncated_with_a_marker_and_counted(ma
                      max_observation_chars=1000)
     pool.open("e", "f", Task(prompt="p"))
     first = one(pool)
-    assert first.messages[0].content == "r" * 1000 + "\n[... truncated: 3000 characters, 2000 dropped]"
+    assert first.messages[0].content == "r" * 1000 + "\n(... truncated: 3000 characters, 2000 dropped)"
     assert first.info == {"observations_truncated": 1.0, "observation_chars_dropped": 2000.0}
     pool.step("e", 1, "look it up")
     r = one(pool)
     dump, question = r.messages
     assert dump.role == "tool" and dump.name == "lookup"
-    assert dump.content == "x" * 1000 + f"\n[... truncated: {mb5} characters, {mb5 - 1000} dropped]"
-    assert question.content == "\n[... truncated: 4 characters, 4 dropped]", "the cap is on the whole observation"
+    assert dump.content == "x" * 1000 + f"\n(... truncated: {mb5} characters, {mb5 - 1000} dropped)"
+    assert question.content == "\n(... truncated: 4 characters, 4 dropped)", "the cap is on the whole observation"
     assert r.info == {"observations_truncated": 1.0, "observation_chars_dropped": float(mb5 - 1000 + 4)}
 
 

@@ -604,11 +604,13 @@ class LocalEpisodes:
     """The pool's interface over an `EpisodeHost` in this process: no isolation, no timeouts. For offline
     evaluation (the demo's warm-start accuracy) where a crash should just raise; runs use `EnvPool`."""
 
-    def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = ()) -> None:
+    def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = (),
+                 max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
         from tidal.rollout.envproc import EpisodeHost, register_plugins
 
         register_plugins(list(plugins))
-        self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local")
+        self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local",
+                                max_observation_chars=max_observation_chars)
         self._out: list[EpisodeReply] = []
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
 
