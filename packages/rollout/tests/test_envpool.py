@@ -31,11 +31,11 @@ PYTHONPATH = os.pathsep.join([str(HERE), str(EXAMPLE_SRC)])
 def make_pool(tmp_path):
     pools: list[EnvPool] = []
 
-    def make(specs, **kw) -> EnvPool:
+    def make(specs, wait: bool = True, **kw) -> EnvPool:
         kw.setdefault("plugins", ["envpool_plugins"])
         pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
         pools.append(pool)
-        pool.start()
+        pool.start(wait=wait)
         return pool
 
     yield make
@@ -231,6 +231,24 @@ def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
     assert time.monotonic() - t0 > 1.0, "the last step waited longer than step_timeout_s in all"
     assert all(r.reward == 1.0 and not r.error_kind for r in replies)
     assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
+
+
+def test_a_pool_started_without_waiting_serves_the_episodes_opened_before_hello(make_pool):
+    pool = make_pool({"count": {"env": "counting"}}, wait=False, processes=2)
+    for i in range(3):
+        pool.open(f"e{i}", "count", Task(prompt="p"))
+    assert all(not r.error_kind for r in wait_for(pool, 3))
+
+
+def test_a_process_silent_past_start_timeout_is_restarted_and_then_ends_a_pool_that_did_not_wait(make_pool):
+    pool = make_pool({"slow": {"env": "slow_build"}}, wait=False, start_timeout_s=1.0, max_failures_in_a_row=2)
+    pool.open("e0", "slow", Task(prompt="p"))
+    r = one(pool, timeout=5)
+    assert r.error_kind == "env_restarted" and "did not say Hello within 1 s (start_timeout_s)" in r.error
+    pool.open("e1", "slow", Task(prompt="p"))
+    with pytest.raises(EnvPoolError, match="did not say Hello within 1 s .* 2 failures in a row"):
+        wait_for(pool, 1, timeout=5)
+    assert "in load_a_dataset_forever" in (pool.log_dir / "env-0.log").read_text()
 
 
 def test_an_oversized_observation_arrives_truncated_with_a_marker_and_counted(make_pool):

@@ -195,10 +195,15 @@ class EnvPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Spawn the processes and wait until each has said Hello. Raises EnvPoolError when one cannot
-        start (its configuration refused, dead `max_failures_in_a_row` times, or silent for
-        `start_timeout_s`), naming its log."""
+    def start(self, wait: bool = True) -> None:
+        """Spawn the processes and wait until each has said Hello (they build their environments first).
+        Raises EnvPoolError when one cannot start (its configuration refused, dead `max_failures_in_a_row`
+        times, or silent for `start_timeout_s`), naming its log.
+
+        `wait=False` returns at once: episodes opened meanwhile are queued until their process says Hello
+        (their clock starts then), and a failure to start surfaces from `poll` (a process silent for
+        `start_timeout_s` is restarted like a stuck one). For a caller with an event loop to keep (the
+        rollout worker's heartbeats), whose environments may take longer to build than it may be silent."""
         if self._ch is not None:
             raise RuntimeError("EnvPool.start() called twice")
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +225,10 @@ class EnvPool:
             slot = _Slot(i, name, self.log_dir / f"{name}.log", self.log_dir / f"{name}.error")
             self._slots.append(slot)
             self._spawn(slot)
+        if not wait:
+            log.info("%s: %d environment processes starting for %s (logs in %s)", self.name, self.processes,
+                     sorted(self.specs), self.log_dir)
+            return
         self._starting = True
         try:
             while not all(s.ready for s in self._slots):
