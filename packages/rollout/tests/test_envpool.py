@@ -390,6 +390,17 @@ def test_an_unknown_env_fails_start_with_the_registry_message_and_the_log(tmp_pa
     assert pool.pids == {}
 
 
+def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_the_error(tmp_path):
+    pool = EnvPool({"x": {"env": "raising_build"}}, processes=2, log_dir=tmp_path, plugins=["envpool_plugins"],
+                   environ={"PYTHONPATH": PYTHONPATH})
+    t0 = time.monotonic()
+    with pytest.raises(EnvPoolError, match=r"building environment 'raising_build' of domain 'x' failed: "
+                                           r"FileNotFoundError: tasks.jsonl is not in the package"):
+        pool.start()
+    assert time.monotonic() - t0 < 10, "a configuration refused is not restarted"
+    assert "envpool_plugins.py" in (tmp_path / "env-0.log").read_text(), "the traceback is in the log"
+
+
 def test_the_example_guess_number_env_plays_in_the_pool(make_pool):
     pool = make_pool({"guess": {"env": "guess_number", "options": {"high": 16}}}, plugins=["tidal_env_guess.plugin"])
     pool.open("g", "guess", Task(prompt="", answer="11"))
