@@ -192,6 +192,23 @@ def test_a_hanging_step_is_cut_at_step_timeout_with_its_stack_logged_and_bystand
     assert not r.error_kind and pid_of(r) != pid
 
 
+def test_a_step_that_hangs_after_its_episode_was_closed_is_still_the_one_blamed(make_pool):
+    """A dropped group's episodes are closed while their steps may be in flight; the process still serves
+    those steps first, so one that hangs is the stuck one: the open queued behind it is a bystander."""
+    pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
+    pool.open("dropped", "sleepy", Task(prompt="p"))
+    wait_for(pool, 1)
+    pool.step("dropped", 1, "x")
+    pool.close_episode("dropped")  # its group failed elsewhere
+    pool.open("next", "count", Task(prompt="p"))
+    r = one(pool, timeout=5)
+    assert r.episode_id == "next" and r.error_kind == "env_restarted", r
+    assert "stuck on episode dropped" in r.error
+    assert pool.counters["timeouts"] == 1 and pool.counters["episodes_interrupted"] == 1
+    pool.open("after", "count", Task(prompt="p"))
+    assert not one(pool).error_kind
+
+
 def test_a_hanging_open_is_cut_at_step_timeout_like_a_step(make_pool):
     pool = make_pool({"sleepy": {"env": "sleepy_open"}, "count": {"env": "counting"}}, processes=1,
                      step_timeout_s=1.0)
