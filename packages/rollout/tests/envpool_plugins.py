@@ -7,6 +7,7 @@
 - ``sleepy``: its step never returns (the pool's timeout), stuck in `wait_for_a_lookup_that_never_returns`.
 - ``sleepy_open``: its reset never returns (the same function).
 - ``slow_build``: its factory never returns (stuck in `load_a_dataset_forever`): the process never says Hello.
+- ``raising_build``: its factory raises (a missing data file).
 - ``flooding``: `reset_chars` characters in its first observation, `step_chars` in each step's (a tool dump).
 - ``bad_reward``: done after one step; its step reward and `outcome()` are what `step_reward` and
   `outcome` name in `_VALUES` (a string, None, NaN, ...).
@@ -113,6 +114,11 @@ class SlowBuild(_Env):
         load_a_dataset_forever()
 
 
+class RaisingBuild(_Env):
+    def __init__(self) -> None:
+        raise FileNotFoundError("tasks.jsonl is not in the package")
+
+
 class FloodingEpisode(_Episode):
     def __init__(self, task: Task, reset_chars: int, step_chars: int) -> None:
         super().__init__(task)
@@ -215,5 +221,5 @@ class DiesOnOpen(_Env):
 def tidal_envs():
     return {"counting": Counting, "sleepy": _env_of(SleepyEpisode), "raising_step": _env_of(RaisingStepEpisode),
             "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen,
-            "sleepy_open": _env_of(SleepyOpenEpisode), "slow_build": SlowBuild, "flooding": Flooding,
-            "bad_reward": BadReward, "bad_score": BadScore, "flaky": Flaky}
+            "sleepy_open": _env_of(SleepyOpenEpisode), "slow_build": SlowBuild, "raising_build": RaisingBuild,
+            "flooding": Flooding, "bad_reward": BadReward, "bad_score": BadScore, "flaky": Flaky}

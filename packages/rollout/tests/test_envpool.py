@@ -31,11 +31,11 @@ PYTHONPATH = os.pathsep.join([str(HERE), str(EXAMPLE_SRC)])
 def make_pool(tmp_path):
     pools: list[EnvPool] = []
 
-    def make(specs, **kw) -> EnvPool:
+    def make(specs, wait: bool = True, **kw) -> EnvPool:
         kw.setdefault("plugins", ["envpool_plugins"])
         pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
         pools.append(pool)
-        pool.start()
+        pool.start(wait=wait)
         return pool
 
     yield make
@@ -192,6 +192,23 @@ def test_a_hanging_step_is_cut_at_step_timeout_with_its_stack_logged_and_bystand
     assert not r.error_kind and pid_of(r) != pid
 
 
+def test_a_step_that_hangs_after_its_episode_was_closed_is_still_the_one_blamed(make_pool):
+    """A dropped group's episodes are closed while their steps may be in flight; the process still serves
+    those steps first, so one that hangs is the stuck one: the open queued behind it is a bystander."""
+    pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
+    pool.open("dropped", "sleepy", Task(prompt="p"))
+    wait_for(pool, 1)
+    pool.step("dropped", 1, "x")
+    pool.close_episode("dropped")  # its group failed elsewhere
+    pool.open("next", "count", Task(prompt="p"))
+    r = one(pool, timeout=5)
+    assert r.episode_id == "next" and r.error_kind == "env_restarted", r
+    assert "stuck on episode dropped" in r.error
+    assert pool.counters["timeouts"] == 1 and pool.counters["episodes_interrupted"] == 1
+    pool.open("after", "count", Task(prompt="p"))
+    assert not one(pool).error_kind
+
+
 def test_a_hanging_open_is_cut_at_step_timeout_like_a_step(make_pool):
     pool = make_pool({"sleepy": {"env": "sleepy_open"}, "count": {"env": "counting"}}, processes=1,
                      step_timeout_s=1.0)
@@ -233,20 +250,38 @@ def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
     assert pool.counters["timeouts"] == 0 and pool.counters["restarts"] == 0
 
 
+def test_a_pool_started_without_waiting_serves_the_episodes_opened_before_hello(make_pool):
+    pool = make_pool({"count": {"env": "counting"}}, wait=False, processes=2)
+    for i in range(3):
+        pool.open(f"e{i}", "count", Task(prompt="p"))
+    assert all(not r.error_kind for r in wait_for(pool, 3))
+
+
+def test_a_process_silent_past_start_timeout_is_restarted_and_then_ends_a_pool_that_did_not_wait(make_pool):
+    pool = make_pool({"slow": {"env": "slow_build"}}, wait=False, start_timeout_s=1.0, max_failures_in_a_row=2)
+    pool.open("e0", "slow", Task(prompt="p"))
+    r = one(pool, timeout=5)
+    assert r.error_kind == "env_restarted" and "did not say Hello within 1 s (start_timeout_s)" in r.error
+    pool.open("e1", "slow", Task(prompt="p"))
+    with pytest.raises(EnvPoolError, match="did not say Hello within 1 s .* 2 failures in a row"):
+        wait_for(pool, 1, timeout=5)
+    assert "in load_a_dataset_forever" in (pool.log_dir / "env-0.log").read_text()
+
+
 def test_an_oversized_observation_arrives_truncated_with_a_marker_and_counted(make_pool):
     mb5 = 5 * 1024 * 1024
     pool = make_pool({"f": {"env": "flooding", "options": {"reset_chars": 3000, "step_chars": mb5}}},
                      max_observation_chars=1000)
     pool.open("e", "f", Task(prompt="p"))
     first = one(pool)
-    assert first.messages[0].content == "r" * 1000 + "\n[... truncated: 3000 characters, 2000 dropped]"
+    assert first.messages[0].content == "r" * 1000 + "\n(... truncated: 3000 characters, 2000 dropped)"
     assert first.info == {"observations_truncated": 1.0, "observation_chars_dropped": 2000.0}
     pool.step("e", 1, "look it up")
     r = one(pool)
     dump, question = r.messages
     assert dump.role == "tool" and dump.name == "lookup"
-    assert dump.content == "x" * 1000 + f"\n[... truncated: {mb5} characters, {mb5 - 1000} dropped]"
-    assert question.content == "\n[... truncated: 4 characters, 4 dropped]", "the cap is on the whole observation"
+    assert dump.content == "x" * 1000 + f"\n(... truncated: {mb5} characters, {mb5 - 1000} dropped)"
+    assert question.content == "\n(... truncated: 4 characters, 4 dropped)", "the cap is on the whole observation"
     assert r.info == {"observations_truncated": 1.0, "observation_chars_dropped": float(mb5 - 1000 + 4)}
 
 
@@ -370,6 +405,17 @@ def test_an_unknown_env_fails_start_with_the_registry_message_and_the_log(tmp_pa
     with pytest.raises(EnvPoolError, match=r"no env named 'no_such_env'.*see its log .*env-0\.log"):
         pool.start()
     assert pool.pids == {}
+
+
+def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_the_error(tmp_path):
+    pool = EnvPool({"x": {"env": "raising_build"}}, processes=2, log_dir=tmp_path, plugins=["envpool_plugins"],
+                   environ={"PYTHONPATH": PYTHONPATH})
+    t0 = time.monotonic()
+    with pytest.raises(EnvPoolError, match=r"building environment 'raising_build' of domain 'x' failed: "
+                                           r"FileNotFoundError: tasks.jsonl is not in the package"):
+        pool.start()
+    assert time.monotonic() - t0 < 10, "a configuration refused is not restarted"
+    assert "envpool_plugins.py" in (tmp_path / "env-0.log").read_text(), "the traceback is in the log"
 
 
 def test_the_example_guess_number_env_plays_in_the_pool(make_pool):

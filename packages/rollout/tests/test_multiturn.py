@@ -145,6 +145,28 @@ def test_episodes_in_environment_processes_and_their_trajectories(engine, tok, t
         assert metrics["rollout/envpool/episodes_opened"] == 4
 
 
+def test_a_truncated_first_observation_is_counted_in_the_worker_metrics_and_the_prompt_stays_small(engine, tok):
+    from tidal.core.arrays import Array
+    from tidal.core.protocol import Assignment
+
+    pool = LocalEpisodes({"flood": {"env": "flooding", "options": {"reset_chars": 50_000}}},
+                         plugins=["envpool_plugins"], max_observation_chars=300)
+    mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
+    a = Assignment(group_id="flood-0000001", prompt_ids=Array.from_numpy(np.zeros(0, np.int32)), num_samples=1,
+                   task="flood", sampling=SAMPLING, prompt="p")
+    mt.start(a, Task(prompt="p", domain="flood"))
+    try:
+        (reply,) = pool.poll()
+        assert mt.on_reply(reply) is None  # rendered, its first turn submitted
+        metrics = mt.metrics()
+        assert metrics["rollout/episodes/info/observations_truncated"] == 1
+        assert metrics["rollout/episodes/info/observation_chars_dropped"] == 50_000 - 300
+        prompt = mt.runs[trajectory_id(a.group_id, 0)].segments[0].prompt
+        assert len(prompt) < 400, "the renderer saw the capped observation, not 50,000 characters"
+    finally:
+        mt.forget(a.group_id)  # aborts the turn in the shared engine
+
+
 class NoExtend(PlainRenderer):
     """A renderer whose template cannot extend what was sampled (as one that rewrites history)."""
 

@@ -21,7 +21,8 @@ episode (later messages about it are ignored; `close_episode` is then a no-op). 
 - ``timeout``: the episode whose request (an open or a step: the process builds its environments
   before it says Hello, so both are bounded alike) got no answer for `step_timeout_s`. A process that
   has requests waiting and has answered none of them for that long is stuck on the oldest (it serves
-  one message at a time, in order, so time queued behind other episodes' steps does not count). Its
+  one message at a time, in order, so time queued behind other episodes' steps does not count; a request
+  of an episode closed while in flight still counts as the one it serves). Its
   Python stack is written to its log (SIGUSR1), and it is killed `KILL_GRACE_S` later without the
   caller waiting, and restarted at once (counted in ``timeouts`` and ``restarts``);
 - ``env_restarted``: an episode of a process the pool killed (stuck on another episode, or silent for
@@ -94,10 +95,14 @@ class _Slot:
     episodes: set[str] = field(default_factory=set)
     failures_in_a_row: int = 0  # deaths, timeouts and failed starts with no answer in between
     progress_at: float = 0.0  # when it last answered, or was given work while it had none
+    # requests of episodes closed while they were in flight (a dropped group's): the process still serves
+    # them, in order, so a stuck one is still the one to blame, not the open queued behind it
+    closed_in_flight: list[_Episode] = field(default_factory=list)
 
     def waiting(self, episodes: dict[str, _Episode]) -> list[_Episode]:
-        """Its episodes whose request was sent and is not answered yet."""
-        return [e for e in (episodes[i] for i in self.episodes) if e.pending and e.sent_at != float("inf")]
+        """Its requests that were sent and are not answered yet (closed episodes' included)."""
+        live = [e for e in (episodes[i] for i in self.episodes) if e.pending and e.sent_at != float("inf")]
+        return [*self.closed_in_flight, *live]
 
 
 @dataclass(eq=False)
@@ -195,10 +200,15 @@ class EnvPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Spawn the processes and wait until each has said Hello. Raises EnvPoolError when one cannot
-        start (its configuration refused, dead `max_failures_in_a_row` times, or silent for
-        `start_timeout_s`), naming its log."""
+    def start(self, wait: bool = True) -> None:
+        """Spawn the processes and wait until each has said Hello (they build their environments first).
+        Raises EnvPoolError when one cannot start (its configuration refused, dead `max_failures_in_a_row`
+        times, or silent for `start_timeout_s`), naming its log.
+
+        `wait=False` returns at once: episodes opened meanwhile are queued until their process says Hello
+        (their clock starts then), and a failure to start surfaces from `poll` (a process silent for
+        `start_timeout_s` is restarted like a stuck one). For a caller with an event loop to keep (the
+        rollout worker's heartbeats), whose environments may take longer to build than it may be silent."""
         if self._ch is not None:
             raise RuntimeError("EnvPool.start() called twice")
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +230,10 @@ class EnvPool:
             slot = _Slot(i, name, self.log_dir / f"{name}.log", self.log_dir / f"{name}.error")
             self._slots.append(slot)
             self._spawn(slot)
+        if not wait:
+            log.info("%s: %d environment processes starting for %s (logs in %s)", self.name, self.processes,
+                     sorted(self.specs), self.log_dir)
+            return
         self._starting = True
         try:
             while not all(s.ready for s in self._slots):
@@ -320,6 +334,8 @@ class EnvPool:
             return
         ep.slot.episodes.discard(episode_id)
         if ep.slot.ready:  # a queued open is skipped when its process says Hello
+            if ep.pending and ep.sent_at != float("inf"):
+                ep.slot.closed_in_flight.append(ep)
             self._send(ep.slot, EpisodeClose(episode_id=episode_id), None)
 
     def poll(self, timeout: float = 0.0) -> list[EpisodeReply]:
@@ -489,6 +505,7 @@ class EnvPool:
         ep = self._episodes.get(msg.episode_id)
         if ep is None or ep.slot is not slot or not ep.pending or ep.seq != msg.seq:
             self._counts["late_replies"] += 1  # an episode that already failed (or was closed meanwhile)
+            slot.closed_in_flight = [e for e in slot.closed_in_flight if (e.id, e.seq) != (msg.episode_id, msg.seq)]
             return
         ep.pending = False
         if msg.error_kind:
@@ -537,13 +554,15 @@ class EnvPool:
             ep, limit = serving[0], self.step_timeout_s
             pid = slot.proc.pid if slot.proc else 0
             what = "the open" if ep.seq == 0 else f"step {ep.seq}"
-            text = (f"environment process {slot.name} (pid {pid}) gave no answer to {what} of episode {ep.id} within "
-                    f"{limit:g} s (step_timeout_s); the process was killed and restarted (its Python stack is in "
-                    f"its log: {slot.log_path})")
+            closed = ep in slot.closed_in_flight  # (no one awaits its answer: only counted)
+            text = (f"environment process {slot.name} (pid {pid}) gave no answer to {what} of episode {ep.id}"
+                    f"{' (closed meanwhile)' if closed else ''} within {limit:g} s (step_timeout_s); the process "
+                    f"was killed and restarted (its Python stack is in its log: {slot.log_path})")
             self._counts["timeouts"] += 1
             self._note("timeout", text, f"timeouts {self._counts['timeouts']:g}")
-            self._forget(ep)
-            self._out.append(EpisodeReply(episode_id=ep.id, seq=ep.seq, done=True, error=text, error_kind="timeout"))
+            if not closed:
+                self._forget(ep)
+                self._out.append(EpisodeReply(episode_id=ep.id, seq=ep.seq, done=True, error=text, error_kind="timeout"))
             self._failed(slot, f"was killed: stuck on episode {ep.id} for more than {limit:g} s", kill=True)
 
     def _failed(self, slot: _Slot, why: str, *, rc: int | None = None, kill: bool = False) -> None:
@@ -564,6 +583,7 @@ class EnvPool:
                                                 f"(log: {slot.log_path})"))
         slot.episodes.clear()
         slot.outbox.clear()
+        slot.closed_in_flight.clear()
         self._by_identity.pop(slot.identity, None)
         assert self._ch is not None
         self._ch.peers.pop(slot.identity, None)
@@ -604,11 +624,13 @@ class LocalEpisodes:
     """The pool's interface over an `EpisodeHost` in this process: no isolation, no timeouts. For offline
     evaluation (the demo's warm-start accuracy) where a crash should just raise; runs use `EnvPool`."""
 
-    def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = ()) -> None:
+    def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = (),
+                 max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
         from tidal.rollout.envproc import EpisodeHost, register_plugins
 
         register_plugins(list(plugins))
-        self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local")
+        self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local",
+                                max_observation_chars=max_observation_chars)
         self._out: list[EpisodeReply] = []
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
 

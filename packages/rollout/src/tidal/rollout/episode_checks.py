@@ -7,9 +7,11 @@
   never a substitute reward. The first occurrence of each distinct bad value is logged (`MAX_LOGGED` per
   domain and call), so the environment log shows what the verifier really returned.
 - Observations are capped at `max_observation_chars` characters: the rest is dropped and a visible
-  marker says how much, so that the rollout worker never tokenises an unbounded string (a tool that
-  dumps 50 MB would otherwise stall its renderer for minutes). The reply's info counts it
-  (`TRUNCATED`, `CHARS_DROPPED`), which the worker reports as ``rollout/episodes/info/<key>``.
+  marker says how much, ``(... truncated: N characters, M dropped)`` (characters even the demo models'
+  narrow tokenizers can write; brackets are not), so that the rollout worker never tokenises an
+  unbounded string (a tool that dumps 50 MB would otherwise stall its renderer for minutes). The reply's
+  info counts it (`TRUNCATED`, `CHARS_DROPPED`), which the worker reports as
+  ``rollout/episodes/info/<key>``.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def cap_messages(messages: Sequence[ChatMessage], limit: int) -> tuple[list[Chat
             cut = len(m.content) - left
             dropped += cut
             m = ChatMessage(role=m.role, name=m.name,
-                            content=f"{m.content[:left]}\n[... truncated: {len(m.content)} characters, {cut} dropped]")
+                            content=f"{m.content[:left]}\n(... truncated: {len(m.content)} characters, {cut} dropped)")
             left = 0
         else:
             left -= len(m.content)

@@ -467,8 +467,9 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any]
     pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
                    name=f"{worker}-env", log_dir=cfg.log_dir or None, start_timeout_s=cfg.start_timeout_s,
                    max_observation_chars=cfg.max_observation_chars)
-    pool.start()
-    log.info("%s: %d environment processes for multi-turn domains (logs in %s)", worker, cfg.processes, pool.log_dir)
+    # not waiting for their Hello: they build every domain's environment first, which may take longer than
+    # the worker may go without a heartbeat; episodes opened meanwhile wait in the pool's queue
+    pool.start(wait=False)
 
     def make() -> Any:
         return registry.build("renderer", cfg.renderer.name, cfg.renderer.options, tokenizer, field="episodes.renderer")

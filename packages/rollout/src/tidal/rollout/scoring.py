@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.core.episodes import NotAReward, real_reward
 from tidal.core.interfaces import GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.rollout.worker_config import WorkerConfig
@@ -58,7 +59,7 @@ class Domains:
 
     def score(self, domain: str, task: Task, res: GenerationResult) -> float:
         """The reward of one sample of `domain`; SampleError (decode_error, reward_error or score_error)
-        when decoding or the plugin fails, or the reward is NaN (it would poison its group's advantages)."""
+        when decoding or the plugin fails, or the reward is not a real finite number (`real_reward`)."""
         try:
             text = self.decode(res.completion_ids)
         except Exception as e:
@@ -66,9 +67,10 @@ class Domains:
         spec = self.cfg.domains.get(domain)
         reason = "reward_error" if spec is not None and spec.reward is not None else "score_error"
         try:
-            reward = float(self.scorer(domain)(task, text))
+            value = self.scorer(domain)(task, text)
         except Exception as e:
             raise SampleError(reason, e) from e
-        if reward != reward:
-            raise SampleError(reason, ValueError(f"the reward is NaN for completion {text[:80]!r}"))
-        return reward
+        try:  # NaN would poison its group's advantages; a string ("1.0") is a verifier's bug, not a reward
+            return real_reward(value, "score()" if reason == "score_error" else "the reward plugin")
+        except NotAReward as e:
+            raise SampleError(reason, ValueError(f"{e}, for completion {text[:80]!r}")) from None
