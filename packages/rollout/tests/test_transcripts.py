@@ -145,3 +145,11 @@ def test_a_single_turn_sample_that_could_not_be_scored():
                       "reward_error", "group g1: the reward was nan")
     assert r["failed"] and r["reward"] is None and r["finish"] == "failed" and r["error_kind"] == "reward_error"
     assert r["messages"][1] == {"role": "assistant", "text": "forty-two", "version": 1}
+
+
+def test_a_folder_it_cannot_write_stops_the_transcripts_not_the_worker(tmp_path, caplog):
+    (tmp_path / "taken").write_text("a file where the folder should be")
+    w = TranscriptWriter(TranscriptsConfig(dir=str(tmp_path / "taken" / "samples")), "rollout-0")
+    with caplog.at_level("ERROR", logger="tidal.rollout.transcripts"):
+        assert not w.write(_single(0)) and not w.write(_single(1))
+    assert w.full and sum("cannot write" in r.message for r in caplog.records) == 1

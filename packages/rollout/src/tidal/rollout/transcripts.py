@@ -79,11 +79,16 @@ class TranscriptWriter:
             log.warning("%s: transcripts stop at %s (%.0f MB, rollout.transcripts.max_mb); %d written", self.worker,
                         self.path, self._bytes / 1e6, self.written)
             return False
-        if self._f is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "ab")
-        self._f.write(line)
-        self._f.flush()  # a worker killed later keeps what it wrote
+        try:
+            if self._f is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._f = open(self.path, "ab")
+            self._f.write(line)
+            self._f.flush()  # a worker killed later keeps what it wrote
+        except OSError as e:  # a full disk or a folder it may not write costs the transcripts, not the worker
+            self.full = True
+            log.error("%s: transcripts stop: cannot write %s: %s", self.worker, self.path, e)
+            return False
         self._bytes += len(line)
         self.written += 1
         return True

@@ -432,16 +432,18 @@ class RolloutWorker:
     def _write_single(self, group: _Group, rewards: list[float] | None, error_kind: str = "", error: str = "") -> None:
         """Every sample of a single-turn group (`rewards` None: a group that could not be scored, and why)."""
         a = group.assignment
-        prompt = a.prompt or self.domains.decode([int(x) for x in a.prompt_ids.numpy()])
+        prompt = a.prompt or self._text([int(x) for x in a.prompt_ids.numpy()])
         for i in range(a.num_samples):
             res = group.results[i]
-            try:  # a sample the tokenizer cannot decode (a decode_error group) is shown as its token ids
-                text = self.domains.decode(res.completion_ids)
-            except Exception:
-                text = " ".join(map(str, res.completion_ids))
             self.transcripts.write(single_record(self.cfg.name, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
-                                                 text, rewards[i] if rewards is not None else None, res.versions,
-                                                 res.finish_reason, error_kind, error))
+                                                 self._text(res.completion_ids), rewards[i] if rewards is not None else None,
+                                                 res.versions, res.finish_reason, error_kind, error))
+
+    def _text(self, ids: list[int]) -> str:
+        try:
+            return self.domains.decode(ids)
+        except Exception:  # tokens the tokenizer cannot decode (a decode_error group): shown as their ids
+            return " ".join(map(str, ids))
 
     def _write_episodes(self, group: _Group) -> None:
         """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
