@@ -322,3 +322,24 @@ def test_a_group_is_submitted_at_once_and_its_prompt_prefilled_once(tiny):
     finally:
         alone.close()
     assert all(solo[r.request_id].completion_ids == r.completion_ids for r in results)
+
+
+def test_a_group_trained_on_its_survivors_is_settled_with_its_left_out_samples(system, tiny, monkeypatch):
+    """episodes.on_error = "survivors": sample 1's `outcome()` raises; the worker delivers the other three
+    (group_size 3: the baseline over the survivors) and acknowledges the group with left_out=1 and the
+    failure's own text; the buffer holds the three as a whole group, the failed sample never."""
+    here = str(Path(__file__).resolve().parents[1] / "packages" / "rollout" / "tests")  # envpool_plugins
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    a = Assignment(group_id="flaky-0", prompt_ids=Array.from_numpy(np.zeros(0, np.int32)), num_samples=G, task="flaky",
+                   prompt="judge me", sampling=SamplingParams(temperature=1.0, max_tokens=4))
+    system.ctl.assign(a)
+    system.start_worker(**{"episodes.plugins": '["envpool_plugins"]', "episodes.processes": "1",
+                           "episodes.on_error": '"survivors"', "envs.flaky.fail": "[1]",
+                           "episodes.log_dir": f'"{system.tmp}"'})
+    wait_for(lambda: "flaky-0" in system.ctl.acks, 120, "the group settled")
+    ack = system.ctl.acks["flaky-0"]
+    assert ack.ok and ack.left_out == 1 and "episode 1 cannot be judged" in ack.detail, ack
+    # a whole group of three in the buffer (its batches are of G = 4 samples: this one alone makes none)
+    wait_for(lambda: system.learner.status(timeout=5).scalars.get("depth/ready_samples") == 3, 30,
+             "the survivors ready in the buffer")
+    assert system.learner.status(timeout=5).scalars.get("depth/assembling_groups") == 0

@@ -205,3 +205,13 @@ def test_a_run_whose_every_outcome_is_a_verifier_error_ends_failed_with_the_auth
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval/accuracy" in m["scalars"] for m in metrics), "an unscored eval got an accuracy"
     assert seconds < 60, f"a run that could not train took {seconds:.0f} s to say so"
+
+
+def test_the_report_lists_an_unscored_evaluation_apart_with_no_accuracy():
+    from tidal.integration.report import summarize
+
+    rows = [{"source": "controller", "elapsed": 1.0, "scalars": {"eval/version": 0.0, "eval/unscored": 1.0,
+                                                                 "eval/failed": 4.0}},
+            {"source": "controller", "elapsed": 9.0, "scalars": {"eval/version": 5.0, "eval/accuracy": 0.5}}]
+    s = summarize(rows)
+    assert s["eval_unscored"] == [0] and [e["version"] for e in s["eval"]] == [5] and s["eval_start"] == 0.5

@@ -146,6 +146,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"{t['count']} transcripts ({t['failed']} failed) in {t['dir']}: tidal samples {args.run_dir}")
     for ev in s["eval"]:
         print(f"  eval at version {ev['version']:>4}  ({ev['elapsed_s'] / 60:5.1f} min)  accuracy {100 * ev['accuracy']:.1f}%")
+    for v in s["eval_unscored"]:
+        print(f"  eval at version {v:>4}  unscored: no problem could be scored (see eval/failed)")
     return 0
 
 

@@ -140,7 +140,8 @@ class Supervisor:
             if self.learner_done and c.learner_version < self.cfg.budget.versions and not self.time_budget_hit:
                 self.status = (f"failed: the learner stopped at version {c.learner_version} of "
                                f"{self.cfg.budget.versions}; see {self.run_dir / 'logs' / 'learner'}.log")
-            elif c.learner_version == 0 and self.cfg.budget.versions > 0:  # a run that trained nothing did not complete
+            elif self.status == "completed" and c.learner_version == 0 and self.cfg.budget.versions > 0:
+                # a run that trained nothing (its time budget spent) did not complete
                 self.status = f"failed: {self.untrained()}"
                 log.error("%s", self.status)
         except Stalled as e:
