@@ -215,3 +215,19 @@ def test_the_report_lists_an_unscored_evaluation_apart_with_no_accuracy():
             {"source": "controller", "elapsed": 9.0, "scalars": {"eval/version": 5.0, "eval/accuracy": 0.5}}]
     s = summarize(rows)
     assert s["eval_unscored"] == [0] and [e["version"] for e in s["eval"]] == [5] and s["eval_start"] == 0.5
+
+
+def test_a_run_that_trained_nothing_names_its_top_reason_and_that_reasons_text(tmp_path):
+    ctl = _controller(tmp_path, [], "eval.every=0")
+    try:
+        sup = _supervisor(tmp_path, ctl, [])
+        stuck = "environment process rollout-0-env-1 was killed: stuck on episode g:3 for more than 3 s"
+        for _ in range(3):  # trained on survivors: the most frequent text, but of no drop
+            ctl.drops.settled(True, "", "outcome() returned None (NoneType), not a real number", left_out=1)
+        for _ in range(2):
+            ctl.drops.settled(False, "timeout", stuck)
+        ctl.drops.settled(False, "verifier_error", NAN)
+        # the status quotes the top reason's own text, not a more frequent text of another reason
+        assert sup.untrained() == f"0 versions trained: 3 groups trained on, 3 dropped: 67 % timeout, {stuck}"
+    finally:
+        ctl.close()

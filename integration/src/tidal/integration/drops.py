@@ -26,7 +26,8 @@ class Drops:
     dropped: int = 0
     samples_left_out: int = 0  # failed episodes of groups trained on their survivors
     by_reason: Counter[str] = field(default_factory=Counter)
-    causes: Counter[str] = field(default_factory=Counter)  # failure text -> groups and episodes it cost
+    # (reason, failure text) -> the groups and episodes it cost
+    causes: Counter[tuple[str, str]] = field(default_factory=Counter)
     recent: deque[tuple[float, bool]] = field(default_factory=deque)  # (monotonic time, dropped) per group
 
     def settled(self, ok: bool, reason: str, detail: str, left_out: int = 0, now: float | None = None) -> None:
@@ -39,7 +40,7 @@ class Drops:
             self.dropped += 1
             self.by_reason[reason or "unspecified"] += 1
         if detail and (not ok or left_out):
-            self.causes[detail] += 1
+            self.causes[(reason or "unspecified", detail)] += 1
         self.recent.append((now, not ok))
         while self.recent and self.recent[0][0] < now - self.window_s:
             self.recent.popleft()
@@ -50,7 +51,14 @@ class Drops:
         return (sum(d for _, d in self.recent) / n if n else 0.0), n
 
     def top_cause(self) -> str:
-        return self.causes.most_common(1)[0][0] if self.causes else "no error text reported"
+        """The most frequent failure text of the most frequent drop reason (texts of other reasons, or of
+        episodes left out of trained groups, when no drop carried one)."""
+        top = self.by_reason.most_common(1)[0][0] if self.by_reason else None
+        ranked = self.causes.most_common()
+        for (reason, text), _ in ranked:
+            if reason == top:
+                return text
+        return ranked[0][0][1] if ranked else "no error text reported"
 
     def summary(self) -> str:
         """`100 % verifier errors, <the most frequent failure text>`: the top reason's share of the drops."""
