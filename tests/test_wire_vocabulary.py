@@ -30,6 +30,12 @@ def _literal(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _is_line_number(value: ast.expr) -> bool:
+    expr = value.value if isinstance(value, ast.FormattedValue) else value
+    name = expr.attr if isinstance(expr, ast.Attribute) else getattr(expr, "id", "")
+    return name in ("line", "lineno", "tb_lineno", "f_lineno")
+
+
 def _findings(path: Path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -48,7 +54,8 @@ def _findings(path: Path) -> list[str]:
         elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind":
             out += [f"{where}: .kind == {_literal(c)!r}" for c in node.comparators if _literal(c) in ACK_KINDS]
         elif isinstance(node, ast.JoinedStr) and [type(v) for v in node.values] == [
-                ast.FormattedValue, ast.Constant, ast.FormattedValue] and _literal(node.values[1]) == ":":
+                ast.FormattedValue, ast.Constant, ast.FormattedValue] and _literal(node.values[1]) == ":" \
+                and not _is_line_number(node.values[2]):  # a source location, path:line, is no id
             out.append(f"{where}: an id built as f'{{a}}:{{b}}' (tidal.core.protocol.trajectory_id)")
     return out
 

@@ -411,8 +411,9 @@ def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_t
     pool = EnvPool({"x": {"env": "raising_build"}}, processes=2, log_dir=tmp_path, plugins=["envpool_plugins"],
                    environ={"PYTHONPATH": PYTHONPATH})
     t0 = time.monotonic()
-    with pytest.raises(EnvPoolError, match=r"building environment 'raising_build' of domain 'x' failed: "
-                                           r"FileNotFoundError: tasks.jsonl is not in the package"):
+    with pytest.raises(EnvPoolError, match=r"domains\.x: environment plugin 'raising_build' \(module envpool_plugins\) "
+                                           r"failed to build: FileNotFoundError: tasks.jsonl is not in the package "
+                                           r"\(envpool_plugins\.py:\d+\)"):
         pool.start()
     assert time.monotonic() - t0 < 10, "a configuration refused is not restarted"
     assert "envpool_plugins.py" in (tmp_path / "env-0.log").read_text(), "the traceback is in the log"

@@ -67,7 +67,10 @@ def author_frame(tb: TracebackType | None, package: str = "") -> str:
     own = [f for f in frames if package and _in_package(f[0], package)]
     outside = [f for f in frames if not _ours(f[0])]
     chosen = own or outside
-    return f"{_relative(chosen[-1][0])}:{chosen[-1][1]}" if chosen else ""
+    if not chosen:
+        return ""
+    path, line = chosen[-1]
+    return f"{_relative(path)}:{line}"
 
 
 def _in_package(path: str, package: str) -> bool:

@@ -45,6 +45,7 @@ from tidal.core.config import ConfigStruct, load_config
 from tidal.core.episodes import AGENT, Episode, NotAReward, SingleTurnEpisodes, is_episodic
 from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
 from tidal.core.interfaces import Task
+from tidal.core.plugin_failure import PluginBuildError
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
@@ -147,6 +148,8 @@ class EpisodeHost:
                 raise _Failed("bad_request", f"{self.name} serves domains {sorted(self.domains)}, not {domain!r}")
             try:
                 env = registry.build("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+            except PluginBuildError as e:  # already names the field, the plugin, the error and the author's line
+                raise _Failed("env_error", str(e)) from e
             except Exception as e:
                 raise _Failed("env_error", f"building environment {spec.env!r} of domain {domain!r} failed: "
                                            f"{_describe(e)}") from e
