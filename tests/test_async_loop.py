@@ -26,7 +26,7 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from harness import Controller
 
-    from tidal.rollout.tasks import Arithmetic, first_tasks
+    from tidal.rollout.envs.tasks import Arithmetic, first_tasks
     from tidal.rollout.tiny import build_tiny_model, load_tokenizer
 
     model = build_tiny_model(tmp_path / "model", seed=9)
@@ -55,7 +55,7 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
             time.sleep(0.1)
         time.sleep(0.5)
         procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "tidal.rollout.worker", 'name="rollout-0"', f'controller="{ctl.endpoint}"',
+            [sys.executable, "-m", "tidal.rollout.worker.process", 'name="rollout-0"', f'controller="{ctl.endpoint}"',
              f'buffer_ingest="{ingest}"', f'buffer_acks="{publish}"', f'weights="{weights}"', f'model="{model}"',
              "max_groups=2", "heartbeat_interval_s=0.2"],
             stdout=logs["worker"], stderr=subprocess.STDOUT)

@@ -111,7 +111,7 @@ def system(tmp_path, tiny, request):
     workers: list[subprocess.Popen] = []
 
     def start_worker(name: str = "rollout-0", **extra: str) -> subprocess.Popen:
-        args = [sys.executable, "-m", "tidal.rollout.worker", f'name="{name}"', f'controller="{ctl.endpoint}"',
+        args = [sys.executable, "-m", "tidal.rollout.worker.process", f'name="{name}"', f'controller="{ctl.endpoint}"',
                 f'buffer_ingest="{ingest}"', f'buffer_acks="{proxy.endpoint}"', f'model="{tiny}"',
                 "max_groups=2", "resend_after_s=0.5", "heartbeat_interval_s=0.2", "metrics_interval_s=0.5",
                 *(f"{k}={v}" for k, v in extra.items())]
@@ -293,7 +293,7 @@ def test_a_group_is_submitted_at_once_and_its_prompt_prefilled_once(tiny):
     """The worker hands the engine a group's G requests in one submission, so they join one step and the
     embedded engine feeds their shared prompt once; seeds are still the per-sample ones."""
     from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.worker import RolloutWorker, WorkerConfig, sample_seed
+    from tidal.rollout.worker.process import RolloutWorker, WorkerConfig, sample_seed
 
     prompt = [5, 6, 7, 8, 9, 10]
     cfg = WorkerConfig(name="submit-test", controller=free_endpoint(), buffer_ingest=free_endpoint(),

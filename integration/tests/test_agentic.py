@@ -29,9 +29,9 @@ import time
 from tidal.core.episodes import Observation, StepResult
 from tidal.core.plugins import hookimpl
 from tidal.core.protocol import ChatMessage
-from tidal.rollout.multiply import Multiply
+from tidal.rollout.envs.multiply import Multiply
 from tidal.rollout.tiny import TOOL_ALPHABET
-from tidal.rollout.toolenv import ToolEpisode
+from tidal.core.toolenv import ToolEpisode
 from tidal.rollout.tools.python import PythonTool
 
 FAULTS = ("kill", "hang", "flood", "verifier")

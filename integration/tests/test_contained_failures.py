@@ -29,7 +29,7 @@ import zlib
 
 from tidal.core.interfaces import Task
 from tidal.core.plugins import hookimpl
-from tidal.rollout.tasks import Arithmetic
+from tidal.rollout.envs.tasks import Arithmetic
 
 
 class Flaky:
@@ -126,7 +126,7 @@ def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path, tidal
     assert all(set(e[2]) == {"easy", "hard", "graded"} for e in f["eval"]), f["eval"]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m["scalars"] for m in metrics if "eval/accuracy" in m["scalars"]]
-    from tidal.rollout.tasks import Arithmetic, first_tasks
+    from tidal.rollout.envs.tasks import Arithmetic, first_tasks
 
     held_out = sum(len(first_tasks(Arithmetic(level=lv), "eval", seed, 30)) for seed, lv in enumerate((1, 2, 1)))
     assert evals and all(e["eval/problems"] + e["eval/failed"] == held_out for e in evals), evals

@@ -74,7 +74,7 @@ def test_evaluation_work_of_a_lost_worker_waits_apart_from_training_credits(tmp_
     failed, an aborted one is tried again."""
     from tidal.core.protocol import Ack, Trajectory
     from tidal.core.testing import make_trajectory
-    from tidal.rollout.worker import EVAL_KEY
+    from tidal.rollout.worker.process import EVAL_KEY
 
     ctl = _controller(tmp_path, "eval.every=5", "eval.size=4")
     first = dealer(ctl.ch.endpoint, identity=b"rollout-0", linger=0)

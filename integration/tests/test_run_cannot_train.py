@@ -16,7 +16,7 @@ from tidal.integration.controller import Controller
 from tidal.integration.recipe import load_recipe
 from tidal.integration.supervisor import Stop, Supervisor
 from tidal.rollout.tiny import build_char_tokenizer
-from tidal.rollout.worker import EVAL_KEY
+from tidal.rollout.worker.process import EVAL_KEY
 
 RECIPE = Path(__file__).parent / "recipes" / "tiny.toml"
 NAN = "outcome() returned nan (float), not a real number (env unitconv, unitconv_tidal/env.py:82)"

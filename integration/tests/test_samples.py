@@ -1,4 +1,4 @@
-"""`tidal samples RUN_DIR`: the transcripts a worker wrote (tidal.rollout.transcripts), printed readably and
+"""`tidal samples RUN_DIR`: the transcripts a worker wrote (tidal.rollout.worker.transcripts), printed readably and
 filtered; a folder without any says what to set; TensorBoard and the report's summary find them."""
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ import pytest
 from tidal.core.protocol import ChatMessage
 from tidal.integration.cli import main
 from tidal.integration.samples import samples_dir, summary, to_tensorboard
-from tidal.rollout.multiturn import EpisodeRun, Segment
-from tidal.rollout.transcripts import TranscriptsConfig, TranscriptWriter, episode_record, single_record
+from tidal.rollout.episodes.multiturn import EpisodeRun, Segment
+from tidal.rollout.worker.transcripts import (
+    TranscriptsConfig,
+    TranscriptWriter,
+    episode_record,
+    single_record,
+)
 
 
 def _episode(n: int, version: int) -> EpisodeRun:

@@ -34,7 +34,7 @@ def sft_model(tmp_path_factory):
     """A tiny model warm-started like the demo's: the carry drill from a demonstrator who forgets the
     carry 60 % of the time (half a minute of SFT)."""
     from tidal.integration.sft import SFTConfig, accuracy, sft
-    from tidal.rollout.tasks import Arithmetic
+    from tidal.rollout.envs.tasks import Arithmetic
     from tidal.rollout.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("system")

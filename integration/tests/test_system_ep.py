@@ -35,7 +35,7 @@ def oss_sft(tmp_path_factory):
     """A warm start like the demo's (the carry drill from a demonstrator who forgets the carry 60 % of the
     time), on the GPT-OSS-like model."""
     from tidal.integration.sft import SFTConfig, accuracy, sft
-    from tidal.rollout.tasks import Arithmetic
+    from tidal.rollout.envs.tasks import Arithmetic
     from tidal.rollout.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("system-ep")

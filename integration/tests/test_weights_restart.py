@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from tidal.core.channels import Waker
 from tidal.core.protocol import WeightsAvailable
-from tidal.rollout.applier import WeightApplier
 from tidal.rollout.engines.embedded import EmbeddedEngine
 from tidal.rollout.tiny import build_tiny_model
+from tidal.rollout.worker.applier import WeightApplier
 
 SENDER = """
 import sys, time, msgspec, torch

@@ -122,7 +122,7 @@ def measure_pause(engine, model, prompt_ids, updates: int = 10) -> dict[str, flo
 
 def demo_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     """`n` arithmetic level-5 training prompts (`a+b=`), grouped by length so a batch of 8 needs no padding."""
-    from tidal.rollout.tasks import Arithmetic, first_tasks
+    from tidal.rollout.envs.tasks import Arithmetic, first_tasks
 
     return [tokenizer.encode(t.prompt, add_special_tokens=False) for t in first_tasks(Arithmetic(level=5), "train",
                                                                                         seed, n)]

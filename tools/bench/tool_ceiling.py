@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tidal.integration.demo import TOOLS_MODEL, TOOLS_SFT, _tool_demonstrator
 from tidal.integration.sft import SFTConfig, episode_accuracy, sft
-from tidal.rollout.multiply import Multiply
+from tidal.rollout.envs.multiply import Multiply
 from tidal.rollout.tiny import TOOL_ALPHABET, build_tiny_model
 
 

@@ -146,7 +146,7 @@ def run_trl(model_path: Path, out: Path, w: dict, a: argparse.Namespace) -> dict
     from trl import GRPOTrainer
 
     from tidal.core.interfaces import Task
-    from tidal.rollout.tasks import first_tasks
+    from tidal.rollout.envs.tasks import first_tasks
     from tidal.rollout.tiny import load_tokenizer
 
     torch.set_num_threads(a.threads)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams
 from tidal.rollout.engines.embedded import EmbeddedEngine
-from tidal.rollout.logprobs import teacher_forced_logprobs
+from tidal.rollout.engines.logprobs import teacher_forced_logprobs
 from tidal.rollout.tiny import build_tiny_model
 
 path = build_tiny_model(tempfile.mkdtemp() + "/m", hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816,

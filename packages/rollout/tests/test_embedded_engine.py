@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from tidal.core.interfaces import Engine, GenerationRequest
 from tidal.core.protocol import SamplingParams
 from tidal.rollout.engines.embedded import EmbeddedEngine, EngineError
-from tidal.rollout.logprobs import teacher_forced_logprobs
-from tidal.rollout.sampling import process_logits, unpack_kept_mask
+from tidal.rollout.engines.logprobs import teacher_forced_logprobs
+from tidal.rollout.engines.sampling import process_logits, unpack_kept_mask
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -313,7 +313,7 @@ def test_result_forwarder_hands_over_results_wakes_the_poll_and_reports_a_closed
     """The worker loop's view of an engine: results arrive through `take()` and each batch of them wakes
     a `poll` on the loop's sockets; an engine that stops is raised from `take()`, not swallowed."""
     from tidal.core.channels import Waker, poll, pull
-    from tidal.rollout.results import ResultForwarder
+    from tidal.rollout.worker.results import ResultForwarder
 
     engine = EmbeddedEngine(tiny_model)
     waker = Waker()

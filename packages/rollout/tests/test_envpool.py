@@ -17,8 +17,8 @@ import pytest
 
 from tidal.core.interfaces import Task
 from tidal.core.protocol import EpisodeReply
-from tidal.rollout.envpool import EnvPool, EnvPoolError
-from tidal.rollout.tasks import Arithmetic
+from tidal.rollout.envs.tasks import Arithmetic
+from tidal.rollout.episodes.pool import EnvPool, EnvPoolError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -368,7 +368,7 @@ def test_close_stops_every_process_even_one_stuck_in_a_step(make_pool, tmp_path)
 
 def test_environment_processes_exit_when_the_pool_process_is_killed(tmp_path):
     code = (
-        "import sys, time; from tidal.rollout.envpool import EnvPool\n"
+        "import sys, time; from tidal.rollout.episodes.pool import EnvPool\n"
         f"pool = EnvPool({{'c': {{'env': 'counting'}}}}, processes=2, plugins=['envpool_plugins'], "
         f"log_dir={str(tmp_path)!r}, environ={{'PYTHONPATH': {PYTHONPATH!r}}})\n"
         "pool.start(); print(*pool.pids.values(), flush=True); time.sleep(60)\n"

@@ -13,9 +13,9 @@ import pytest
 from tidal.core.arrays import Array
 from tidal.core.interfaces import Task
 from tidal.core.protocol import Assignment, EpisodeReply, SamplingParams, trajectory_id
-from tidal.rollout.envpool import LocalEpisodes
-from tidal.rollout.multiturn import EpisodeFailed, EpisodesConfig, MultiTurn
-from tidal.rollout.renderers import PlainRenderer
+from tidal.rollout.episodes.multiturn import EpisodeFailed, EpisodesConfig, MultiTurn
+from tidal.rollout.episodes.pool import LocalEpisodes
+from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4, seed=7)

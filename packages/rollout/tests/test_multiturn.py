@@ -1,4 +1,4 @@
-"""Multi-turn samples, token-in/token-out: the worker's episode driver (tidal.rollout.multiturn) with the
+"""Multi-turn samples, token-in/token-out: the worker's episode driver (tidal.rollout.episodes.multiturn) with the
 real embedded engine on the tiny model and real episodes (in-process host and environment processes).
 
 For every sample: the engine saw, at each turn, exactly the sample's tokens so far; the segments' tokens
@@ -13,9 +13,9 @@ import pytest
 
 from tidal.core.interfaces import Task
 from tidal.core.protocol import NO_VERSION, SamplingParams, trajectory_id
-from tidal.rollout.envpool import EnvPool, LocalEpisodes
-from tidal.rollout.multiturn import EpisodesConfig, MultiTurn, run_episodes
-from tidal.rollout.renderers import PlainRenderer
+from tidal.rollout.episodes.multiturn import EpisodesConfig, MultiTurn, run_episodes
+from tidal.rollout.episodes.pool import EnvPool, LocalEpisodes
+from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 
 SPECS = {"counting": {"env": "counting", "options": {"turns": 3}}}
@@ -214,7 +214,7 @@ def chatml_model(tmp_path_factory):
 def test_a_bpe_model_with_its_own_chat_template_extends_turn_by_turn(chatml_model):
     from tidal.core.plugins import registry
     from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.renderers import CHATML
+    from tidal.rollout.episodes.renderers import CHATML
 
     tok = load_tokenizer(chatml_model)
     assert tok.chat_template == CHATML  # the folder's own template, as saved

@@ -8,7 +8,7 @@ import pytest
 
 from tidal.core.plugins import registry
 from tidal.core.protocol import ChatMessage, ToolSpec
-from tidal.rollout.renderers import CHATML, ChatTemplateRenderer, PlainRenderer, check_renderer
+from tidal.rollout.episodes.renderers import CHATML, ChatTemplateRenderer, PlainRenderer, check_renderer
 from tidal.rollout.tiny import build_char_tokenizer, build_chatml_tokenizer
 
 CALC = ToolSpec(name="calculator", description="evaluates arithmetic",

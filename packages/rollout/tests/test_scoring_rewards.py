@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tidal.core.interfaces import GenerationResult, Task
-from tidal.rollout.envproc import register_plugins
-from tidal.rollout.scoring import Domains, SampleError
-from tidal.rollout.worker_config import WorkerConfig
+from tidal.rollout.episodes.process import register_plugins
+from tidal.rollout.worker.config import WorkerConfig
+from tidal.rollout.worker.scoring import Domains, SampleError
 
 
 def test_a_score_that_is_a_string_is_a_score_error_not_a_reward(monkeypatch):

@@ -15,7 +15,7 @@ from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams
 from tidal.rollout.engines.attention import _sdpa
 from tidal.rollout.engines.embedded import EmbeddedEngine
-from tidal.rollout.logprobs import teacher_forced_logprobs
+from tidal.rollout.engines.logprobs import teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 

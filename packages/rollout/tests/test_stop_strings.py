@@ -16,7 +16,7 @@ import pytest
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams
 from tidal.rollout.engines.embedded import EmbeddedEngine, EngineError
-from tidal.rollout.stops import split_stops, stop_string_ended, stop_window
+from tidal.rollout.engines.stops import split_stops, stop_string_ended, stop_window
 from tidal.rollout.tiny import build_char_tokenizer, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from tidal.core.plugins import registry
-from tidal.rollout.tasks import Countdown, Reverse, first_tasks
+from tidal.rollout.envs.tasks import Countdown, Reverse, first_tasks
 
 
 def test_reverse_rewards_only_the_exact_reversal() -> None:

@@ -14,10 +14,10 @@ from tidal.core.episodes import Episode, EpisodicEnvironment, Observation, StepR
 from tidal.core.errors import ConfigError
 from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
-from tidal.rollout.multiply import Multiply, demonstration, read_answer, wrong_guess
-from tidal.rollout.tasks import first_tasks
+from tidal.core.toolenv import ToolEnvironment
+from tidal.rollout.envs.multiply import Multiply, demonstration, read_answer, wrong_guess
+from tidal.rollout.envs.tasks import first_tasks
 from tidal.rollout.tiny import TOOL_ALPHABET
-from tidal.rollout.toolenv import ToolEnvironment
 
 TASK = Task(prompt="347*58=", answer="20126", domain="multiply")
 

@@ -1,4 +1,4 @@
-"""The transcripts a rollout worker writes (tidal.rollout.transcripts): which samples (every Nth group, every
+"""The transcripts a rollout worker writes (tidal.rollout.worker.transcripts): which samples (every Nth group, every
 failed one), their caps (texts cut, the file stopped at max_mb), and what an episode's record holds, from
 real episodes run by the worker's episode driver on the tiny model."""
 
@@ -11,8 +11,7 @@ import pytest
 
 from tidal.core.interfaces import Task
 from tidal.core.protocol import ChatMessage, SamplingParams
-from tidal.rollout.envpool import LocalEpisodes
-from tidal.rollout.multiturn import (
+from tidal.rollout.episodes.multiturn import (
     EpisodeFailed,
     EpisodeRun,
     EpisodesConfig,
@@ -20,9 +19,16 @@ from tidal.rollout.multiturn import (
     Segment,
     run_episodes,
 )
-from tidal.rollout.renderers import PlainRenderer
+from tidal.rollout.episodes.pool import LocalEpisodes
+from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
-from tidal.rollout.transcripts import TranscriptsConfig, TranscriptWriter, cut, episode_record, single_record
+from tidal.rollout.worker.transcripts import (
+    TranscriptsConfig,
+    TranscriptWriter,
+    cut,
+    episode_record,
+    single_record,
+)
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=6, stop=["\n"], seed=7)
 

@@ -60,7 +60,7 @@ def _requests(prefix: str, n: int, max_tokens: int = 40, **kw) -> list[Generatio
 
 def _mismatch(model, reqs, results) -> tuple[float, float]:
     """(max |Δ logprob|, mean mismatch KL estimate) of engine logprobs against teacher forcing."""
-    from tidal.rollout.logprobs import teacher_forced_logprobs
+    from tidal.rollout.engines.logprobs import teacher_forced_logprobs
 
     worst, kl, n = 0.0, 0.0, 0
     for rq in reqs:
@@ -135,7 +135,7 @@ def test_vllm_recompute_and_drop_modes(engine, tiny):
     the update are exactly the new weights'; drop: they finish at once with reason "abort"."""
     from transformers import AutoModelForCausalLM
 
-    from tidal.rollout.logprobs import teacher_forced_logprobs
+    from tidal.rollout.engines.logprobs import teacher_forced_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="sdpa").eval()
     for version, mode in ((2, "recompute"), (3, "drop")):
@@ -196,8 +196,8 @@ def test_vllm_stops_on_a_stop_string_not_on_its_pieces_and_keeps_the_sampled_tok
     import sys
     from pathlib import Path
 
+    from tidal.rollout.engines.stops import split_stops
     from tidal.rollout.engines.vllm_engine import VLLMEngine
-    from tidal.rollout.stops import split_stops
     from tidal.rollout.tiny import load_tokenizer
 
     sys.path.insert(0, str(Path(__file__).parent))

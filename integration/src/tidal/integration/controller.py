@@ -50,8 +50,8 @@ from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.drops import Drops
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
-from tidal.rollout.stops import split_stops
-from tidal.rollout.worker import EVAL_KEY
+from tidal.rollout.engines.stops import split_stops
+from tidal.rollout.worker.process import EVAL_KEY
 from tidal.staleness.depth import DepthGate
 
 log = logging.getLogger("tidal.controller")
@@ -122,7 +122,7 @@ def unencodable(tok, text: str, error: Exception) -> str:
 
 class Domain:
     def __init__(self, name: str, plugin: str, env, weight: float, seed: int, eval_size: int, where: str) -> None:
-        from tidal.rollout.tasks import first_tasks
+        from tidal.rollout.envs.tasks import first_tasks
 
         self.name, self.plugin, self.env, self.weight, self.where = name, plugin, env, weight, where
         self.train: Iterator[Task] = env.tasks("train", seed)

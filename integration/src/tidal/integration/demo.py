@@ -174,7 +174,7 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
 
 def _tool_demonstrator(tool_rate: float):
     """The multiply demonstrator (tidal.rollout.multiply), its final answer ended by the turn's stop."""
-    from tidal.rollout.multiply import demonstration
+    from tidal.rollout.envs.multiply import demonstration
 
     def show(task, rng):
         segments = demonstration(task, rng, tool_rate=tool_rate)

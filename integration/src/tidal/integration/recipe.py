@@ -30,7 +30,7 @@ from tidal.buffer.config import BufferConfig
 from tidal.core.config import ConfigStruct, PluginRef, load_config
 from tidal.core.errors import ConfigError
 from tidal.integration.learner.config import LearnerConfig
-from tidal.rollout.worker_config import WorkerConfig
+from tidal.rollout.worker.config import WorkerConfig
 
 
 class DomainConfig(ConfigStruct):
@@ -294,7 +294,7 @@ def check_plugins(cfg: RunConfig) -> None:
     name or option is a `ConfigError` naming its field, not a role that dies minutes in."""
     from tidal.core.plugin_options import fit
     from tidal.core.plugins import registry
-    from tidal.rollout.envproc import register_plugins
+    from tidal.rollout.episodes.process import register_plugins
 
     # local plugin modules the recipe names (rollout.episodes.plugins): the driver, its controller, the
     # workers and their environment processes all import them

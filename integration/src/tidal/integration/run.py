@@ -55,7 +55,7 @@ from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
 from tidal.integration.supervisor import Supervisor, error_file, write_final
-from tidal.rollout.worker_config import DomainSpec
+from tidal.rollout.worker.config import DomainSpec
 
 log = logging.getLogger("tidal.run")
 
@@ -140,7 +140,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
                                                 dir=cfg.rollout.transcripts.dir or str(run_dir / "samples")),
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
                                                                         **cfg.rollout.engine.options}))
-        roles.append(_role(w.name, "rollout", "tidal.rollout.worker", w, roles_dir, worker_threads))
+        roles.append(_role(w.name, "rollout", "tidal.rollout.worker.process", w, roles_dir, worker_threads))
     return roles, ep
 
 

@@ -1,4 +1,4 @@
-"""`tidal samples RUN_DIR`: the transcripts the rollout workers wrote (`tidal.rollout.transcripts`), printed
+"""`tidal samples RUN_DIR`: the transcripts the rollout workers wrote (`tidal.rollout.worker.transcripts`), printed
 readably, filtered by policy version, domain or failure; also their place in TensorBoard and the report."""
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0
     from tidal.core.protocol import SamplingParams
     from tidal.rollout.engines.common import generate
     from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.stops import split_stops
-    from tidal.rollout.tasks import first_tasks
+    from tidal.rollout.engines.stops import split_stops
+    from tidal.rollout.envs.tasks import first_tasks
     from tidal.rollout.tiny import load_tokenizer
 
     tok = load_tokenizer(model_path)
@@ -180,9 +180,9 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
     from tidal.core.plugins import registry
     from tidal.core.protocol import SamplingParams
     from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.envpool import LocalEpisodes
-    from tidal.rollout.multiturn import EpisodesConfig, run_episodes
-    from tidal.rollout.tasks import first_tasks
+    from tidal.rollout.envs.tasks import first_tasks
+    from tidal.rollout.episodes.multiturn import EpisodesConfig, run_episodes
+    from tidal.rollout.episodes.pool import LocalEpisodes
     from tidal.rollout.tiny import load_tokenizer
 
     tok = load_tokenizer(model_path)

@@ -23,7 +23,7 @@ from tidal.core.interfaces import GenerationRequest, GenerationResult
 from tidal.core.protocol import WeightsAvailable
 
 if TYPE_CHECKING:
-    from tidal.rollout.weights import ReceiverPool
+    from tidal.rollout.engines.weights import ReceiverPool
 
 
 class SimulatedEngine:
@@ -101,7 +101,7 @@ class SimulatedEngine:
 
     def receive_weights(self, announcement: WeightsAvailable) -> int:
         if self._receivers is None:
-            from tidal.rollout.weights import ReceiverPool
+            from tidal.rollout.engines.weights import ReceiverPool
 
             self._receivers = ReceiverPool(self._options)
         return self._receivers.receive(announcement, lambda _named: self.update_weights(None, announcement.version))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tidal.core.protocol import SamplingParams, Trajectory
-from tidal.rollout.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
+from tidal.rollout.engines.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
 from tidal.seqpar.layout import ShardLayout
 from tidal.seqpar.varlen import Item, VarlenLayout
 
@@ -62,7 +62,7 @@ class Sample:
 @dataclass
 class Processing:
     """The sampler's processing of each of a micro-batch's N completion tokens, for recomputing
-    their logprobs exactly as sampled (tidal.rollout.sampling.processed_logprobs)."""
+    their logprobs exactly as sampled (tidal.rollout.engines.sampling.processed_logprobs)."""
 
     temperature: torch.Tensor  # float32 [N]
     top_k: torch.Tensor  # int64 [N]; <= 0 = off

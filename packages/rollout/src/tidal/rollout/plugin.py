@@ -28,34 +28,34 @@ def vllm(model: str, **options: Any) -> Any:
     return VLLMEngine(model, **options)
 
 
-@declare(signature="tidal.rollout.tasks:Arithmetic")
+@declare(signature="tidal.rollout.envs.tasks:Arithmetic")
 def arithmetic(**options: Any) -> Any:
     """a+b=, a-b=, a*b= problems with difficulty levels 1..4 (exact-answer reward)."""
-    from tidal.rollout.tasks import Arithmetic
+    from tidal.rollout.envs.tasks import Arithmetic
 
     return Arithmetic(**options)
 
 
-@declare(signature="tidal.rollout.tasks:Countdown")
+@declare(signature="tidal.rollout.envs.tasks:Countdown")
 def countdown(**options: Any) -> Any:
     """Countdown: reach the target from the given numbers with + - * / (verified expression)."""
-    from tidal.rollout.tasks import Countdown
+    from tidal.rollout.envs.tasks import Countdown
 
     return Countdown(**options)
 
 
-@declare(signature="tidal.rollout.tasks:Reverse")
+@declare(signature="tidal.rollout.envs.tasks:Reverse")
 def reverse(**options: Any) -> Any:
     """Reverse a word; word lengths have a long tail (the long-tail benchmark workload)."""
-    from tidal.rollout.tasks import Reverse
+    from tidal.rollout.envs.tasks import Reverse
 
     return Reverse(**options)
 
 
-@declare(signature="tidal.rollout.multiply:Multiply")
+@declare(signature="tidal.rollout.envs.multiply:Multiply")
 def multiply(**options: Any) -> Any:
     """Multi-digit multiplication episodes with the calculator (``tools=False``: without it)."""
-    from tidal.rollout.multiply import Multiply
+    from tidal.rollout.envs.multiply import Multiply
 
     return Multiply(**options)
 
@@ -95,23 +95,23 @@ def json_calls(**options: Any) -> Any:
 
 def exact_match() -> Any:
     """Reward 1 when the completion's first line equals the task's answer."""
-    from tidal.rollout.tasks import exact_match as fn
+    from tidal.rollout.envs.tasks import exact_match as fn
 
     return fn
 
 
-@declare(signature="tidal.rollout.renderers:PlainRenderer")
+@declare(signature="tidal.rollout.episodes.renderers:PlainRenderer")
 def plain(tokenizer: Any, **options: Any) -> Any:
     """Text as it is (models without a chat template): observations appended after what was sampled."""
-    from tidal.rollout.renderers import PlainRenderer
+    from tidal.rollout.episodes.renderers import PlainRenderer
 
     return PlainRenderer(tokenizer, **options)
 
 
-@declare(signature="tidal.rollout.renderers:ChatTemplateRenderer")
+@declare(signature="tidal.rollout.episodes.renderers:ChatTemplateRenderer")
 def chat_template(tokenizer: Any, **options: Any) -> Any:
     """The model's Jinja chat template (default ChatML), extended turn by turn; splits where it cannot."""
-    from tidal.rollout.renderers import ChatTemplateRenderer
+    from tidal.rollout.episodes.renderers import ChatTemplateRenderer
 
     return ChatTemplateRenderer(tokenizer, **options)
 

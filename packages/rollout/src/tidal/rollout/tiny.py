@@ -152,12 +152,12 @@ _BPE_CORPUS = (
 
 def build_chatml_tokenizer(corpus: tuple[str, ...] | list[str] = _BPE_CORPUS, vocab_size: int = 400):
     """A byte-level BPE `PreTrainedTokenizerFast`, trained here on `corpus` (no hub), with ChatML's special
-    tokens and chat template (`tidal.rollout.renderers.CHATML`); its EOS is ``<|im_end|>``. Tests use it
+    tokens and chat template (`tidal.rollout.episodes.renderers.CHATML`); its EOS is ``<|im_end|>``. Tests use it
     to check renderers against a real BPE the way a Qwen-style model folder would tokenise."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tidal.rollout.renderers import CHATML
+    from tidal.rollout.episodes.renderers import CHATML
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]  # tokenizers' setters are untyped

@@ -20,7 +20,7 @@ transformers decoder that dispatches through that registry (Llama, Qwen2/3, Mist
 runs unmodified.
 
 A request with stop strings (`SamplingParams.stop`) decodes, after each of its tokens, only the few
-trailing tokens that can hold a stop string (`tidal.rollout.stops`), with the model folder's tokenizer,
+trailing tokens that can hold a stop string (`tidal.rollout.engines.stops`), with the model folder's tokenizer,
 loaded by the first such request; requests without stop strings decode nothing.
 
 Weight updates land between two steps: `update_weights` blocks until the loop has copied the tensors
@@ -54,9 +54,9 @@ from tidal.core.protocol import WeightsAvailable
 from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention
 from tidal.rollout.engines.common import generate
 from tidal.rollout.engines.packing import _Seq, pack_step
-from tidal.rollout.sampling import kept_mask_bits, process_logits, sample
-from tidal.rollout.stops import stop_string_ended, stop_window
-from tidal.rollout.weights import ReceiverPool
+from tidal.rollout.engines.sampling import kept_mask_bits, process_logits, sample
+from tidal.rollout.engines.stops import stop_string_ended, stop_window
+from tidal.rollout.engines.weights import ReceiverPool
 
 log = logging.getLogger("tidal.rollout.engine")
 

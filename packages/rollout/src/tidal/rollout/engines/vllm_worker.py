@@ -78,7 +78,7 @@ class TidalWorkerExtension:
         """Fetch, verify and load an announced version (msgpack-encoded `WeightsAvailable`). A transfer
         that fails verification is reported (and the sender told by the receiver) before anything touches
         the model, which keeps its previous weights."""
-        from tidal.rollout.weights import ReceiverPool
+        from tidal.rollout.engines.weights import ReceiverPool
 
         pool: ReceiverPool | None = getattr(self, "_tidal_receivers", None)
         if pool is None:

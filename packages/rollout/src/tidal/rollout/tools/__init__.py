@@ -7,6 +7,6 @@
 - `tags` and `json` (`tools.parsers`): ``<calc>1+2</calc>`` for the tiny char model; Hermes/Qwen's
   ``<tool_call>{...}</tool_call>`` for real chat models.
 
-Tools run in the environment process that steps the episode (`tidal.rollout.toolenv`), never in the
+Tools run in the environment process that steps the episode (`tidal.core.toolenv`), never in the
 rollout worker. None of these modules imports torch.
 """

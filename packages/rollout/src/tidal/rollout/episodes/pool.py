@@ -9,7 +9,7 @@
     pool.close()
 
 The pool binds one ROUTER (loopback, a port of its own); each environment process
-(`tidal.rollout.envproc`) connects a DEALER whose identity is ``<name>/<start number>``, so a restarted
+(`tidal.rollout.episodes.process`) connects a DEALER whose identity is ``<name>/<start number>``, so a restarted
 process is a new peer and a late answer of its predecessor is recognised and dropped. An episode lives on
 the process that had the fewest when it was opened, and stays there.
 
@@ -63,7 +63,7 @@ from tidal.core.interfaces import Task
 from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
 from tidal.core.security import AuthGuard, ChannelSecurity, make_role_keys
-from tidal.rollout.envproc import MAX_OBSERVATION_CHARS, EnvProcConfig, EnvSpec
+from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EnvProcConfig, EnvSpec
 
 log = logging.getLogger("tidal.rollout.envpool")
 
@@ -387,7 +387,7 @@ class EnvPool:
         slot.ready, slot.started_at = False, time.monotonic()
         self._by_identity[slot.identity] = slot
         slot.error_path.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "tidal.rollout.envproc", "--config", str(self._config_path),
+        argv = [sys.executable, "-m", "tidal.rollout.episodes.process", "--config", str(self._config_path),
                 "--name", slot.name, "--identity", slot.identity.decode()]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", ERROR_FILE_ENV: str(slot.error_path), **self.environ}
         with open(slot.log_path, "ab") as out:  # its own session: a kill reaches what it started too
@@ -412,7 +412,7 @@ class EnvPool:
             return
         try:
             with open(slot.log_path, "a") as f:  # O_APPEND, as the process's own output: lines do not interleave
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tidal.rollout.envpool ERROR {slot.name} (pid "
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tidal.rollout.episodes.pool ERROR {slot.name} (pid "
                         f"{slot.proc.pid}) {why}: its Python stack follows, then it is killed\n")
         except OSError:
             pass  # the stack still goes to the process's own log stream
@@ -626,7 +626,7 @@ class LocalEpisodes:
 
     def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = (),
                  max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
-        from tidal.rollout.envproc import EpisodeHost, register_plugins
+        from tidal.rollout.episodes.process import EpisodeHost, register_plugins
 
         register_plugins(list(plugins))
         self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local",

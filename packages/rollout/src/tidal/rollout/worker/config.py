@@ -1,4 +1,4 @@
-"""The rollout worker's configuration (`python -m tidal.rollout.worker --help`): what a recipe's
+"""The rollout worker's configuration (`python -m tidal.rollout.worker.process --help`): what a recipe's
 `[rollout]` section holds."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import msgspec
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.protocol import TOPIC_WEIGHTS
 from tidal.core.security import ChannelSecurity
-from tidal.rollout.multiturn import EpisodesConfig
-from tidal.rollout.transcripts import TranscriptsConfig
+from tidal.rollout.episodes.multiturn import EpisodesConfig
+from tidal.rollout.worker.transcripts import TranscriptsConfig
 
 
 class DomainSpec(ConfigStruct):

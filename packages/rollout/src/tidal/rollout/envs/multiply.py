@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tidal.core.interfaces import Task
-from tidal.rollout.tasks import _stream
-from tidal.rollout.toolenv import ToolEnvironment
+from tidal.core.toolenv import ToolEnvironment
+from tidal.rollout.envs.tasks import _stream
 from tidal.rollout.tools.calculator import Calculator
 from tidal.rollout.tools.parsers import TagParser
 

@@ -1,8 +1,8 @@
 """An environment process: the episodes of a rollout worker's samples, stepped outside the worker.
 
-    python -m tidal.rollout.envproc --config envproc.json --name env-0 --identity env-0/1
+    python -m tidal.rollout.episodes.process --config envproc.json --name env-0 --identity env-0/1
 
-Started by `tidal.rollout.envpool.EnvPool`, never by hand in a run. It builds the environment of every
+Started by `tidal.rollout.episodes.pool.EnvPool`, never by hand in a run. It builds the environment of every
 domain first (through the plugin registry; a single-turn `Environment` is served through
 `SingleTurnEpisodes`), so that no request waits on a build: the pool bounds the time until Hello by its
 ``start_timeout_s``, and every request after it by ``step_timeout_s``. Then it connects a DEALER (identity
@@ -14,7 +14,7 @@ domain first (through the plugin registry; a single-turn `Environment` is served
   When the episode is done, or this was its `max_turns`-th action (info ``max_turns_reached``), the
   reply has ``done`` and ``outcome()``. A step that raises ends the episode with ``env_error``; an
   outcome that raises, or a reward (step or outcome) that is not a real finite number, with
-  ``verifier_error`` naming the author's file and line (`tidal.rollout.episode_checks`): never a silent
+  ``verifier_error`` naming the author's file and line (`tidal.rollout.episodes.checks`): never a silent
   zero, never a substitute reward.
 - `EpisodeClose` forgets an episode (no reply); a finished or failed one is already forgotten.
 - `Control(command="stop")`, SIGTERM, or the death of the process that started it end it.
@@ -50,7 +50,7 @@ from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
 from tidal.core.security import ChannelSecurity
-from tidal.rollout.episode_checks import BadReward, RewardCheck, cap_messages, observation_info
+from tidal.rollout.episodes.checks import BadReward, RewardCheck, cap_messages, observation_info
 
 log = logging.getLogger("tidal.rollout.envproc")
 
@@ -323,7 +323,7 @@ def _watch_parent(parent: int, every: float, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tidal.rollout.envproc",
+    ap = argparse.ArgumentParser(prog="python -m tidal.rollout.episodes.process",
                                  description="Serve the episodes of a rollout worker's environment pool.")
     ap.add_argument("--config", required=True, help="JSON (or TOML) file of EnvProcConfig")
     ap.add_argument("--name", help="override `name`")

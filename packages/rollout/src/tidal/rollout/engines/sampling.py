@@ -3,7 +3,7 @@
 `process_logits` turns raw next-token logits into the *processed* log-distribution the sampler draws
 from: divide by temperature, keep the top-k, keep the top-p nucleus, renormalise. The logprob an engine
 reports for a token is that distribution's value at the token, so a learner can recompute it exactly
-(`tidal.rollout.logprobs.teacher_forced_logprobs`) and importance ratios compare like with like.
+(`tidal.rollout.engines.logprobs.teacher_forced_logprobs`) and importance ratios compare like with like.
 
 Temperature 0 means greedy: the processed distribution is a point mass (logprob 0 for the argmax).
 Ties at the top-k / top-p boundary are kept (every logit equal to the cut-off value survives).

@@ -1,6 +1,6 @@
 """The rollout worker process: assignments in, scored trajectories out, weights applied in flight.
 
-    python -m tidal.rollout.worker --config rollout.toml name=rollout-1 engine.options.max_num_seqs=32
+    python -m tidal.rollout.worker.process --config rollout.toml name=rollout-1 engine.options.max_num_seqs=32
 
 Talks to three peers, all through tidal.core channels:
 
@@ -65,13 +65,13 @@ from tidal.core.protocol import (
     trajectory_id,
 )
 from tidal.core.reliable import AckedPusher
-from tidal.rollout.applier import WeightApplier
 from tidal.rollout.engines.common import submit_all, warm_up
-from tidal.rollout.multiturn import EpisodeFailed, MultiTurn, start_multiturn
-from tidal.rollout.results import ResultForwarder, trajectory_of
-from tidal.rollout.scoring import Domains, SampleError
-from tidal.rollout.transcripts import TranscriptWriter, episode_record, single_record
-from tidal.rollout.worker_config import WorkerConfig
+from tidal.rollout.episodes.multiturn import EpisodeFailed, MultiTurn, start_multiturn
+from tidal.rollout.worker.applier import WeightApplier
+from tidal.rollout.worker.config import WorkerConfig
+from tidal.rollout.worker.results import ResultForwarder, trajectory_of
+from tidal.rollout.worker.scoring import Domains, SampleError
+from tidal.rollout.worker.transcripts import TranscriptWriter, episode_record, single_record
 
 log = logging.getLogger("tidal.rollout.worker")
 
@@ -120,7 +120,7 @@ class RolloutWorker:
             engine = registry.build("engine", cfg.engine.name, options, cfg.model, field="engine")
         self.engine = engine
         if cfg.episodes.plugins:  # local plugin modules: this process builds their envs too (is it episodic?)
-            from tidal.rollout.envproc import register_plugins
+            from tidal.rollout.episodes.process import register_plugins
 
             register_plugins(cfg.episodes.plugins)
         from tidal.rollout.tiny import load_tokenizer

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.core.protocol import SamplingParams
-from tidal.rollout.sampling import process_logits
+from tidal.rollout.engines.sampling import process_logits
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Any
 from tidal.core.episodes import NotAReward, real_reward
 from tidal.core.interfaces import GenerationResult, Task
 from tidal.core.plugins import registry
-from tidal.rollout.worker_config import WorkerConfig
+from tidal.rollout.worker.config import WorkerConfig
 
 
 class SampleError(Exception):

@@ -123,7 +123,7 @@ def _base(worker: str, kind: str, domain: str, group_id: str, episode_id: str, s
 
 
 def episode_record(run: Any, worker: str, domain: str, error_kind: str = "", error: str = "") -> dict[str, Any]:
-    """The transcript of one multi-turn episode (a `tidal.rollout.multiturn.EpisodeRun`), finished or failed."""
+    """The transcript of one multi-turn episode (a `tidal.rollout.episodes.multiturn.EpisodeRun`), finished or failed."""
     rewards = [r for seg in run.segments for r in seg.step_rewards]
     versions = list(getattr(run, "turn_versions", []))
     span = _span([v for seg in run.segments for v in seg.versions])

@@ -1,6 +1,6 @@
 """Multi-turn samples: the rollout worker's side of an episode, token-in/token-out.
 
-Each sample of an episodic group is one episode, run in an environment process (`tidal.rollout.envpool`).
+Each sample of an episodic group is one episode, run in an environment process (`tidal.rollout.episodes.pool`).
 The worker owns the sample's tokens: the prompt its renderer made from the first observation, then for
 each turn the tokens the engine sampled (trained: loss mask 1, the sampler's logprobs and versions) and
 the tokens the renderer appended for the environment's answer (not trained: loss mask 0, logprob 0,
@@ -307,7 +307,7 @@ class MultiTurn:
         """(stop token ids, stop strings), once per distinct set: every turn of every sample asks."""
         key = tuple(dict.fromkeys(stops))
         if key not in self._stops:
-            from tidal.rollout.stops import split_stops
+            from tidal.rollout.engines.stops import split_stops
 
             self._stops[key] = split_stops(self.tokenizer, key)
         return self._stops[key]
@@ -460,7 +460,7 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any]
     """A rollout worker's multi-turn driver: its environment processes started (every domain it may be
     asked for: `domains` (DomainSpec) and `envs`), its renderer built per sample, checked once."""
     from tidal.core.plugins import registry
-    from tidal.rollout.envpool import EnvPool
+    from tidal.rollout.episodes.pool import EnvPool
 
     specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in domains.items()}
     specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
@@ -483,7 +483,7 @@ def _check_renderer(worker: str, name: str, mt: MultiTurn, make: Callable[[], An
     """The startup check: does the renderer extend sampled tokens exactly for this model's tokenizer?
     Where it cannot, samples split (counted); where the tokenizer would merge tokens differently across
     a turn boundary, the model sees token sequences it never saw in one piece. Either is logged once."""
-    from tidal.rollout.renderers import check_renderer
+    from tidal.rollout.episodes.renderers import check_renderer
 
     try:
         problems = check_renderer(make, tokenizer)
