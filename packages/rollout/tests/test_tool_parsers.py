@@ -8,7 +8,7 @@ import pytest
 from tidal.core.episodes import ToolCall, ToolResult
 from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
-from tidal.rollout.tools.parsers import JsonParser, TagParser
+from tidal.core.toolparsers import JsonParser, TagParser
 
 
 def test_tags_read_a_call_with_its_argument_and_raw_text() -> None:

@@ -3,32 +3,35 @@
 The model is told the range and guesses; the environment answers "Higher." or "Lower." until the
 guess is right or the turns run out. Each guess that comes closer than any before earns a small step
 reward (`step_reward` times the share of the range it closed); the outcome is 1.0 when the number was
-found, else 0.0. The model may call the ``hint`` tool (declared with a `ToolSpec`, run by the
-environment itself) once per episode to learn whether the number is even or odd::
+found, else 0.0. The model may call the ``hint`` tool (a `Tool` of the episode's own, declared with a
+`ToolSpec`) once per episode to learn whether the number is even or odd::
 
     <tool_call>{"name": "hint", "arguments": {}}</tool_call>
 
-The episode implements tidal-core's `Episode` protocol; nothing here imports tidal-rollout.
+Tool calls are read and answered by tidal-core's `ToolEnvironment` base (`tidal.core.toolenv`, with the
+``json`` parser of `tidal.core.toolparsers`); this module adds the game: an action without a call is a
+guess (`GuessEpisode.answer`). Nothing here imports tidal-rollout.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from tidal.core.episodes import AGENT, Observation, StepResult
+from tidal.core.episodes import Observation, StepResult, ToolResult
 from tidal.core.interfaces import Task
 from tidal.core.protocol import ChatMessage, ToolSpec
+from tidal.core.toolenv import ToolEnvironment, ToolEpisode
+from tidal.core.toolparsers import JsonParser
 
 HINT = ToolSpec(
     name="hint",
     description="Says whether the secret number is even or odd. Usable once per game.",
     parameters={"type": "object", "properties": {}},
 )
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -36,31 +39,37 @@ def _user(text: str) -> Observation:
     return Observation(messages=[ChatMessage(role="user", content=text)])
 
 
-class GuessEpisode:
-    """One game: single use, stepped by one driver."""
+class Hint:
+    """The ``hint`` tool of one game: the parity of its secret, once."""
 
-    tools = (HINT,)
-    roles = (AGENT,)
-    stop = ("</tool_call>",)  # a turn that calls the hint tool ends on its closing tag
+    spec = HINT
 
-    def __init__(self, task: Task, low: int, high: int, step_reward: float) -> None:
-        self.task, self.low, self.high, self.step_reward = task, low, high, step_reward
+    def __init__(self, secret: int) -> None:
+        self.secret, self.used = secret, False
+
+    def run(self, arguments: Mapping[str, Any]) -> ToolResult:
+        if self.used:
+            return ToolResult(content="the hint was already used", error="used")
+        self.used = True
+        return ToolResult(content=f"The number is {'even' if self.secret % 2 == 0 else 'odd'}.")
+
+
+class GuessEpisode(ToolEpisode):
+    """One game: single use, stepped by one driver. The base answers tool calls; `answer` plays a guess."""
+
+    env: GuessNumber
+
+    def __init__(self, env: GuessNumber, task: Task) -> None:
+        self.low, self.high, self.step_reward = env.low, env.high, env.step_reward
         self.secret = int(task.answer)
-        if not low <= self.secret <= high:
-            raise ValueError(f"the task's answer {self.secret} is outside [{low}, {high}]")
-        self.best = high - low + 1  # distance of the closest guess so far
+        if not self.low <= self.secret <= self.high:
+            raise ValueError(f"the task's answer {self.secret} is outside [{self.low}, {self.high}]")
+        super().__init__(env, task, tools=[Hint(self.secret)])
+        self.best = self.high - self.low + 1  # distance of the closest guess so far
         self.guesses = 0  # readable guesses (the number of tries a found number took)
-        self.moves = 0  # every step, unreadable ones included: a game whose moves never guessed is lost
-        self.hinted = self.found = False
+        self.found = False
 
-    def reset(self) -> Observation:
-        return _user(self.task.prompt or prompt(self.low, self.high))
-
-    def step(self, action: str, role: str = AGENT) -> StepResult:
-        self.moves += 1
-        call = _CALL.search(action)
-        if call is not None:
-            return self._tool(call.group(1))
+    def answer(self, action: str) -> StepResult:
         numbers = _NUMBER.findall(action)
         if not numbers:
             return StepResult(observation=_user(f"Answer with one integer from {self.low} to {self.high}."),
@@ -76,34 +85,13 @@ class GuessEpisode:
             reward = self.step_reward * (self.best - distance) / (self.high - self.low + 1)
             self.best = distance
         if distance == 0:
-            self.found = True
+            self.found = self.done = True
             return StepResult(reward=reward, done=True, info={"guesses": float(self.guesses)})
         return StepResult(reward=reward, observation=_user("Higher." if guess < self.secret else "Lower."))
 
-    def _tool(self, body: str) -> StepResult:
-        try:
-            call = json.loads(body)
-            name = call["name"]
-        except (ValueError, KeyError, TypeError) as e:
-            return self._tool_answer("hint", f"error: cannot read the tool call ({e}); write "
-                                             f'<tool_call>{{"name": "hint", "arguments": {{}}}}</tool_call>',
-                                     {"invalid_calls": 1.0})
-        if name != HINT.name:
-            return self._tool_answer(str(name), f"error: there is no tool {name!r}; the only tool is hint",
-                                     {"invalid_calls": 1.0})
-        if self.hinted:
-            return self._tool_answer("hint", "error: the hint was already used", {"tool_calls": 1.0, "tool_errors": 1.0})
-        self.hinted = True
-        return self._tool_answer("hint", f"The number is {'even' if self.secret % 2 == 0 else 'odd'}.",
-                                 {"tool_calls": 1.0})
-
-    @staticmethod
-    def _tool_answer(name: str, content: str, info: dict[str, float]) -> StepResult:
-        return StepResult(observation=Observation(messages=[ChatMessage(role="tool", name=name, content=content)]),
-                          info=info)
-
     def outcome(self) -> float:
-        if self.moves == 0:
+        # every step counts as a move (`turns`), unreadable ones included: a game never played has no outcome
+        if self.turns == 0:
             raise RuntimeError("outcome() of a game without a single move")
         return 1.0 if self.found else 0.0
 
@@ -114,7 +102,7 @@ def prompt(low: int, high: int) -> str:
             f'<tool_call>{{"name": "hint", "arguments": {{}}}}</tool_call>')
 
 
-class GuessNumber:
+class GuessNumber(ToolEnvironment):
     """The environment (`tidal.core.episodes.EpisodicEnvironment`): tasks, and an episode per sample.
 
     `max_turns` defaults to what bisection needs plus one for the hint and one to spare. Held-out
@@ -126,7 +114,9 @@ class GuessNumber:
         if high <= low:
             raise ValueError(f"need low < high, got [{low}, {high}]")
         self.low, self.high, self.step_reward, self.eval_size = low, high, step_reward, eval_size
-        self.max_turns = max_turns or math.ceil(math.log2(high - low + 1)) + 2
+        # a turn that calls the hint tool ends on its closing tag
+        super().__init__(parser=JsonParser(stop_after_call=True),
+                         max_turns=max_turns or math.ceil(math.log2(high - low + 1)) + 2)
 
     def tasks(self, split: str, seed: int) -> Iterator[Task]:
         if split not in ("train", "eval"):
@@ -138,5 +128,8 @@ class GuessNumber:
             yield Task(prompt=prompt(self.low, self.high), answer=str(rng.randint(self.low, self.high)),
                        domain="guess_number", metadata={"low": str(self.low), "high": str(self.high)})
 
+    def prompt(self, task: Task) -> str:
+        return task.prompt or prompt(self.low, self.high)
+
     def episode(self, task: Task) -> GuessEpisode:
-        return GuessEpisode(task, self.low, self.high, self.step_reward)
+        return GuessEpisode(self, task)

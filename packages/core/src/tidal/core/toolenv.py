@@ -2,11 +2,17 @@
 
 A subclass poses tasks (`tasks`) and checks final answers (`verify`); the base does the rest. Each
 episode shows the task as a user message (`prompt`); every action is parsed by the configured tool-call
-parser (plugin kind ``tool_parser``, built by name through the registry), each call runs with the tool of
-that name (plugin kind ``tool``) and comes back as a ``tool`` message whose content is the parser's
-`format_result`. An action without a call is the final answer (done); so is the action that reaches
-`max_turns`, whatever it holds (its calls are not run: nobody would read the results). `outcome()` is
-``verify(task, final_text)``; a verifier that raises propagates, for the caller to count as an error.
+parser (plugin kind ``tool_parser``, built by name through the registry, or a parser object such as
+`tidal.core.toolparsers.JsonParser`), each call runs with the tool of that name (plugin kind ``tool``, or
+a tool object an episode brings: `ToolEpisode(env, task, tools=[...])`) and comes back as a ``tool``
+message whose content is the parser's `format_result`. An action without a call is the final answer
+(done; an episode whose other actions are moves of a game overrides `ToolEpisode.answer`); so is the
+action that reaches `max_turns`, whatever it holds (its calls are not run: nobody would read the
+results). `outcome()` is ``verify(task, final_text)``; a verifier that raises propagates, for the caller
+to count as an error.
+
+Only tidal-core is needed: a package outside Tidal subclasses it without tidal-rollout (engines, torch);
+see examples/tidal-env-guess.
 
 Step counters (`StepResult.info`): ``tool_calls`` (calls parsed), ``tool_errors`` (results with an error,
 unknown tools included), ``invalid_calls`` (a call the parser could not read, or one naming no tool),
@@ -17,7 +23,7 @@ unknown tools included), ``invalid_calls`` (a call the parser could not read, or
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tidal.core.episodes import AGENT, Observation, StepResult, Tool, ToolCall, ToolParser, ToolResult
@@ -30,14 +36,20 @@ class ToolEnvironment(ABC):
     """An `EpisodicEnvironment` whose episodes may call `tools` ({plugin name: options}) through the
     `parser` plugin (with `parser_options`)."""
 
-    def __init__(self, *, tools: dict[str, dict[str, Any]] | None = None, parser: str = "tags",
+    def __init__(self, *, tools: dict[str, dict[str, Any]] | None = None, parser: str | ToolParser = "tags",
                  parser_options: dict[str, Any] | None = None, max_turns: int = 4,
                  valid_call_reward: float = 0.0) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns is the number of actions an episode allows, at least 1, got {max_turns}")
         self.max_turns = max_turns
         self.valid_call_reward = valid_call_reward
-        self.parser: ToolParser = registry.build("tool_parser", parser, parser_options or {}, field="parser")
+        if isinstance(parser, str):
+            self.parser: ToolParser = registry.build("tool_parser", parser, parser_options or {}, field="parser")
+        elif parser_options:
+            raise ValueError(f"parser_options {parser_options!r} are for a parser named by its plugin name; "
+                             f"the parser given is already built ({type(parser).__name__})")
+        else:
+            self.parser = parser
         self.tools: dict[str, Tool] = {}  # by the name the model calls (the spec's), not the plugin's
         for name, options in (tools or {}).items():
             tool = registry.build("tool", name, options, field=f"tools.{name}")
@@ -46,9 +58,10 @@ class ToolEnvironment(ABC):
     @abstractmethod
     def tasks(self, split: str, seed: int) -> Iterator[Task]: ...
 
-    @abstractmethod
     def verify(self, task: Task, final_text: str) -> float:
         """The reward of the episode's final text (raises when it cannot tell)."""
+        raise NotImplementedError(f"{type(self).__name__} scores final answers: implement verify(task, final_text), "
+                                  f"or override ToolEpisode.outcome for an episode scored otherwise")
 
     def prompt(self, task: Task) -> str:
         """The user message that opens an episode."""
@@ -63,10 +76,12 @@ class ToolEpisode:
 
     roles = (AGENT,)
 
-    def __init__(self, env: ToolEnvironment, task: Task) -> None:
+    def __init__(self, env: ToolEnvironment, task: Task, tools: Sequence[Tool] = ()) -> None:
         self.env, self.task = env, task
-        self.tools: list[ToolSpec] = [tool.spec for tool in env.tools.values()]
-        self.stop: list[str] = list(env.parser.stop) if env.tools else []  # a turn ends on a call's closing tag
+        # the environment's tools, and any this episode brings (a tool holding the episode's state)
+        self.by_name: dict[str, Tool] = {**env.tools, **{tool.spec.name: tool for tool in tools}}
+        self.tools: list[ToolSpec] = [tool.spec for tool in self.by_name.values()]
+        self.stop: list[str] = list(env.parser.stop) if self.by_name else []  # a turn ends on a call's closing tag
         self.turns = 0
         self.done = False
         self.final_text: str | None = None
@@ -91,15 +106,15 @@ class ToolEpisode:
             return StepResult(observation=Observation(messages=[ChatMessage(role="tool", content=shown)]),
                               info={"tool_calls": 0.0, "tool_errors": 0.0, "invalid_calls": 1.0})
         if not calls:
-            return self._finish(action, {"tool_calls": 0.0, "tool_errors": 0.0, "invalid_calls": 0.0})
+            return self.answer(action)
         if last:
             return self._finish(action, {"tool_calls": 0.0, "tool_errors": 0.0, "invalid_calls": 0.0,
                                          "unanswered_calls": float(len(calls))})
         messages, errors, invalid, seconds = [], 0, 0, 0.0
         for call in calls:
-            tool = self.env.tools.get(call.name)
+            tool = self.by_name.get(call.name)
             if tool is None:
-                known = ", ".join(self.env.tools) or "none"
+                known = ", ".join(self.by_name) or "none"
                 result = ToolResult(content=f"no tool named {call.name}; the tools are: {known}", error="unknown_tool")
                 invalid += 1
             else:
@@ -111,6 +126,11 @@ class ToolEpisode:
                           reward=self.env.valid_call_reward if errors == 0 else 0.0,
                           info={"tool_calls": float(len(calls)), "tool_errors": float(errors),
                                 "invalid_calls": float(invalid), "tool_seconds": seconds})
+
+    def answer(self, action: str) -> StepResult:
+        """An action without a tool call: the final answer (done; `outcome()` verifies it). An episode
+        whose actions without a call are moves (a guess the environment answers) overrides this."""
+        return self._finish(action, {"tool_calls": 0.0, "tool_errors": 0.0, "invalid_calls": 0.0})
 
     def _finish(self, action: str, info: dict[str, float]) -> StepResult:
         self.done, self.final_text = True, action

@@ -77,18 +77,18 @@ def python_tool(**options: Any) -> Any:
     return PythonTool(**options)
 
 
-@declare(signature="tidal.rollout.tools.parsers:TagParser")
+@declare(signature="tidal.core.toolparsers:TagParser")
 def tags(**options: Any) -> Any:
     """``<calc>347*58</calc>`` tool calls (a format a char-level model learns)."""
-    from tidal.rollout.tools.parsers import TagParser
+    from tidal.core.toolparsers import TagParser
 
     return TagParser(**options)
 
 
-@declare(signature="tidal.rollout.tools.parsers:JsonParser")
+@declare(signature="tidal.core.toolparsers:JsonParser")
 def json_calls(**options: Any) -> Any:
     """Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` tool calls."""
-    from tidal.rollout.tools.parsers import JsonParser
+    from tidal.core.toolparsers import JsonParser
 
     return JsonParser(**options)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from tidal.core.interfaces import Task
 from tidal.core.toolenv import ToolEnvironment
+from tidal.core.toolparsers import TagParser
 from tidal.rollout.envs.tasks import _stream
 from tidal.rollout.tools.calculator import Calculator
-from tidal.rollout.tools.parsers import TagParser
 
 TAGS = {"calc": ["calculator", "expression"]}  # the one tag of the task
 SEPARATOR = "\n"  # what the plain renderer writes after each tool message

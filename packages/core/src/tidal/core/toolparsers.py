@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
 from tidal.core.episodes import ToolCall, ToolResult
 
@@ -37,7 +38,7 @@ class TagParser:
             self.tags[tag] = (target[0], target[1])
         names = "|".join(re.escape(t) for t in self.tags)
         self._open = re.compile(f"<({names})>")
-        self.stop = [f"</{tag}>" for tag in self.tags]
+        self.stop: Sequence[str] = [f"</{tag}>" for tag in self.tags]
 
     def parse(self, text: str) -> list[ToolCall]:
         calls, at = [], 0
@@ -64,7 +65,7 @@ class JsonParser:
 
     def __init__(self, stop_after_call: bool = False) -> None:
         # a turn usually ends at the template's end of turn; stopping at the first call allows only one
-        self.stop = [self.CLOSE] if stop_after_call else []
+        self.stop: Sequence[str] = [self.CLOSE] if stop_after_call else []
 
     def parse(self, text: str) -> list[ToolCall]:
         calls, at = [], 0
