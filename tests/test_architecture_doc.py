@@ -82,25 +82,33 @@ def defined(path: str, name: str) -> bool:
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == member for n in node.body)
 
 
+def where(text: str, token: str) -> str:
+    """`token` with the doc's line numbers where it is written in backticks (alone, or before `::`)."""
+    lines = [str(i) for i, line in enumerate(text.splitlines(), 1) if f"`{token}`" in line or f"`{token}::" in line]
+    return f"{token} (line {', '.join(lines)})" if lines else token
+
+
 def test_the_doc_names_references():
     paths, names = references(DOC.read_text(encoding="utf-8"))
     assert len(paths) > 40 and len(names) > 60, "the reference extraction found too little: is the format still `path::Name`?"
 
 
 def test_every_path_the_doc_names_exists():
-    paths, _ = references(DOC.read_text(encoding="utf-8"))
-    missing = [p for p in paths if not (ROOT / p).exists() or (p.endswith("/") and not (ROOT / p).is_dir())]
+    text = DOC.read_text(encoding="utf-8")
+    paths, _ = references(text)
+    missing = [where(text, p) for p in paths if not (ROOT / p).exists() or (p.endswith("/") and not (ROOT / p).is_dir())]
     assert not missing, "docs/architecture.md names paths that do not exist:\n  " + "\n  ".join(missing)
 
 
 def test_every_name_the_doc_names_is_defined_where_it_says():
-    _, names = references(DOC.read_text(encoding="utf-8"))
+    text = DOC.read_text(encoding="utf-8")
+    _, names = references(text)
     wrong = []
     for path, name in names:
         if not path.endswith(".py") or not (ROOT / path).is_file():
-            wrong.append(f"{path}::{name} (no such Python file)")
+            wrong.append(f"{where(text, f'{path}::{name}')}: no such Python file")
         elif not defined(path, name):
-            wrong.append(f"{path}::{name} (not defined in that file)")
+            wrong.append(f"{where(text, f'{path}::{name}')}: not defined in that file")
     assert not wrong, "docs/architecture.md names definitions that are not there:\n  " + "\n  ".join(wrong)
 
 
@@ -120,11 +128,12 @@ def short_forms(text: str) -> list[tuple[str, str]]:
 
 
 def test_every_short_form_names_a_method_of_its_class():
-    found = short_forms(DOC.read_text(encoding="utf-8"))
+    text = DOC.read_text(encoding="utf-8")
+    found = short_forms(text)
     by_token: dict[str, bool] = {}
     for path, token in found:  # a class name defined in several referenced files: one of them will do
         by_token[token] = by_token.get(token, False) or defined(path, token)
-    wrong = sorted(t for t, ok in by_token.items() if not ok)
+    wrong = sorted(where(text, t) for t, ok in by_token.items() if not ok)
     assert not wrong, "docs/architecture.md names methods its classes do not have:\n  " + "\n  ".join(wrong)
 
 
