@@ -266,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "loop; 2 on more), the buffer, the learner and the controller as real processes: about 1 minute "
                     "on 2 CPU cores, most of it the warm start. Prints held-out accuracy before and after and the "
                     "report's path; the trained model is written to OUT/run/model.",
-        epilog="Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), model_build.* (hidden, "
-               "layers, ...) and sft.* (steps, batch, lr).")
+        epilog="Its RL phase is the recipe integration/recipes/arithmetic.toml (tools.toml with --task tools), "
+               "shipped in the package. Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), "
+               "model_build.* (hidden, layers, ...) and sft.* (steps, batch, lr).")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools"],
                    help="arithmetic (single turn, the default) or tools: multi-turn episodes where the model learns "
