@@ -7,6 +7,8 @@ import importlib.metadata
 import os
 import sys
 
+import msgspec
+
 from tidal.core.plugins import KINDS, registry
 from tidal.core.protocol import PROTOCOL_VERSION
 
@@ -103,8 +105,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     if args.check:  # every check a run makes before it starts anything: passed; the config it would run
-        import msgspec
-
         print(msgspec.json.format(msgspec.json.encode(cfg)).decode())
         print(f"tidal run --check: {resume or args.recipe} is valid; nothing was started", file=sys.stderr)
         return 0
