@@ -4,9 +4,11 @@ starts, through `tidal run --check`; a new recipe file is covered by being there
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import msgspec
@@ -71,3 +73,23 @@ def test_run_check_prints_the_effective_config_and_refuses_a_bad_override_in_one
     error = [line for line in out.stderr.splitlines() if line.startswith("tidal run: ")]
     assert len(error) == 1 and "learner.train.loss.name" in error[0] and "Did you mean 'ppo'" in error[0], out.stderr
     assert "--check" in tidal("run", "--help", cwd=tmp_path).stdout
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_recipes_and_the_demo_reads_them_there(tmp_path):
+    """Installed from its wheel, `tidal demo` has no checkout to read integration/recipes/ from."""
+    uv = shutil.which("uv") or "uv"
+    subprocess.run([uv, "build", "--quiet", "--wheel", "--package", "tidal", "--out-dir", str(tmp_path / "dist")],
+                   check=True, capture_output=True, text=True, cwd=RECIPES[0].parents[2], timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("tidal-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path / "site")
+    shipped = sorted(p.name for p in (tmp_path / "site" / "tidal" / "integration" / "recipes").glob("*.toml"))
+    assert shipped == [p.name for p in RECIPES]
+    code = ("from pathlib import Path; from tidal.integration.demo import demo_config; "
+            "from tidal.integration.recipe import recipes_dir; "
+            "print(recipes_dir()); print(demo_config(Path('out'), [], 'tools')[0].domains[0].env)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(tmp_path / "site" / "tidal" / "integration" / "recipes"), "multiply"]
