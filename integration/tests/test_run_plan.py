@@ -21,12 +21,12 @@ def test_cores_are_shared_by_load_and_never_oversubscribed():
         assert learner + 3 * worker <= cores
 
 
-def test_the_demo_runs_one_worker_on_two_cores_and_two_on_more():
-    from tidal.integration.demo import DEMO, TOOLS_DEMO, demo_workers
+def test_the_demo_runs_one_worker_on_two_cores_and_two_on_more(tmp_path):
+    from tidal.integration.demo import demo_config, demo_workers
 
     assert [demo_workers(c) for c in (1, 2, 3, 16)] == [1, 1, 2, 2]  # 2 cores: learner + 1 worker, no third process
-    assert DEMO["workers"] == demo_workers()  # this machine's
-    assert TOOLS_DEMO["workers"] == 2
+    assert demo_config(tmp_path, [])[0].workers == demo_workers()  # this machine's
+    assert demo_config(tmp_path, [], "tools")[0].workers == 2
 
 
 @pytest.mark.parametrize("override, names", [

@@ -7,6 +7,8 @@ import importlib.metadata
 import os
 import sys
 
+import msgspec
+
 from tidal.core.plugins import KINDS, registry
 from tidal.core.protocol import PROTOCOL_VERSION
 
@@ -102,6 +104,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (ConfigError, PluginNotFound, PluginError) as e:  # PluginError: the pre-flight's first task is unusable
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
+    if args.check:  # every check a run makes before it starts anything: passed; the config it would run
+        print(msgspec.json.format(msgspec.json.encode(cfg)).decode())
+        print(f"tidal run --check: {resume or args.recipe} is valid; nothing was started", file=sys.stderr)
+        return 0
     try:
         result = run(cfg, run_dir=resume, nproc_learner=args.nproc, resume=resume is not None, overrides=overrides)
     except (ConfigError, PluginNotFound, PluginError, RunFolderBusy) as e:  # before any role started
@@ -240,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", default="", help="the run's TOML recipe (see integration/recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top of the recipe")
     p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed) on this machine")
+    p.add_argument("--check", action="store_true",
+                   help="check the recipe and overrides as a run does before it starts (fields, values, plugins "
+                        "and their options, each domain's first task, model folders), print the effective config "
+                        "as JSON (what the run writes to RUN_DIR/config.json) and exit: nothing is started, no run "
+                        "folder made. A mistake exits 2 with its message")
     p.add_argument("--resume", metavar="RUN_DIR", default="",
                    help="continue the run in RUN_DIR (interrupted, stalled, failed, or its driver killed): its "
                         "recipe from RUN_DIR/config.json, overrides applied on top and recorded; versions, group "
@@ -255,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "loop; 2 on more), the buffer, the learner and the controller as real processes: about 1 minute "
                     "on 2 CPU cores, most of it the warm start. Prints held-out accuracy before and after and the "
                     "report's path; the trained model is written to OUT/run/model.",
-        epilog="Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), model_build.* (hidden, "
-               "layers, ...) and sft.* (steps, batch, lr).")
+        epilog="Its RL phase is the recipe integration/recipes/arithmetic.toml (tools.toml with --task tools), "
+               "shipped in the package. Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), "
+               "model_build.* (hidden, layers, ...) and sft.* (steps, batch, lr).")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools"],
                    help="arithmetic (single turn, the default) or tools: multi-turn episodes where the model learns "

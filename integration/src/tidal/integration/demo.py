@@ -26,12 +26,12 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from tidal.core.config import apply_overrides, convert, to_dict
-from tidal.integration.recipe import RunConfig, check
+from tidal.core.config import apply_overrides, load_config, parse_override, to_dict
+from tidal.integration.recipe import RunConfig, check, recipes_dir
 
 log = logging.getLogger("tidal.demo")
 
@@ -46,52 +46,31 @@ def demo_workers(cores: int = 0) -> int:
     return 1 if cores <= 2 else 2
 
 
-# The demo's model, warm start and recipe. Everything can be overridden from the command line:
-# `tidal demo budget.versions=40 sft.steps=200`.
-DEMO: dict = {
-    "name": "demo",
-    "seed": 0,
-    "group_size": 8,
-    "batch_groups": 8,
-    "max_staleness": 2,
-    "workers": demo_workers(),
-    "domains": [{"env": "arithmetic", "options": {"level": 5}}],
-    "sampling": {"temperature": 1.0, "max_tokens": 6, "stop": ["\n"]},
-    "eval": {"every": 10, "size": 200, "temperature": 0.0},  # level 5 holds out ~180 problems: all of them
-    "budget": {"versions": 120, "minutes": 8.0},
-    "monitor": {"log_every_s": 2.0},  # progress lines when the output is not a terminal
-    # 16 groups per worker: engine steps of up to 128 sequences, where a tiny model's step costs about
-    # what 64 do (vs_trl: async 1.03k -> 1.1-1.3k samples/s against 8); the depth gate still bounds lag
-    "rollout": {"max_groups": 16, "heartbeat_interval_s": 1.0, "metrics_interval_s": 2.0,
-                "engine": {"name": "embedded", "options": {"max_num_seqs": 128}}},
-    "buffer": {"fsync": "never"},
-    "learner": {
-        "train": {"loss": {"name": "ppo", "options": {"clip_low": 0.2, "clip_high": 0.28}},
-                  "advantage": {"name": "grpo"}, "correction": {"name": "tis", "options": {"cap": 2.0}}},
-        "backend_options": {"optim": {"lr": 1e-4}},
-        "checkpoint_every": 10,
-        "weights": {"transport": "zmq", "final_wait_s": 60.0},
-    },
-}
+# The demo's warm start: the tiny model it builds and its SFT. Its RL phase is the task's recipe,
+# integration/recipes/<task>.toml, as `tidal run` reads it. Everything can be overridden from the command
+# line: `tidal demo budget.versions=40 sft.steps=200 model_build.hidden=64`.
 DEMO_MODEL = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 DEMO_SFT = {"steps": 1000, "batch": 64, "lr": 1e-3, "carry_slip": 0.6}
-
-
-# The agentic variant (`tidal demo --task tools`): the same loop on multi-turn episodes with a calculator.
-TOOLS_DEMO: dict = {
-    **DEMO,
-    "name": "demo-tools",
-    "workers": 2,  # its episodes also run in environment processes; 1 worker was not measured here
-    "domains": [{"env": "multiply", "options": {}}],
-    # a turn is a tool call (<calc>347*58</calc>, 19 tokens; it ends on the closing tag) or the answer
-    "sampling": {"temperature": 1.0, "max_tokens": 24, "stop": ["\n"]},
-    "budget": {"versions": 100, "minutes": 7.0},
-    "rollout": {**DEMO["rollout"], "episodes": {"renderer": {"name": "plain"}, "processes": 2, "max_tokens": 96}},
-}
 TOOLS_MODEL = {**DEMO_MODEL, "alphabet": "TOOL_ALPHABET"}  # the char alphabet plus < > _ (tidal.rollout.tiny)
 TOOLS_SFT = {"steps": 600, "batch": 64, "lr": 1e-3, "tool_rate": 0.2}
-TASKS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
-    "arithmetic": (DEMO, DEMO_MODEL, DEMO_SFT), "tools": (TOOLS_DEMO, TOOLS_MODEL, TOOLS_SFT)}
+
+
+class DemoTask(NamedTuple):
+    recipe: str  # its file in integration/recipes/
+    model: dict[str, Any]  # build_tiny_model's options
+    sft: dict[str, Any]  # SFTConfig's, plus the demonstrator's (carry_slip, tool_rate)
+
+
+TASKS = {"arithmetic": DemoTask("arithmetic.toml", DEMO_MODEL, DEMO_SFT),
+         "tools": DemoTask("tools.toml", TOOLS_MODEL, TOOLS_SFT)}
+
+
+def demo_overrides(task: str) -> list[str]:
+    """What the demo sets on top of its recipe, before the user's overrides."""
+    if task == "arithmetic":
+        # the demo's run is named for it; its worker count follows this machine (demo_workers)
+        return ['name="demo"', f"workers={demo_workers()}"]
+    return ['name="demo-tools"']  # its recipe's 2 workers: its episodes also run in environment processes
 
 
 class DemoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,15 +79,17 @@ class DemoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tuple[RunConfig, DemoOptions]:
+    """The task's recipe with the demo's and then the user's overrides (those of model_build.* and sft.*
+    go to the warm start); the model is the warm start's, the run folder OUT/run unless run_dir is given."""
     if task not in TASKS:
         raise ValueError(f"--task {task!r}: the demo has tasks {', '.join(TASKS)}")
-    recipe, model, warm = TASKS[task]
-    data = {**msgspec.json.decode(msgspec.json.encode(recipe)), "model_build": dict(model), "sft": dict(warm)}
-    apply_overrides(data, overrides)
-    opts = DemoOptions(model=data.pop("model_build"), sft=data.pop("sft"))
-    data.setdefault("run_dir", str(out / "run"))
-    data["model"] = str(out / "model-sft")
-    return convert(data, RunConfig, source="tidal demo"), opts
+    t = TASKS[task]
+    ours = [o for o in overrides if parse_override(o)[0][0] in ("model_build", "sft")]
+    warm = apply_overrides({"model_build": dict(t.model), "sft": dict(t.sft)}, ours)
+    opts = DemoOptions(model=warm["model_build"], sft=warm["sft"])
+    recipe = [o for o in overrides if o not in ours]
+    cfg = load_config(recipes_dir() / t.recipe, RunConfig, [*demo_overrides(task), *recipe])
+    return msgspec.structs.replace(cfg, model=str(out / "model-sft"), run_dir=cfg.run_dir or str(out / "run")), opts
 
 
 def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic") -> int:

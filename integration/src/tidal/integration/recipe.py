@@ -142,6 +142,13 @@ class RunConfig(ConfigStruct):
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+def recipes_dir() -> Path:
+    """The recipes that ship with tidal: integration/recipes/ in a checkout (an editable install reads them
+    there), copied into the wheel as tidal/integration/recipes/ (integration/pyproject.toml, force-include)."""
+    packaged = Path(__file__).parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[3] / "recipes"
+
+
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     cfg = load_config(path, RunConfig, overrides)
     check(cfg)
