@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -328,20 +329,8 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
-    try:
-        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
-    except Exception as e:
-        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
-                              "budget_versions": cfg.budget.versions})
-        raise
-    sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
-    if point is not None:  # elapsed time and versions carry on; the resume is marked on the time axis
-        sink.t0 -= point.elapsed_s
-        sink.version = point.version
-        sink(Metrics(source="driver", step=point.version, time=time.time(),
-                     scalars={"event/resume": 1.0, "resume/version": float(point.version), "resume/elapsed_s": point.elapsed_s,
-                              "resume/next_group": float(point.next_group),
-                              "resume/gate_accepted": float(point.accepted)}))
+    launcher = _launcher(cfg, run_dir)
+    sink = _metrics_sink(cfg, run_dir, point)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
         controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"],
@@ -378,6 +367,33 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
         sink.close()
         for s, h in old.items():
             signal.signal(s, h)
+    return _run_result(run_dir, sup, controller)
+
+
+def _launcher(cfg: RunConfig, run_dir: Path) -> Any:
+    """The recipe's launcher; one that cannot be made is recorded in final.json."""
+    try:
+        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    except Exception as e:
+        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
+                              "budget_versions": cfg.budget.versions})
+        raise
+    return launcher
+
+
+def _metrics_sink(cfg: RunConfig, run_dir: Path, point: ResumePoint | None) -> MetricsSink:
+    sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
+    if point is not None:  # elapsed time and versions carry on; the resume is marked on the time axis
+        sink.t0 -= point.elapsed_s
+        sink.version = point.version
+        sink(Metrics(source="driver", step=point.version, time=time.time(),
+                     scalars={"event/resume": 1.0, "resume/version": float(point.version), "resume/elapsed_s": point.elapsed_s,
+                              "resume/next_group": float(point.next_group),
+                              "resume/gate_accepted": float(point.accepted)}))
+    return sink
+
+
+def _run_result(run_dir: Path, sup: Supervisor, controller: Controller) -> RunResult:
     samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
     worker_up = sup.rl_start or 0.0
     rl_start = max(worker_up, controller.learner_up_at) if worker_up else 0.0
