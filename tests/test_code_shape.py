@@ -42,19 +42,19 @@ def _unexplained_imports(path: Path) -> Iterator[str]:
     consecutive imports they belong to (one comment may explain a run)."""
     text = path.read_text()
     lines = text.splitlines()
-    for fn in _functions(ast.parse(text, str(path))):
-        imports = [n for n in ast.walk(fn) if isinstance(n, ast.Import | ast.ImportFrom)]
-        import_lines = {i for n in imports for i in range(n.lineno, n.end_lineno + 1)}  # type: ignore[operator]
-        for node in imports:
-            own = range(node.lineno, node.end_lineno + 1)  # type: ignore[operator]
-            if any("#" in lines[i - 1] for i in own):
-                continue
-            above = node.lineno - 1
-            while above in import_lines and "#" not in lines[above - 1]:
-                above -= 1
-            if above >= 1 and lines[above - 1].lstrip().startswith("#"):
-                continue
-            yield f"{path.relative_to(ROOT)}:{node.lineno} {lines[node.lineno - 1].strip()}"
+    nested = {n for fn in _functions(ast.parse(text, str(path))) for n in ast.walk(fn)}
+    imports = sorted((n for n in nested if isinstance(n, ast.Import | ast.ImportFrom)), key=lambda n: n.lineno)
+    import_lines = {i for n in imports for i in range(n.lineno, n.end_lineno + 1)}  # type: ignore[operator]
+    for node in imports:
+        own = range(node.lineno, node.end_lineno + 1)  # type: ignore[operator]
+        if any("#" in lines[i - 1] for i in own):
+            continue
+        above = node.lineno - 1
+        while above in import_lines and "#" not in lines[above - 1]:
+            above -= 1
+        if above >= 1 and lines[above - 1].lstrip().startswith("#"):
+            continue
+        yield f"{path.relative_to(ROOT)}:{node.lineno} {lines[node.lineno - 1].strip()}"
 
 
 def test_imports_inside_functions_say_why_they_are_not_at_the_top():
