@@ -263,7 +263,6 @@ class FSDP2Backend(_Backend):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.mixed_precision),
                                                        reduce_dtype=torch.float32)
         if self.mesh is not None:  # experts over "ep" then "dp"; the rest over dp × ep (tidal.moe_fsdp.fsdp)
-
             if (head := _value_head(module)) is not None:
                 fully_shard(head, mesh=self.mesh._flatten("dp_ep"), **kwargs)
             return shard_moe_model(module, self.mesh, mp_policy=kwargs.get("mp_policy"))
