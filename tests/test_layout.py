@@ -56,6 +56,15 @@ def test_import_contract_covers_every_package():
         assert any(set(c["source_modules"]) >= modules for c in up), "every package must be barred from tidal.integration"
 
 
+def test_import_cycles_are_forbidden_in_every_package():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    acyclic = [c for c in cfg["contracts"] if c["type"] == "acyclic_siblings"]
+    assert acyclic, "an acyclic_siblings contract must forbid import cycles inside the packages"
+    covered = {m for c in acyclic for m in c["ancestors"]}
+    missing = set(cfg["root_packages"]) - covered
+    assert not missing, f"import cycles are not forbidden in {sorted(missing)}: add them to the acyclic_siblings contract"
+
+
 def test_type_check_covers_every_package():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     sources = {f"packages/{p.name}/src" for p in PACKAGES} | {"integration/src"}

@@ -431,7 +431,7 @@ def test_every_transport_implements_the_declared_interface_and_others_are_refuse
     import importlib
 
     from tidal.weight_sync import ReceiverTransport, SenderTransport
-    from tidal.weight_sync.plugin import TRANSPORTS
+    from tidal.weight_sync.transports import TRANSPORTS
 
     for module, sender, receiver in TRANSPORTS.values():
         mod = importlib.import_module(f"tidal.weight_sync.{module}")

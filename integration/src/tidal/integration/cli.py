@@ -258,6 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs that folder; a completed run has nothing to resume unless budget.versions is raised")
     p.add_argument("--log-level", default=log_level)
     p.set_defaults(func=cmd_run)
+    _add_demo_command(sub)
+    _add_report_command(sub)
+    _add_status_command(sub)
+    _add_samples_command(sub)
+    _add_export_command(sub)
+    return parser
+
+
+def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo", help="build a tiny model, warm-start it with SFT, then run async GRPO on arithmetic "
                      "(CPU, about 1 minute on 2 cores)",
@@ -278,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(default runs/demo, or runs/demo-TASK)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=cmd_demo)
+
+
+def _add_report_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "report", help="write RUN_DIR/report.png and summary.json from its metrics.jsonl",
         description="Plot a run (finished, or still going) from its metrics.jsonl: RUN_DIR/report.png (training "
@@ -286,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "totals and every evaluation.")
     p.add_argument("run_dir", help="the run folder (what `tidal run` printed; runs/<name>-<date>-<time> by default)")
     p.set_defaults(func=cmd_report)
+
+
+def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status", help="a run's health and latest metrics (default: the newest under ./runs)",
         description="The run's state (running, interrupted, completed, stalled, failed: from final.json and "
@@ -296,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "RUN_DIR/metrics.jsonl. Works while the run goes on, from another terminal, and after it ended.")
     p.add_argument("run_dir", nargs="?", help="the run folder (default: the newest under ./runs)")
     p.set_defaults(func=cmd_status)
+
+
+def _add_samples_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "samples", help="print what the model wrote: transcripts the rollout workers sampled (RUN_DIR/samples)",
         description="Each rollout worker writes a sample of transcripts to RUN_DIR/samples/<worker>.jsonl: every "
@@ -313,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=5, help="how many, the newest (default 5; 0 = all)")
     p.add_argument("--json", action="store_true", help="the raw records, one JSON object a line")
     p.set_defaults(func=cmd_samples)
+
+
+def _add_export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model folder (transformers, vLLM)",
         description="Offline, without a running run: the weights of a kept checkpoint of RUN_DIR (its "
@@ -329,7 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "or best: the kept checkpoint whose version scored the highest held-out accuracy")
     p.add_argument("--out", default="", help="the folder to write (default RUN_DIR/model-<checkpoint>, e.g. model-latest)")
     p.set_defaults(func=cmd_export)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ and seeds, so the buffer deduplicates whatever the dead worker had already deliv
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -48,6 +49,7 @@ from tidal.core.protocol import (
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.drops import Drops
+from tidal.integration.learner.best import pin_best
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.engines.stops import split_stops
@@ -139,45 +141,11 @@ class Controller:
         self.resume = resume
         self.tok = tokenizer
         self.emit = emit
-        # with the run's keys: only its rollout workers get in (refusals counted: auth/refused), and the
-        # subscriptions trust only the learner's and the buffer's keys
-        sec = security or ChannelSecurity()
-        self.auth = AuthGuard()
-        self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0,
-                         curve=sec.server(["rollout"], self.auth, "controller"))
-        self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0, curve=sec.client("learner"))
-        self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0, curve=sec.client("buffer"))
-        self.protocol_errors: dict[str, int] = {}  # malformed messages dropped, by ProtocolError.reason
-        staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
-        gate_path = run_dir / "depth_gate.json"
-        if resume is not None:  # rebuilt from the buffer's WAL and the checkpoint, never a dead run's counters
-            old = _old_gate(gate_path)
-            gate_path.unlink(missing_ok=True)
-        self.gate = DepthGate(staleness, cfg.batch_samples, state_path=gate_path)
-        if resume is not None:
-            self.gate.load_state_dict(resume.gate_state(old.get("granted", 0), old.get("rejected", 0)))
-            if old:
-                log.info("depth gate rebuilt: %s (the interrupted run's file said in_flight=%s accepted=%s)",
-                         self.gate, old.get("in_flight"), old.get("accepted"))
+        self._connect(endpoint, learner_pub, buffer_pub, security or ChannelSecurity())
+        self.gate = self._depth_gate(run_dir / "depth_gate.json")
         self.rng = random.Random(cfg.seed)
-        self.domains = [Domain(d.name or d.env, d.env,
-                               registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
-                               d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
-                        for i, d in enumerate(cfg.domains)]
-        for i, dom in enumerate(self.domains):  # done by the pre-flight already, unless launch.check_envs = false
-            check_env(cfg, i, dom.env)
-        for i, d in enumerate(cfg.domains):  # a reward plugin's options fail here, before any worker starts
-            if d.reward is not None:
-                registry.build("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
-        self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
-        stop_ids, stop_strings = split_stops(tokenizer, cfg.sampling.stop)
-        s = cfg.sampling
-        self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings,
-                                             return_sampling_mask=s.return_sampling_mask,
-                                             return_routing=s.return_routing)
-        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
-                                            stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
+        self._build_domains()
+        self._build_sampling(tokenizer)
         self.workers: dict[str, WorkerState] = {}
         self.requeued: deque[Assignment] = deque()  # training work of lost workers (sent for credit)
         self.eval_waiting: deque[Assignment] = deque()  # evaluation work with no live worker (sent without)
@@ -196,6 +164,64 @@ class Controller:
         self.learner_step_at = 0.0  # its wall clock
         self.learner_up_at = 0.0  # wall clock when the learner's first step (of this run) began
         self._trained: deque[tuple[float, float]] = deque(maxlen=512)  # (wall clock, samples trained) per step
+        self._init_evals(run_dir)
+        self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
+        self.counts = {"groups_granted": 0, "groups_done": 0, "groups_dropped": 0, "groups_requeued": 0}
+        # control-plane latency: from the last worker applying a version to the first grant it unlocked
+        self._opened_at: float | None = None  # applied_at of the version that last opened the gate
+        self.apply_to_grant_s: list[float] = []
+        self.started = time.monotonic()
+
+    def _connect(self, endpoint: str, learner_pub: str, buffer_pub: str, sec: ChannelSecurity) -> None:
+        # with the run's keys: only its rollout workers get in (refusals counted: auth/refused), and the
+        # subscriptions trust only the learner's and the buffer's keys
+        self.auth = AuthGuard()
+        self.ch = router(endpoint, hello=make_hello("controller", "controller"), linger=0,
+                         curve=sec.server(["rollout"], self.auth, "controller"))
+        self.learner_sub = sub(learner_pub, topics=[TOPIC_METRICS, TOPIC_WEIGHTS], linger=0, curve=sec.client("learner"))
+        self.buffer_sub = sub(buffer_pub, topics=[TOPIC_METRICS], linger=0, curve=sec.client("buffer"))
+        self.protocol_errors: dict[str, int] = {}  # malformed messages dropped, by ProtocolError.reason
+
+    def _depth_gate(self, gate_path: Path) -> DepthGate:
+        cfg, resume = self.cfg, self.resume
+        staleness = 0 if cfg.mode == "sync" else cfg.max_staleness
+        if resume is not None:  # rebuilt from the buffer's WAL and the checkpoint, never a dead run's counters
+            old = _old_gate(gate_path)
+            gate_path.unlink(missing_ok=True)
+        gate = DepthGate(staleness, cfg.batch_samples, state_path=gate_path)
+        if resume is not None:
+            gate.load_state_dict(resume.gate_state(old.get("granted", 0), old.get("rejected", 0)))
+            if old:
+                log.info("depth gate rebuilt: %s (the interrupted run's file said in_flight=%s accepted=%s)",
+                         gate, old.get("in_flight"), old.get("accepted"))
+        return gate
+
+    def _build_domains(self) -> None:
+        cfg = self.cfg
+        self.domains = [Domain(d.name or d.env, d.env,
+                               registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
+                               d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
+                        for i, d in enumerate(cfg.domains)]
+        for i, dom in enumerate(self.domains):  # done by the pre-flight already, unless launch.check_envs = false
+            check_env(cfg, i, dom.env)
+        for i, d in enumerate(cfg.domains):  # a reward plugin's options fail here, before any worker starts
+            if d.reward is not None:
+                registry.build("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
+        self.weights = np.array([d.weight for d in self.domains], float) / sum(d.weight for d in self.domains)
+
+    def _build_sampling(self, tokenizer) -> None:
+        cfg = self.cfg
+        stop_ids, stop_strings = split_stops(tokenizer, cfg.sampling.stop)
+        s = cfg.sampling
+        self.train_sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                             max_tokens=s.max_tokens, stop_token_ids=stop_ids, stop=stop_strings,
+                                             return_sampling_mask=s.return_sampling_mask,
+                                             return_routing=s.return_routing)
+        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
+                                            stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
+
+    def _init_evals(self, run_dir: Path) -> None:
+        cfg, resume = self.cfg, self.resume
         self.evals: dict[int, EvalRound] = {}
         self._next_eval = cfg.eval.every
         self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
@@ -207,12 +233,6 @@ class Controller:
                 self.evals[v] = EvalRound(v, -1.0, {})
             if cfg.eval.every:
                 self._next_eval = (resume.version // cfg.eval.every + 1) * cfg.eval.every
-        self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
-        self.counts = {"groups_granted": 0, "groups_done": 0, "groups_dropped": 0, "groups_requeued": 0}
-        # control-plane latency: from the last worker applying a version to the first grant it unlocked
-        self._opened_at: float | None = None  # applied_at of the version that last opened the gate
-        self.apply_to_grant_s: list[float] = []
-        self.started = time.monotonic()
 
     # ------------------------------------------------------------------ the loop
 
@@ -568,8 +588,6 @@ class Controller:
             "eval/unscored": 1.0, "eval/failed": float(len(rnd.failed)), "eval/version": float(v)}))
 
     def _pin_best(self, version: int, acc: float) -> None:
-        from tidal.integration.learner.best import pin_best
-
         try:
             pinned = pin_best(self.checkpoint_dir, version)
         except OSError as e:
@@ -641,8 +659,6 @@ class Controller:
 
 def _old_gate(path: Path) -> dict[str, int]:
     """The counters an interrupted run left in its gate file (diagnostics only), {} when unreadable."""
-    import json
-
     try:
         return json.loads(path.read_bytes().strip().split(b"\n")[-1])
     except (OSError, ValueError, IndexError):

@@ -18,6 +18,8 @@ from pathlib import Path
 import msgspec
 
 from tidal.integration.learner.config import LearnerConfig
+from tidal.integration.monitor import read_metrics
+from tidal.integration.report import summarize
 
 
 def learner_config(run_dir: str | Path) -> LearnerConfig:
@@ -57,8 +59,6 @@ def find_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
     if which == "best":
         if (root / "best" / "progress.json").is_file():  # pinned by the driver: the best evaluated checkpointed one
             return root / "best"
-        from tidal.integration.monitor import read_metrics
-        from tidal.integration.report import summarize
 
         accuracy = {e["version"]: e["accuracy"] for e in summarize(read_metrics(run_dir))["eval"]}
         scored = [(accuracy[_version(p)], _version(p), p) for p in kept.values() if _version(p) in accuracy]
@@ -81,6 +81,7 @@ def find_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
 
 def export_run(run_dir: str | Path, which: str = "latest", out: str | Path | None = None) -> Path:
     """Write checkpoint `which` of the run as a Hugging Face folder (default <run>/model-<checkpoint>)."""
+    # heavy: torch; reading a run's metrics needs none
     from tidal.integration.learner.checkpoint import checkpoint_weights, write_hf
 
     cfg = learner_config(run_dir)

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -183,8 +184,7 @@ class _RoleHost:
         run's loopback endpoints (tidal.core.net) it is not held until then: a process on this node that
         binds a port in that instant can still take it, and the ranks then fail to start (a restart
         picks again)."""
-        import socket
-
+        # optional: the [ray] extra
         import ray
 
         with socket.socket() as s:
@@ -193,6 +193,7 @@ class _RoleHost:
 
     def start(self, extra_env: dict[str, str] | None = None) -> tuple[str, int]:
         """Start the role's process; (this node's address, its pid)."""
+        # optional: the [ray] extra
         import ray
 
         self.proc = start_process([sys.executable, *self.argv], self.log_path, {**self.env, **(extra_env or {})})
@@ -228,6 +229,7 @@ class RayRun:
 
     def __init__(self, roles: list[Role], run_dir: Path, resources: dict[str, dict[str, float]],
                  owns_ray: bool = False) -> None:
+        # optional: the [ray] extra
         import ray
 
         self.ray = ray
@@ -352,6 +354,7 @@ class RayLauncher:
     def __init__(self, address: str = "", resources: dict[str, dict[str, float]] | None = None,
                  num_cpus: int | None = None) -> None:
         try:
+            # optional: the [ray] extra
             import ray
         except ImportError:
             raise RuntimeError("the ray launcher needs Ray: pip install 'tidal[ray]'") from None

@@ -29,6 +29,7 @@ class MetricsSink:
         self.tb = None
         if tensorboard:
             try:
+                # heavy: only a run with monitor.tensorboard on writes event files
                 from tensorboardX import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
@@ -86,6 +87,7 @@ class Display:
         self._live = None
         self._progress = None
         if mode == "rich":
+            # heavy: only the live display (monitor.progress = rich) needs rich
             from rich.live import Live
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -96,6 +98,7 @@ class Display:
             self._live.start()
 
     def _render(self, s: dict[str, str]):
+        # heavy: only the live display (monitor.progress = rich) needs rich
         from rich.console import Group
         from rich.table import Table
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.core.plugins import declare, hookimpl
+from tidal.integration.launch import LocalLauncher, RayLauncher
+from tidal.integration.sim import SimulatedEngine
 
 
 def _backend(name: str):
     def make(model: Any, cfg: Any = None, device: str = "cpu", **options: Any) -> Any:
+        # heavy: torch, which scanning the plugins must not load
         from tidal.integration.learner import backends
 
         return getattr(backends, _BACKEND_CLASSES[name])(model, cfg or backends.BackendConfig(), device, **options)
@@ -33,15 +36,11 @@ def tidal_launchers() -> dict[str, Any]:
     @declare(signature="tidal.integration.launch:LocalLauncher")
     def local(**options: Any) -> Any:
         """Every role a local process of the driver (tidal.integration.launch)."""
-        from tidal.integration.launch import LocalLauncher
-
         return LocalLauncher(**options)
 
     @declare(signature="tidal.integration.launch:RayLauncher")
     def ray(**options: Any) -> Any:
         """Roles as Ray actors on a Ray cluster (tidal.integration.launch; needs tidal[ray])."""
-        from tidal.integration.launch import RayLauncher
-
         return RayLauncher(**options)
 
     return {"local": local, "ray": ray}
@@ -52,8 +51,6 @@ def tidal_engines() -> dict[str, Any]:
     @declare(signature="tidal.integration.sim:SimulatedEngine")
     def simulated(model: Any = None, **options: Any) -> Any:
         """Sleep-based continuous-batching engine for pipeline benchmarks (tidal.integration.sim)."""
-        from tidal.integration.sim import SimulatedEngine
-
         return SimulatedEngine(model, **options)
 
     return {"simulated": simulated}

@@ -155,18 +155,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     return cfg
 
 
-def check(cfg: RunConfig) -> None:
-    """Errors a run would otherwise meet minutes in, named by field."""
-    if not cfg.model:
-        raise ConfigError("`model` is empty: give a local Hugging Face folder (tidal demo builds one)", field="model")
-    if not Path(cfg.model).is_dir():
-        raise ConfigError(f"model folder {cfg.model} does not exist: give a local Hugging Face folder "
-                          f"(`tidal demo` builds a tiny one)", field="model")
-    for name, value, low in (("group_size", cfg.group_size, 1), ("batch_groups", cfg.batch_groups, 1),
-                             ("workers", cfg.workers, 1), ("budget.versions", cfg.budget.versions, 1),
-                             ("max_staleness", cfg.max_staleness, 0)):
-        if value < low:
-            raise ConfigError(f"`{name}` must be at least {low}, got {value}", field=name)
+def _check_domains(cfg: RunConfig) -> None:
+    """At least one domain, each with a positive weight and a name of its own fit for group ids."""
     if not cfg.domains:
         raise ConfigError("`domains` is empty: name at least one environment", field="domains")
     if any(d.weight <= 0 for d in cfg.domains):
@@ -182,6 +172,21 @@ def check(cfg: RunConfig) -> None:
                               f"unique `name` (e.g. name = \"{d.env}-2\"); group ids, metrics and evaluation "
                               f"are keyed by it", field=f"domains[{i}].name")
         seen[name] = i
+
+
+def check(cfg: RunConfig) -> None:
+    """Errors a run would otherwise meet minutes in, named by field."""
+    if not cfg.model:
+        raise ConfigError("`model` is empty: give a local Hugging Face folder (tidal demo builds one)", field="model")
+    if not Path(cfg.model).is_dir():
+        raise ConfigError(f"model folder {cfg.model} does not exist: give a local Hugging Face folder "
+                          f"(`tidal demo` builds a tiny one)", field="model")
+    for name, value, low in (("group_size", cfg.group_size, 1), ("batch_groups", cfg.batch_groups, 1),
+                             ("workers", cfg.workers, 1), ("budget.versions", cfg.budget.versions, 1),
+                             ("max_staleness", cfg.max_staleness, 0)):
+        if value < low:
+            raise ConfigError(f"`{name}` must be at least {low}, got {value}", field=name)
+    _check_domains(cfg)
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature must be > 0 for training samples, got {cfg.sampling.temperature:g}: "
                           f"a greedy sample carries no policy gradient (eval.temperature may be 0)",

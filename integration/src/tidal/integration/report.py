@@ -186,25 +186,12 @@ def _plot_health(ax, rows: list[dict], evs: list[tuple[float, str, str]]) -> Non
         ax[2].text(0.5, 0.5, "no restart, stall or resume", transform=ax[2].transAxes, ha="center", color="tab:gray")
 
 
-def report(run_dir: str | Path) -> Path:
-    """Write <run_dir>/report.png and <run_dir>/summary.json; returns the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    learner = [r for r in rows if r["source"] == "learner-0"]
-    evals = [r for r in rows if r["source"] == "controller" and "eval/accuracy" in r["scalars"]]
+def _plot_training(ax, learner: list[dict], evals: list[dict]) -> None:
+    """The first two rows: training reward and held-out accuracy over time and samples, the lag of trained
+    tokens and the mismatch KL."""
     samples = np.cumsum([r["scalars"].get("train/sequences", 0.0) for r in learner])
     version_samples = {int(r["scalars"].get("train/version", 0)): s for r, s in zip(learner, samples, strict=True)}
     version_samples[0] = 0.0
-
-    episodes = episode_rates(rows)
-    evs = events(rows)
-    nrows = 4 if episodes else 3
-    fig, ax = plt.subplots(nrows, 3, figsize=(15, 4.2 * nrows + 0.5))
     t = [r["elapsed"] / 60 for r in learner]
     reward = [r["scalars"].get("reward/mean", np.nan) for r in learner]
     et = [r["elapsed"] / 60 for r in evals]
@@ -226,16 +213,19 @@ def report(run_dir: str | Path) -> Path:
     versions = [r["scalars"].get("train/version", 0) for r in learner]
     ax[1, 2].plot(versions, [r["scalars"].get("staleness/mismatch_kl", np.nan) for r in learner], lw=1, color="tab:red")
     ax[1, 2].set(title="mismatch KL (sampler vs learner)", xlabel="policy version", ylabel="KL")
-    if episodes:
-        _plot_episodes(ax[2], episodes)
-    _plot_health(ax[-1], rows, evs)
+
+
+def _mark_events(ax, evs: list, episodes: dict) -> None:
+    """A vertical line on every plot over wall-clock time where the run restarted a role, stalled or was
+    resumed."""
     timed = [ax[0, 0], ax[0, 1], ax[-1, 0], ax[-1, 1], ax[-1, 2]] + (list(ax[2]) if episodes else [])
-    for at, kind, _ in evs:  # where the run restarted a role, stalled or was resumed
+    for at, kind, _ in evs:
         color, style = EVENT_STYLE.get(kind, ("tab:gray", "-"))
         for a in timed:
             a.axvline(at, color=color, ls=style, lw=0.8, alpha=0.6)
-    for a in ax.flat:
-        a.grid(alpha=0.3)
+
+
+def _report_summary(run_dir: Path, rows: list[dict], evs: list, episodes: dict) -> dict:
     summary = summarize(rows)
     summary["events"] = {k: sum(1 for e in evs if e[1] == k) for k in sorted({e[1] for e in evs})}
     summary["samples"] = samples_summary(run_dir)  # where the transcripts are (`tidal samples RUN_DIR`)
@@ -243,13 +233,44 @@ def report(run_dir: str | Path) -> Path:
         # the last quarter of the run's windows (one window alone is a handful of episodes)
         tail = max(1, len(episodes["minutes"]) // 4)
         summary["episodes"] = {k: float(np.mean(v[-tail:])) for k, v in episodes.items() if k != "minutes"}
+    return summary
+
+
+def _report_title(run_dir: Path, summary: dict) -> str:
     title = f"{run_dir.name}: {summary['versions']} versions, {summary['samples_trained']:.0f} samples, " \
             f"{summary['wall_s'] / 60:.1f} min"
     if "eval_start" in summary:
         title += f"; held-out accuracy {100 * summary['eval_start']:.1f}% -> {100 * summary['eval_end']:.1f}%"
     if summary["eval_unscored"]:
         title += f"; eval unscored at version {', '.join(map(str, summary['eval_unscored']))}"
-    fig.suptitle(title)
+    return title
+
+
+def report(run_dir: str | Path) -> Path:
+    """Write <run_dir>/report.png and <run_dir>/summary.json; returns the PNG's path."""
+    # heavy: matplotlib; only drawing the PNG needs it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after choosing the backend: a display-less one
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    learner = [r for r in rows if r["source"] == "learner-0"]
+    evals = [r for r in rows if r["source"] == "controller" and "eval/accuracy" in r["scalars"]]
+    episodes = episode_rates(rows)
+    evs = events(rows)
+    nrows = 4 if episodes else 3
+    fig, ax = plt.subplots(nrows, 3, figsize=(15, 4.2 * nrows + 0.5))
+    _plot_training(ax, learner, evals)
+    if episodes:
+        _plot_episodes(ax[2], episodes)
+    _plot_health(ax[-1], rows, evs)
+    _mark_events(ax, evs, episodes)
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+    summary = _report_summary(run_dir, rows, evs, episodes)
+    fig.suptitle(_report_title(run_dir, summary))
     fig.tight_layout()
     png = run_dir / "report.png"
     fig.savefig(png, dpi=90)

@@ -31,6 +31,9 @@ from typing import IO, Any
 
 import msgspec
 
+from tidal.buffer import wal
+from tidal.buffer.store import Store
+
 NUMBERING = "numbering.jsonl"
 LOCK = "driver.lock"
 COMPACT_EVERY = 4096
@@ -170,9 +173,6 @@ class WalView:
 def scan_wal(wal_dir: Path, group_size: int) -> WalView:
     """What the buffer will hold when it replays `wal_dir`, read without touching the files (the buffer
     itself truncates a torn tail when it starts)."""
-    from tidal.buffer import wal
-    from tidal.buffer.store import Store
-
     view = WalView()
     if not wal_dir.is_dir():
         return view

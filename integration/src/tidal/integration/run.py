@@ -39,10 +39,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from tidal.core.errors import ConfigError
+from tidal.buffer.client import BatchClient
+from tidal.core.errors import ChannelTimeout, ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
 from tidal.core.process import ERROR_FILE_ENV
@@ -54,6 +56,7 @@ from tidal.integration.learner.parallel import ParallelConfig, check_parallel, m
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
+from tidal.integration.samples import to_tensorboard
 from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.rollout.worker.config import DomainSpec
 
@@ -328,20 +331,8 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
-    try:
-        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
-    except Exception as e:
-        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
-                              "budget_versions": cfg.budget.versions})
-        raise
-    sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
-    if point is not None:  # elapsed time and versions carry on; the resume is marked on the time axis
-        sink.t0 -= point.elapsed_s
-        sink.version = point.version
-        sink(Metrics(source="driver", step=point.version, time=time.time(),
-                     scalars={"event/resume": 1.0, "resume/version": float(point.version), "resume/elapsed_s": point.elapsed_s,
-                              "resume/next_group": float(point.next_group),
-                              "resume/gate_accepted": float(point.accepted)}))
+    launcher = _launcher(cfg, run_dir)
+    sink = _metrics_sink(cfg, run_dir, point)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts
         controller = Controller(cfg, endpoint=ep["controller"], learner_pub=ep["learner_pub"],
@@ -378,6 +369,33 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservati
         sink.close()
         for s, h in old.items():
             signal.signal(s, h)
+    return _run_result(run_dir, sup, controller)
+
+
+def _launcher(cfg: RunConfig, run_dir: Path) -> Any:
+    """The recipe's launcher; one that cannot be made is recorded in final.json."""
+    try:
+        launcher = registry.create("launcher", cfg.launcher.name, **cfg.launcher.options)
+    except Exception as e:
+        write_final(run_dir, {"status": f"failed: launcher {cfg.launcher.name}: {one_line(e)}", "versions": 0,
+                              "budget_versions": cfg.budget.versions})
+        raise
+    return launcher
+
+
+def _metrics_sink(cfg: RunConfig, run_dir: Path, point: ResumePoint | None) -> MetricsSink:
+    sink = MetricsSink(run_dir, cfg.monitor.tensorboard)
+    if point is not None:  # elapsed time and versions carry on; the resume is marked on the time axis
+        sink.t0 -= point.elapsed_s
+        sink.version = point.version
+        sink(Metrics(source="driver", step=point.version, time=time.time(),
+                     scalars={"event/resume": 1.0, "resume/version": float(point.version), "resume/elapsed_s": point.elapsed_s,
+                              "resume/next_group": float(point.next_group),
+                              "resume/gate_accepted": float(point.accepted)}))
+    return sink
+
+
+def _run_result(run_dir: Path, sup: Supervisor, controller: Controller) -> RunResult:
     samples = int(controller.last.get("learner-0", {}).get("train/samples_total", 0))
     worker_up = sup.rl_start or 0.0
     rl_start = max(worker_up, controller.learner_up_at) if worker_up else 0.0
@@ -392,7 +410,6 @@ def _samples_to_tensorboard(sink: MetricsSink, run_dir: Path, version: int) -> N
     """A few of the workers' transcripts as TensorBoard text (`samples/<domain>`), once the run ended."""
     if sink.tb is None:
         return
-    from tidal.integration.samples import to_tensorboard
 
     try:
         to_tensorboard(sink.tb, run_dir, version)
@@ -411,9 +428,6 @@ def one_line(e: BaseException) -> str:
 
 def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:
     """The buffer's counters at the end (what it acknowledged and still holds), or {} if it is gone."""
-    from tidal.buffer.client import BatchClient
-    from tidal.core.errors import ChannelTimeout
-
     client = BatchClient(endpoint, name="run-end", curve=sec.client("buffer") if sec else None)
     try:
         return dict(client.status(timeout=10).scalars)

@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 
+from tidal.core.interfaces import GenerationRequest
+from tidal.core.plugins import registry
+from tidal.core.protocol import SamplingParams
+from tidal.integration.learner.backends import has_sinks
+
 log = logging.getLogger("tidal.sft")
 
 
@@ -96,9 +101,8 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
 
 
 def _load_model(model_path: str | Path) -> Any:
+    # heavy: transformers (seconds to import); only loading a model needs it
     from transformers import AutoModelForCausalLM
-
-    from tidal.integration.learner.backends import has_sinks
 
     extra = {}
     if has_sinks(str(model_path)):
@@ -149,8 +153,6 @@ def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0
              max_tokens: int = 8) -> float:
     """Held-out accuracy of `model_path` on `env`'s eval split with the embedded engine (greedy when
     `temperature` is 0)."""
-    from tidal.core.interfaces import GenerationRequest
-    from tidal.core.protocol import SamplingParams
     from tidal.rollout.engines.common import generate
     from tidal.rollout.engines.embedded import EmbeddedEngine
     from tidal.rollout.engines.stops import split_stops
@@ -177,8 +179,6 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
     """Held-out accuracy of `model_path` on a multi-turn environment: one episode per eval task, played
     to its end in this process (embedded engine, the environment in-process: `LocalEpisodes`).
     Returns {"accuracy", "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "failed"}."""
-    from tidal.core.plugins import registry
-    from tidal.core.protocol import SamplingParams
     from tidal.rollout.engines.embedded import EmbeddedEngine
     from tidal.rollout.envs.tasks import first_tasks
     from tidal.rollout.episodes.multiturn import EpisodesConfig, run_episodes

@@ -32,6 +32,7 @@ from tidal.core.process import EXIT_CONFIG
 from tidal.core.protocol import Metrics
 from tidal.integration.controller import Controller
 from tidal.integration.recipe import RunConfig
+from tidal.integration.resume import resume_command
 
 log = logging.getLogger("tidal.run")
 
@@ -323,7 +324,6 @@ class Supervisor:
         final_buffer = buffer_status()
         codes.update(self.handle.stop(["buffer"], timeout))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
-        from tidal.integration.resume import resume_command
 
         write_final(self.run_dir, {
             "status": self.status, "versions": c.learner_version, "budget_versions": self.cfg.budget.versions,

@@ -14,21 +14,37 @@ checkpoints (through torch.distributed.checkpoint, so sharded state is saved wit
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tidal.integration.learner.config import BackendConfig, OptimConfig
+from tidal.integration.learner.parallel import (
+    ParallelConfig,
+    check_ep_model,
+    ep_backend_options,
+    ep_clip_grad_norm,
+    ep_load,
+    ep_mesh,
+    ep_named_weights,
+    ep_save,
+)
+from tidal.moe_fsdp.fsdp import shard_moe_model
+from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
+from tidal.seqpar.hf import ATTENTION_NAME, VARLEN_ATTENTION, register_varlen_attention
 
 
 def pick_attention(requested: str, device: torch.device, sinks: bool = False) -> str:
     """`sinks`: the model has GPT-OSS-style attention sinks, which flash_attention_2 does not take; "auto"
     then picks tidal_varlen (sink-aware, exact backward) on every device."""
-    from tidal.seqpar.hf import VARLEN_ATTENTION, register_varlen_attention
-
     if requested == VARLEN_ATTENTION:
         return register_varlen_attention()
     if requested != "auto":
@@ -60,9 +76,6 @@ def lr_lambda(cfg: OptimConfig):
 
 def has_sinks(model: str) -> bool:
     """Whether the model folder's architecture has attention sinks (GPT-OSS)."""
-    import json
-    from pathlib import Path
-
     config = Path(model) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "gpt_oss"
 
@@ -91,6 +104,7 @@ class _Backend:
         if isinstance(model, torch.nn.Module):
             module = model
         else:
+            # heavy: transformers (seconds to import); only loading a model needs it
             from transformers import AutoModelForCausalLM
 
             module = AutoModelForCausalLM.from_pretrained(
@@ -152,8 +166,6 @@ class _Backend:
     def layout_kw(self, layout: Any) -> dict[str, Any]:
         """Forward kwargs for a packed row's layout (`tidal_varlen` reads a VarlenLayout, sequence-parallel
         `tidal_sp` this rank's ShardLayout; also for a reference model that runs the same attention)."""
-        from tidal.seqpar.hf import ATTENTION_NAME, VARLEN_ATTENTION
-
         if layout is None:
             return {}
         if self.attention == ATTENTION_NAME:
@@ -190,14 +202,10 @@ class _Backend:
 
     # checkpoint state (torch.distributed.checkpoint-compatible)
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -213,8 +221,6 @@ class _Backend:
 def _convert_moe(module: torch.nn.Module, ep_group: Any = None) -> int:
     """Swap the model's Hugging Face sparse MoE blocks for MoEBlocks (experts split over `ep_group`, if
     any); the number of MoE layers."""
-    from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
-
     if not any(is_hf_sparse_moe(m) for m in module.modules()):
         return 0
     return len(convert_hf_moe(module, ep_group=ep_group))
@@ -237,8 +243,6 @@ class FSDP2Backend(_Backend):
                                "the learner launcher does this for every rank")
         self.ep, self.mesh = ep, None
         if ep > 1:
-            from tidal.integration.learner.parallel import ParallelConfig, ep_backend_options, ep_mesh
-
             ep_backend_options(ParallelConfig(ep=ep), self.name, dist.get_world_size())  # the config checks
             if not cfg.moe_blocks:
                 raise ValueError(f"learner.parallel.ep={ep} needs backend_options.moe_blocks = true (expert "
@@ -249,21 +253,16 @@ class FSDP2Backend(_Backend):
     def _ep_group(self, module: torch.nn.Module) -> Any:
         if self.mesh is None:
             return None
-        from tidal.integration.learner.parallel import check_ep_model
 
         check_ep_model(module, self.ep, self.world_size)
         return self.mesh["ep"].get_group()
 
     def _wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         kwargs: dict[str, Any] = {}
         if self.cfg.mixed_precision:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, self.cfg.mixed_precision),
                                                        reduce_dtype=torch.float32)
         if self.mesh is not None:  # experts over "ep" then "dp"; the rest over dp × ep (tidal.moe_fsdp.fsdp)
-            from tidal.moe_fsdp.fsdp import shard_moe_model
-
             if (head := _value_head(module)) is not None:
                 fully_shard(head, mesh=self.mesh._flatten("dp_ep"), **kwargs)
             return shard_moe_model(module, self.mesh, mp_policy=kwargs.get("mp_policy"))
@@ -281,8 +280,6 @@ class FSDP2Backend(_Backend):
         """Full tensors, one at a time (every rank must iterate: the gathers are collective); under EP the
         expert slices are gathered over their EP group too."""
         if self.mesh is not None:
-            from tidal.integration.learner.parallel import ep_named_weights
-
             weights = ep_named_weights(self.model)
         else:
             weights = ((n, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
@@ -294,7 +291,6 @@ class FSDP2Backend(_Backend):
     def clip_and_step(self) -> dict[str, float]:
         if self.mesh is None:
             return super().clip_and_step()
-        from tidal.integration.learner.parallel import ep_clip_grad_norm
 
         clip = self.cfg.optim.grad_clip
         norm = ep_clip_grad_norm(list(self.model.parameters()), clip if clip > 0 else float("inf"))
@@ -311,13 +307,9 @@ class FSDP2Backend(_Backend):
         return self.mesh is not None
 
     def save_native(self, path: str) -> None:
-        from tidal.integration.learner.parallel import ep_save
-
         ep_save(path, self.model, self.optimizer, self.scheduler, self.ep)
 
     def load_native(self, path: str) -> None:
-        from tidal.integration.learner.parallel import ep_load
-
         ep_load(path, self.model, self.optimizer, self.scheduler, self.ep)
 
 
@@ -333,8 +325,6 @@ class DeepSpeedBackend(_Backend):
 
     def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu",
                  zero_stage: int = 3) -> None:
-        import os
-
         if not dist.is_initialized():
             raise RuntimeError("the deepspeed backend needs torch.distributed initialised; the learner launcher "
                                "does this for every rank")
@@ -350,6 +340,7 @@ class DeepSpeedBackend(_Backend):
         return module  # deepspeed.initialize below owns the wrapping
 
     def _build_optimizer(self) -> None:
+        # optional: the [deepspeed] extra
         import deepspeed
 
         o = self.cfg.optim
@@ -389,6 +380,7 @@ class DeepSpeedBackend(_Backend):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors one at a time; under ZeRO-3 each is gathered (collective: every rank iterates)."""
+        # optional: the [deepspeed] extra
         import deepspeed
 
         for name, p in self.engine.module.named_parameters():

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from tidal.integration.learner.best import link
 
 SINGLE_FILE = "state.pt"  # a one-process checkpoint's model + optimizer + scheduler
 
@@ -72,8 +75,6 @@ def save_checkpoint(path: str | Path, backend: Any, progress: dict[str, Any],
     if _rank() == 0:
         (tmp / "progress.json").write_text(json.dumps(progress, indent=1))
         if path.exists():
-            import shutil
-
             shutil.rmtree(path)
         os.replace(tmp, path)
     if dist.is_initialized():
@@ -129,13 +130,12 @@ def write_hf(path: str | Path, state: dict[str, torch.Tensor], source_model: str
     """`state` (a causal LM's full weights by name) as a Hugging Face folder at `path`: safetensors,
     config.json, and the tokenizer and generation config of `source_model`. Written to `path.tmp` and
     renamed when complete, so a folder at `path` is always whole."""
+    # heavy: transformers (seconds to import); only writing a Hugging Face folder needs it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     config = AutoConfig.from_pretrained(source_model)
     with torch.device("meta"):
@@ -154,8 +154,6 @@ def write_hf(path: str | Path, state: dict[str, torch.Tensor], source_model: str
         if src.is_file() and not (tmp / name).is_file():
             (tmp / name).write_bytes(src.read_bytes())
     if path.exists():
-        import shutil
-
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
@@ -176,6 +174,7 @@ def checkpoint_weights(path: str | Path, source_model: str | Path) -> dict[str, 
     if (path / SINGLE_FILE).is_file():
         model_state = torch.load(path / SINGLE_FILE, weights_only=True, map_location="cpu")["model"]
     else:
+        # heavy: transformers (seconds to import); only writing a Hugging Face folder needs it
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(source_model)
@@ -189,9 +188,6 @@ def keep_last(checkpoint_dir: str | Path, latest: str | Path, step: int, keep: i
     links: no second copy on disk) and only the newest `keep` of those remain. Rank 0 only."""
     if keep <= 1 or _rank() != 0:
         return
-    import shutil
-
-    from tidal.integration.learner.best import link
 
     root, kept = Path(checkpoint_dir), Path(checkpoint_dir) / f"step-{step:06d}"
     if kept.exists():

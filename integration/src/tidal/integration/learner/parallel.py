@@ -150,6 +150,7 @@ class Shard:
 
     @property
     def layout(self) -> ShardLayout:
+        # heavy: torch; the driver imports this module to check a recipe's layout
         from tidal.seqpar import ShardLayout
 
         layout = self.micro.layout
@@ -159,6 +160,7 @@ class Shard:
     def gather(self, *cols: torch.Tensor) -> list[torch.Tensor]:
         """Per-token values of this rank's completion tokens ([n_me] each) -> the whole micro-batch's
         ([N] each, on every SP rank). Differentiable: see `_Gather`."""
+        # heavy: torch; the driver imports this module to check a recipe's layout
         import torch
 
         # even an empty piece stays in the graph: its backward must reach this rank's attention collectives
@@ -167,12 +169,14 @@ class Shard:
 
     def rows(self, x: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
         """This rank's rows of a per-row-position tensor [row_len, ...] (e.g. recorded MoE routes)."""
+        # heavy: torch; the driver imports this module to check a recipe's layout
         from tidal.seqpar import shard
 
         return shard(x, self.layout, self.mesh, dim=0, pad_value=pad_value)
 
 
 def _gather(x: torch.Tensor, sel: list[torch.Tensor], mesh: SPMesh) -> torch.Tensor:
+    # heavy: torch; the driver imports this module to check a recipe's layout
     import torch
     import torch.distributed as dist
 
@@ -224,6 +228,7 @@ class SequenceParallel:
 
     def share(self, obj: Any) -> Any:
         """The SP group leader's `obj` on every rank of the group (pickled; a batch's samples)."""
+        # heavy: torch; the driver imports this module to check a recipe's layout
         import torch.distributed as dist
 
         box = [obj]
@@ -236,6 +241,7 @@ class SequenceParallel:
         """Split a packed micro-batch (one row, samples each one segment: no shared prompts) over the
         SP group: this rank's tokens, and which completion tokens' logits each rank computes (the rank
         holding the position that predicts it)."""
+        # heavy: torch; the driver imports this module to check a recipe's layout
         import torch
 
         from tidal.integration.learner.data import Micro
@@ -266,6 +272,7 @@ class SequenceParallel:
         trainer's scaling (×world) that makes every replica's gradient the whole batch's."""
         if getattr(backend, "reduces_grads", False):
             return
+        # heavy: torch; the driver imports this module to check a recipe's layout
         import torch
         import torch.distributed as dist
 
@@ -281,6 +288,7 @@ class SequenceParallel:
 def setup_sequence_parallel(par: ParallelConfig, backend: Any) -> SequenceParallel | None:
     """Check `par` against the backend's model and world, build the dp × sp mesh (collective: every rank
     calls it) and switch the model's attention to tidal-seqpar's. None when sp = 1."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -289,6 +297,7 @@ def setup_sequence_parallel(par: ParallelConfig, backend: Any) -> SequenceParall
                                             backend=getattr(backend, "name", "single"), attn=backend.cfg.attn)
     if par.sp == 1:
         return None
+    # heavy: torch; the driver imports this module to check a recipe's layout
     from tidal.seqpar import make_mesh
     from tidal.seqpar.hf import enable_sequence_parallel
 
@@ -325,6 +334,7 @@ def ep_backend_options(parallel: ParallelConfig, backend: str, world: int) -> di
 def check_ep_model(module: torch.nn.Module, ep: int, world: int) -> None:
     """Refuse, naming the constraint, a model that `ep` cannot split: no MoE blocks, or experts that do
     not divide evenly (the error lists the degrees that work with this model and world size)."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     from tidal.moe_fsdp.hf import is_hf_sparse_moe, moe_config_of
 
     blocks = [m for m in module.modules() if is_hf_sparse_moe(m)]
@@ -342,6 +352,7 @@ def check_ep_model(module: torch.nn.Module, ep: int, world: int) -> None:
 
 def ep_mesh(ep: int, device: torch.device):
     """The ("dp", "ep") device mesh over the default process group."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     from tidal.moe_fsdp.fsdp import moe_mesh
 
     return moe_mesh(ep, device.type)
@@ -352,6 +363,7 @@ def ep_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     expert slices over their EP group (tidal-moe-fsdp's `iter_full_weights` over the state dict;
     collective: every rank iterates to the end in step; rank 0, which publishes, holds each full tensor
     only until the next is gathered)."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     from tidal.moe_fsdp.fsdp import iter_full_weights
 
     return iter_full_weights(model, state=True)
@@ -362,6 +374,7 @@ def ep_clip_grad_norm(parameters: list[torch.Tensor], max_norm: float) -> torch.
     shards partition them over all ranks: FSDP shards of the dense parameters over dp × ep, FSDP shards
     over dp of each EP rank's own experts. torch's clip_grad_norm_ cannot mix DTensors of two meshes,
     and would count an expert slice as the whole tensor."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     import torch
     import torch.distributed as dist
 
@@ -392,6 +405,7 @@ def _local(x: Any) -> Any:
 
 def ep_save(path: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, ep: int) -> None:
     """Each rank writes its own shards (model, optimizer state) to <path>/rank-<r>.pt; rank 0 the layout."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     import torch
     import torch.distributed as dist
 
@@ -409,6 +423,7 @@ def ep_save(path: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, e
 
 def ep_load(path: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, ep: int) -> None:
     """Restore what `ep_save` wrote, on the same world size and ep (each rank reads only its own file)."""
+    # heavy: torch; the driver imports this module to check a recipe's layout
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from tidal.core.channels import pub
+from tidal.core.plugins import registry
 from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
 from tidal.core.security import AuthGuard, ChannelSecurity
 from tidal.integration.learner.config import WeightsConfig
@@ -30,9 +32,6 @@ log = logging.getLogger("tidal.learner")
 class Publisher:
     def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0,
                  security: ChannelSecurity | None = None) -> None:
-        from tidal.core.channels import pub
-        from tidal.core.plugins import registry
-
         self.cfg = weights
         # with a run's keys: only its workers and driver subscribe (refusals: auth/refused in our metrics),
         # and they trust only this key, so no one else can announce weights

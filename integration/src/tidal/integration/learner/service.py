@@ -19,9 +19,11 @@ Without checkpoints each batch is acknowledged after its step.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,25 +35,41 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from tidal.buffer.client import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.config import load_config
+from tidal.core.errors import ChannelTimeout
+from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import NO_VERSION, TOPIC_METRICS, Metrics
+from tidal.integration.learner.backends import has_sinks, pick_attention
+from tidal.integration.learner.checkpoint import (
+    export_hf,
+    keep_last,
+    load_checkpoint,
+    save_checkpoint,
+    snapshot,
+)
 from tidal.integration.learner.config import BackendConfig, LearnerConfig
-from tidal.integration.learner.parallel import ParallelConfig
+from tidal.integration.learner.data import Sample
+from tidal.integration.learner.parallel import (
+    ParallelConfig,
+    check_parallel,
+    ep_backend_options,
+    model_config,
+    setup_sequence_parallel,
+)
 from tidal.integration.learner.publisher import Publisher
-from tidal.integration.learner.trainer import Prepared, needs_critic, needs_reference
+from tidal.integration.learner.trainer import Prepared, Trainer, needs_critic, needs_reference
 
 log = logging.getLogger("tidal.learner")
 
 
 class Learner:
     def __init__(self, cfg: LearnerConfig) -> None:
-        import torch.distributed as dist
-
-        from tidal.integration.learner.trainer import Trainer
-
         if not cfg.model:
             raise ValueError("the learner needs `model` (a local Hugging Face folder)")
         self.cfg = cfg
@@ -87,16 +105,6 @@ class Learner:
     def _build_backend(self) -> BackendConfig:
         """The train backend and sequence parallelism (collective), the parallel layout checked before the
         model is loaded. Returns the backend options used (a value head added for a critic)."""
-        import torch
-
-        from tidal.core.plugins import registry
-        from tidal.integration.learner.parallel import (
-            check_parallel,
-            ep_backend_options,
-            model_config,
-            setup_sequence_parallel,
-        )
-
         cfg = self.cfg
         if cfg.parallel != ParallelConfig():  # refused before the model is loaded
             check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend,
@@ -132,8 +140,6 @@ class Learner:
         self.unacked: list[str] = []
         self.latest = Path(cfg.checkpoint_dir) / "latest" if cfg.checkpoint_dir else None
         if self.latest is not None and (self.latest / "progress.json").is_file():
-            from tidal.integration.learner.checkpoint import load_checkpoint
-
             progress = load_checkpoint(self.latest, self.backend)
             self.step, self.version = progress["step"], progress["version"]
             self.samples_trained = int(progress.get("samples_trained", 0))
@@ -144,8 +150,6 @@ class Learner:
     def _connect(self) -> None:
         """The buffer client (one per data-parallel share) and, on rank 0, the publisher (metrics and
         weights)."""
-        from tidal.buffer.client import BatchClient
-
         cfg = self.cfg
         self.client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
                                   trained=list(self.trained), curve=cfg.security.client("buffer")) \
@@ -184,8 +188,6 @@ class Learner:
     def export(self) -> None:
         """The policy as a Hugging Face folder at `export_dir` (collective: every rank gathers, rank 0
         writes)."""
-        from tidal.integration.learner.checkpoint import export_hf
-
         t0 = time.perf_counter()
         out = export_hf(self.cfg.export_dir, self.backend, self.cfg.model)
         if out is not None:
@@ -195,8 +197,6 @@ class Learner:
         """`call(slice_timeout)` in slices of at most 2 s until it returns, so that a stop request is seen
         while the buffer is quiet or gone: (True, result), or (False, None) once stopped. ChannelTimeout
         naming `what` after `timeout` s."""
-        from tidal.core.errors import ChannelTimeout
-
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -263,8 +263,6 @@ class Learner:
         """This rank's share of the next batch, `ack` acknowledged with the request: (True, (batch,
         samples or `Trainer.prepare`d samples, when asked)), or (False, None) when stopped while waiting;
         batch None on an SP rank that is not its group's 0. On the fetch thread when prefetching."""
-        from tidal.integration.learner.data import Sample
-
         asked_at = time.time()
         if self.client is None:  # under sequence parallelism, SP rank 0 of each group asks
             return True, (None, [], asked_at)
@@ -366,8 +364,6 @@ class Learner:
         """Write the checkpoint (collective). `background`: from a snapshot, on the background thread;
         the batches it records move from `unacked` to the next request's acknowledgements once it is
         on disk (see `_collect_checkpoint`)."""
-        from tidal.integration.learner.checkpoint import snapshot
-
         assert self.latest is not None
         self._collect_checkpoint(wait=True)  # one writer of <dir>/latest at a time
         # every rank's (any rank may be served one again), once each (after a resume every rank holds all)
@@ -384,8 +380,6 @@ class Learner:
 
     def _save(self, progress: dict[str, Any], state: dict[str, Any] | None = None) -> None:
         """`save_checkpoint` to <checkpoint_dir>/latest, then the newest `keep_checkpoints` kept."""
-        from tidal.integration.learner.checkpoint import keep_last, save_checkpoint
-
         assert self.latest is not None
         save_checkpoint(self.latest, self.backend, progress, state)
         keep_last(self.latest.parent, self.latest, progress["step"], self.cfg.keep_checkpoints)
@@ -405,8 +399,6 @@ class Learner:
         """True when `flag` holds on every rank (a collective: every rank calls it at the same point)."""
         if self.world == 1:
             return flag
-        import torch
-        import torch.distributed as dist
 
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.cfg.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -415,7 +407,6 @@ class Learner:
     def _gather_ids(self, ids: list[str]) -> list[str]:
         if self.world == 1:
             return ids
-        import torch.distributed as dist
 
         every: list[list[str] | None] = [None] * self.world
         dist.all_gather_object(every, ids)
@@ -442,10 +433,8 @@ def _log_failure(fut: Future) -> None:
 
 def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
     """The frozen reference model (a KL penalty, distillation): `reference_model`, else the starting one."""
-    import torch
+    # heavy: transformers (seconds to import); only loading a model needs it
     from transformers import AutoModelForCausalLM
-
-    from tidal.integration.learner.backends import has_sinks, pick_attention
 
     ref_path = cfg.reference_model or cfg.model
     reference: Any = AutoModelForCausalLM.from_pretrained(
@@ -461,8 +450,6 @@ def _spawn(nproc: int, argv: list[str]) -> int:
     a stalled run) would leave the ranks running, holding their ports (measured with torch 2.15); and
     a SIGTERM'd agent raises SignalException without the ranks' codes, while the driver needs 0 from a
     clean stop and 78 from a refused configuration. These ranks stay in our process group."""
-    import socket
-
     # The ranks' rendezvous store listens on loopback alone: a socket bound and listening here, handed to
     # rank 0 (TCPStore on its own listens on every interface). Listening from now on, the port is held.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -495,10 +482,6 @@ STORE_FD_ENV = "TIDAL_STORE_FD"  # rank 0 of a `_spawn`: the listening socket it
 def _init_distributed(backend: str) -> None:
     """torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT). Ranks started by
     `_spawn` rendezvous through a store whose rank 0 serves on the loopback socket it was handed."""
-    import datetime
-
-    import torch.distributed as dist
-
     fd = os.environ.pop(STORE_FD_ENV, "")
     if fd == "":  # torchrun, Ray: the usual env:// rendezvous
         dist.init_process_group(backend)
@@ -540,8 +523,6 @@ def main(argv: list[str] | None = None) -> int:
         clean = code == 0
         return code
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             if clean:  # every rank done with its last collective before any tears gloo down (a crash at exit otherwise)
                 dist.barrier()

@@ -16,6 +16,7 @@ ranks of an SP group and its per-token values gathered, so the loss is the same 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -27,12 +28,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tidal.algos.estimators import AdvantageInputs
+from tidal.algos.types import LossInputs
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.config import TrainConfig
-from tidal.integration.learner.data import Sample, pad_rows, token_logprobs
+from tidal.integration.learner.data import Micro, Sample, pack, pad_rows, token_logprobs
 from tidal.integration.learner.parallel import SequenceParallel, Shard
-from tidal.moe_fsdp.replay import replay_routing
+from tidal.moe_fsdp.replay import replay_routing, router_routes, routing_mismatch, used_routes
+from tidal.staleness.correction import CorrectionInputs
 
 log = logging.getLogger("tidal.learner")
 
@@ -145,8 +149,6 @@ class Trainer:
     def _routing_metrics(self, routes: torch.Tensor, micro: Any, sums: dict[str, float], n_micro: int) -> None:
         """How often the learner's own router disagrees with the sampler's routing (the expert set of a
         token, per layer), and how often the experts actually used did (0 under replay)."""
-        from tidal.moe_fsdp.replay import router_routes, routing_mismatch, used_routes
-
         module = self.backend._module()
         rec = routes[micro.pred]
         sums["moe/router_mismatch"] += float(routing_mismatch(rec, router_routes(module)[micro.pred]).mean()) / n_micro
@@ -161,8 +163,6 @@ class Trainer:
     def advantages(self, samples: Sequence[Sample], values: list[torch.Tensor] | None = None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-sample advantages (and value targets in PPO mode, from the critic's `values`)."""
-        from tidal.algos.estimators import AdvantageInputs
-
         groups: dict[str, int] = {}
         index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
         width = max(len(s.completion) for s in samples)
@@ -236,8 +236,6 @@ class Trainer:
         """A forward for a rank that has run out of data this step (sharded backends run collectives in
         every forward, so all ranks must make the same number): its first sequence, or two pad tokens
         when its share is empty; it always enters the loss with weight zero."""
-        from tidal.integration.learner.data import Micro, pack
-
         if samples:
             return pack([samples[0]], self.cfg.micro_batch_tokens, self.backend.device)[0]
         row = torch.zeros((1, 2), dtype=torch.long, device=self.backend.device)
@@ -247,8 +245,6 @@ class Trainer:
         """What a step does before its first forward and without the parameters: check the sampling,
         pack the micro-batches, and (an estimator without a critic) the advantages. No collectives, so the
         learner runs it for the next batch on another thread while this step trains."""
-        from tidal.integration.learner.data import pack
-
         self._check_sampling(samples)
         micros = pack(samples, self.cfg.micro_batch_tokens, self.backend.device, share_prefix=self.share_prefix,
                       fallback=self.fallback)
@@ -392,8 +388,6 @@ class Trainer:
 
     def _add_correction(self, inputs: dict[str, Any], sums: dict[str, float], n_micros: int) -> None:
         """The staleness correction's importance weights and mask (and the proximal logprobs it asks for)."""
-        from tidal.staleness.correction import CorrectionInputs
-
         assert self.correction is not None
         proximal = None
         if getattr(self.correction, "needs_proximal", False):
@@ -412,8 +406,6 @@ class Trainer:
     def _loss(self, inputs: dict[str, Any], micro: Any, values: torch.Tensor | None, returns: list | None,
               old_values: list | None, dev: torch.device) -> tuple[torch.Tensor, Any]:
         """The policy loss (plus the critic's value loss in PPO mode) and its outputs."""
-        from tidal.algos.types import LossInputs
-
         out = self.loss_fn(LossInputs(**inputs))
         loss = out.loss
         if self.critic:
@@ -474,7 +466,6 @@ def _default_agg(loss_fn: Any) -> str:
     kw = getattr(loss_fn, "keywords", {}) or {}
     if "agg" in kw:
         return kw["agg"]
-    import inspect
 
     fn = getattr(loss_fn, "func", loss_fn)
     param = inspect.signature(fn).parameters.get("agg")

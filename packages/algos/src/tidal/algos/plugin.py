@@ -10,12 +10,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from tidal.algos.filters import LengthFilter, ZeroVarianceFilter
 from tidal.core.plugins import declare, hookimpl
 
 
 def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
     def make(**options: Any) -> Callable[[Any], Any]:
-        from tidal.algos import losses
+        from tidal.algos import losses  # heavy: torch, which the buffer loading this module must not pay for
 
         fn = getattr(losses, name)
         params = inspect.signature(fn).parameters
@@ -44,7 +45,7 @@ def _estimator_factory(name: str) -> Callable[..., Any]:
     cls_name, takes_kind = ESTIMATORS[name]
 
     def make(**options: Any) -> Any:
-        from tidal.algos import estimators
+        from tidal.algos import estimators  # heavy: torch (see the module docstring)
 
         cls = getattr(estimators, cls_name)
         return cls(name, **options) if takes_kind else cls(**options)
@@ -72,6 +73,4 @@ def tidal_advantage_estimators() -> dict[str, Callable[..., Any]]:
 
 @hookimpl
 def tidal_group_filters() -> dict[str, Callable[..., Any]]:
-    from tidal.algos.filters import LengthFilter, ZeroVarianceFilter
-
     return {"zero_variance": ZeroVarianceFilter, "length": LengthFilter}

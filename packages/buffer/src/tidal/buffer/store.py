@@ -16,14 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tidal.buffer import wal
 from tidal.core.arrays import Array, DType, Shape
 from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
 from tidal.core.protocol import NO_VERSION, PROTOCOL_VERSION, Trajectory, TrajectoryGroup
-
-if typing.TYPE_CHECKING:
-    import numpy as np
 
 # One codec with every array inline: a WAL record is a single self-contained frame.
 # the buffer's own encodings (WAL records, stored members): what ingest admitted, within its limits already
@@ -78,8 +76,6 @@ ARRAY_READS = (ArrayView, ArrayBytes)
 
 
 def _numpy(a: Any) -> Any:
-    import numpy as np
-
     return np.frombuffer(a.data, dtype=np.dtype(a.dtype).newbyteorder("<")).reshape(a.shape)
 
 
@@ -170,8 +166,6 @@ def masked(t: Any, body: bytes | memoryview | None, keep: Any) -> Trajectory:
 
 
 def _and_mask(existing: Any, keep: Any) -> Array:
-    import numpy as np
-
     m = np.asarray(keep, dtype=np.uint8)
     if existing is not None:
         m = m & existing.numpy().astype(np.uint8)
@@ -277,8 +271,6 @@ class Store:
         """Lag (learner version - oldest token version) of the ready samples, 16 bins (the last one is
         15+). Over a strided sample of at most LAG_SAMPLE_GROUPS groups, counts scaled to the whole: a
         deep unbounded buffer would otherwise spend a fifth of its time here."""
-        import numpy as np
-
         groups = self.ready
         stride = max(1, -(-len(groups) // LAG_SAMPLE_GROUPS))
         lags = [_oldest_lag(t.versions.numpy(), learner_version)

@@ -155,7 +155,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
     @classmethod
     def from_numpy(cls, arr: np.ndarray, *, out_of_line: bool | None = None) -> Array:
         """Wrap a numpy array without copying when it is already C-contiguous and little-endian."""
-        import numpy as np
+        import numpy as np  # heavy: routing a message must not import numpy (module docstring)
 
         if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
             arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -169,7 +169,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
     @classmethod
     def from_list(cls, values: list[int] | list[float], dtype: str) -> Array:
         """Build from a Python list (convenience for tests and small payloads)."""
-        import numpy as np
+        import numpy as np  # heavy: routing a message must not import numpy (module docstring)
 
         return cls.from_numpy(np.asarray(values, dtype=dtype))
 
@@ -197,7 +197,7 @@ class Array(msgspec.Struct, array_like=True, gc=False):
 
     def numpy(self) -> np.ndarray:
         """A zero-copy numpy view (read-only when the bytes came off the wire)."""
-        import numpy as np
+        import numpy as np  # heavy: routing a message must not import numpy (module docstring)
 
         if self.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
             raise TypeError(

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from tidal.core import __version__
 from tidal.core.codec import PREAMBLE_BYTES, Codec
 from tidal.core.errors import (
     ChannelClosed,
@@ -377,16 +378,10 @@ def make_hello(role: str, name: str, software: dict[str, str] | None = None) -> 
         role=role,
         name=name,
         protocol=PROTOCOL_VERSION,
-        software=software or {"tidal-core": _core_version()},
+        software=software or {"tidal-core": __version__},
         pid=os.getpid(),
         host=_pysocket.gethostname(),
     )
-
-
-def _core_version() -> str:
-    from tidal.core import __version__
-
-    return __version__
 
 
 class Waker:

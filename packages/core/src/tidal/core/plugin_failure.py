@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import tidal
 from tidal.core.errors import ConfigError
 
 # how a kind reads in a sentence ("environment plugin 'unitconv'"); the rest read as their kind name
@@ -86,8 +87,6 @@ def _ours(path: str) -> bool:
 
 
 def _skipped_roots() -> list[str]:
-    import tidal
-
     paths = sysconfig.get_paths()
     roots = [paths["stdlib"], paths["platstdlib"], *getattr(tidal, "__path__", [])]
     return [os.path.realpath(r) for r in roots]

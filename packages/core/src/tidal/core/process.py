@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -47,8 +48,6 @@ def exit_now(code: int = 0, zmq_flush_s: float = 2.0) -> NoReturn:
     if security is not None:  # a ZAP handler's sockets would hold term() for all of zmq_flush_s
         security.stop_authenticators()
     if zmq is not None and zmq_flush_s > 0:
-        import threading
-
         t = threading.Thread(target=zmq.Context.instance().term, name="tidal-zmq-flush", daemon=True)
         t.start()
         t.join(zmq_flush_s)

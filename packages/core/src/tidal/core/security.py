@@ -33,6 +33,7 @@ import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from tidal.core.errors import SecurityError
 
@@ -185,8 +186,6 @@ class AuthGuard:
             self._thread.start()
 
     def _monitor(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
         poller = zmq.Poller()
         while not self._stop.is_set():
             for _s, mon, _w in list(self._watched):

@@ -93,6 +93,7 @@ def enable_sequence_parallel(model: torch.nn.Module, mesh: SPMesh, *, backend: B
                              block_size: int = 512) -> torch.nn.Module:
     """Register Tidal's SP attention as transformers attention implementation "tidal_sp" (one mesh per
     process) and switch `model` to it. Returns the model. Call the model with `SPBatch.model_inputs()`."""
+    # optional: the [hf] extra
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -118,6 +119,7 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     packed = (query.shape[0] == 1 and attention_mask is None and query.shape[2] == key.shape[2]
               and (varlen_layout is not None or position_ids is not None))
     if not packed or sliding_window is not None or dropout:
+        # optional: the [hf] extra
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if sliding_window is not None and packed:
@@ -141,13 +143,14 @@ def _varlen_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """No [L, L] mask for a packed row (the layout is the mask); a padding mask still gets SDPA's."""
     if kwargs.get("attention_mask") is None:
         return None
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import sdpa_mask  # optional: the [hf] extra
 
     return sdpa_mask(*args, **kwargs)
 
 
 def register_varlen_attention() -> str:
     """Register `tidal_varlen` with transformers (idempotent); returns its name, for `attn_implementation`."""
+    # optional: the [hf] extra
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

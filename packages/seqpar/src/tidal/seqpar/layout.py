@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tidal.seqpar.mesh import SPMesh
 
@@ -94,8 +95,6 @@ def shard(x: torch.Tensor, layout: ShardLayout, mesh: SPMesh, *, dim: int = 1, p
 def unshard(x: torch.Tensor, layout: ShardLayout, mesh: SPMesh, *, dim: int = 1) -> torch.Tensor:
     """Gather every rank's shard back into the full, unpadded tensor (not differentiable; for outputs
     and checks). Shape: `x` with `dim` of size layout.seq_len."""
-    import torch.distributed as dist
-
     dim, x = dim % x.dim(), x.contiguous()
     if mesh.size == 1:
         parts = [x]

@@ -39,7 +39,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments:
     """flash-attn's `flash_attn_varlen_func` over the segments (packed sequences and padding become
     separate varlen sequences). CUDA with fp16/bf16 only; no sinks."""
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # optional: the [flash-attn] extra, CUDA only
     except ImportError as e:
         raise ImportError("backend='flash' needs flash-attn (pip install 'tidal-seqpar[flash-attn]' on a CUDA "
                           "machine); use backend='sdpa' or 'math' elsewhere") from e

@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from tidal.core.protocol import TensorSpec
+from tidal.weight_sync.device import MIX64, copy_to_device, mix64
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool",
@@ -99,14 +100,19 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM) ->
         return xxhash.xxh3_64_intdigest(_buffer(buf))
     if algorithm == "crc32":
         return zlib.crc32(_buffer(buf)) & 0xFFFFFFFF
-    if algorithm == "mix64-sum":  # a device-packed version received into host memory
-        from tidal.weight_sync.device import mix64
-
+    if algorithm == MIX64:  # a device-packed version received into host memory
         arr = buf.reshape(-1).view(np.uint8) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
         with warnings.catch_warnings():  # read-only memory (shm leases, zmq frames): only read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return mix64(torch.from_numpy(arr) if arr.size else torch.empty(0, dtype=torch.uint8))
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: xxh3_64-tree16m, xxh3_64, crc32, mix64-sum")
+
+
+def checksum_tensor(buf: torch.Tensor, algorithm: str) -> int:
+    """A bucket's checksum where it lies: `mix64-sum` on its device, anything else on a host copy."""
+    if algorithm == MIX64:
+        return mix64(buf)
+    return checksum(buf.cpu().numpy(), algorithm)
 
 
 Alloc = Callable[[int, int], "np.ndarray | torch.Tensor"]  # (bucket index, nbytes) -> uint8 buffer to pack into
@@ -167,9 +173,8 @@ class Bucket:
         buf = alloc(self.index, self.nbytes)
         offsets = [s.offset for s in self.specs]
         if isinstance(buf, torch.Tensor):
-            from tidal.weight_sync.device import pack_device
-
-            self.crc = pack_device(self.parts, offsets, buf, algorithm, self.ready)
+            copy_to_device(self.parts, offsets, buf, self.ready)
+            self.crc = checksum_tensor(buf, algorithm)
         else:
             self.crc = pack_host([p.numpy() for p in self.parts], offsets, buf, algorithm)
         self.parts = []

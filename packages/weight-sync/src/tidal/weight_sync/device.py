@@ -1,4 +1,4 @@
-"""Buckets in device memory: packing with device copies and a checksum computed where the bytes are.
+"""Buckets in device memory: the `mix64-sum` checksum computed where the bytes are, and packing with device copies.
 
 xxh3 runs on the host only; hashing a GPU bucket with it would cost a copy to the host on both ends.
 `mix64-sum` is computed with plain torch integer ops, so it runs on any device and gives the same value
@@ -63,26 +63,15 @@ def mix64(buf: torch.Tensor) -> int:
     return int(_fmix((acc + n).reshape(1)).item()) & _MASK64
 
 
-def checksum_tensor(buf: torch.Tensor, algorithm: str) -> int:
-    """A bucket's checksum where it lies: `mix64-sum` on its device, anything else on a host copy."""
-    if algorithm == MIX64:
-        return mix64(buf)
-    from tidal.weight_sync.buckets import checksum
-
-    return checksum(buf.cpu().numpy(), algorithm)
-
-
-def pack_device(parts: list[torch.Tensor], offsets: list[int], dest: torch.Tensor, algorithm: str,
-                ready: Any = None) -> int:
+def copy_to_device(parts: list[torch.Tensor], offsets: list[int], dest: torch.Tensor, ready: Any = None) -> None:
     """Copy `parts` into the device buffer `dest` at `offsets` (device-to-device, queued on the current
-    stream once it has waited for the CUDA event `ready`) and return the checksum of `dest` (reading it
-    back for the checksum waits for the copies)."""
+    stream once it has waited for the CUDA event `ready`). The copies are queued, not finished: a checksum
+    of `dest` computed next on the same stream (`buckets.checksum_tensor`) reads it back after them."""
     if ready is not None:
         torch.cuda.current_stream(dest.device).wait_event(ready)
     for off, part in zip(offsets, parts, strict=True):
         if part.numel():
             dest[off : off + part.numel()].copy_(part.reshape(-1), non_blocking=True)
-    return checksum_tensor(dest, algorithm)
 
 
 def reusing_allocator(buffers: dict[int, torch.Tensor], device: Any):

@@ -1,40 +1,14 @@
-"""Transports registered by name (plugin kind ``weight_transport``). Each entry is a factory taking the
-role ("sender" or "receiver") and options; `WeightSender("zmq")` / `WeightReceiver("zmq")` use them.
-Transport modules are imported only when used: scanning the plugins must not import torch."""
+"""Transports registered by name (plugin kind ``weight_transport``). Each entry makes a `WeightSender` or
+`WeightReceiver` on its transport (the list is transports.py). Scanning the plugins must not import torch,
+so the sender and receiver modules are imported only when one is made."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from tidal.core.plugin_options import NoOptions, signature_options
 from tidal.core.plugins import declare, hookimpl
-
-# name -> (module, sender class, receiver class): the one place that says which transports exist
-TRANSPORTS: dict[str, tuple[str, str, str]] = {
-    "zmq": ("transport_zmq", "ZmqSenderTransport", "ZmqReceiverTransport"),
-    "fs": ("transport_fs", "FsSenderTransport", "FsReceiverTransport"),
-    "shm": ("transport_shm", "ShmSenderTransport", "ShmReceiverTransport"),
-    "torch_dist": ("transport_dist", "DistSenderTransport", "DistReceiverTransport"),
-    "cuda_ipc": ("transport_cuda_ipc", "CudaIpcSenderTransport", "CudaIpcReceiverTransport"),
-}
-
-
-def _make(name: str, role: int, options: dict[str, Any]) -> Any:
-    try:
-        module, *classes = TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"unknown weight transport {name!r}; available: {', '.join(TRANSPORTS)}") from None
-    cls = getattr(importlib.import_module(f"tidal.weight_sync.{module}"), classes[role])
-    return cls(**options)
-
-
-def sender_transport(name: str, **options: Any) -> Any:
-    return _make(name, 0, options)
-
-
-def receiver_transport(name: str, **options: Any) -> Any:
-    return _make(name, 1, options)
+from tidal.weight_sync.transports import TRANSPORTS
 
 
 class _Transport:
@@ -46,11 +20,13 @@ class _Transport:
         self.name = name
 
     def sender(self, config: dict[str, Any]) -> Any:
+        # heavy: torch, which scanning the plugins must not load
         from tidal.weight_sync.sender import WeightSender
 
         return WeightSender(self.name, **config)
 
     def receiver(self, config: dict[str, Any]) -> Any:
+        # heavy: torch, which scanning the plugins must not load
         from tidal.weight_sync.receiver import WeightReceiver
 
         return WeightReceiver(self.name, **config)

@@ -14,10 +14,10 @@ import torch
 from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync import delta
-from tidal.weight_sync.buckets import checksum, copy_and_checksum, unpack
-from tidal.weight_sync.device import checksum_tensor
+from tidal.weight_sync.buckets import checksum, checksum_tensor, copy_and_checksum, unpack
 from tidal.weight_sync.errors import WeightFetchCancelled, WeightSyncError
 from tidal.weight_sync.transport_base import ReceiverTransport
+from tidal.weight_sync.transports import receiver_transport
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -25,8 +25,6 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 class WeightReceiver:
     def __init__(self, transport: str | Any = "zmq", *, keep_for_delta: bool = True, **transport_options: Any) -> None:
         if isinstance(transport, str):
-            from tidal.weight_sync.plugin import receiver_transport
-
             transport = receiver_transport(transport, **transport_options)
         if not isinstance(transport, ReceiverTransport):
             raise TypeError(f"a weight transport object must subclass tidal.weight_sync.ReceiverTransport; got "

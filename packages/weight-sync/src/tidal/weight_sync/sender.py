@@ -15,6 +15,7 @@ import torch
 from tidal.core.protocol import WeightsAvailable
 from tidal.weight_sync.buckets import CHECKSUM, Alloc, Bucket, plan_buckets
 from tidal.weight_sync.transport_base import SenderTransport
+from tidal.weight_sync.transports import sender_transport
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -62,8 +63,6 @@ class WeightSender:
         **transport_options: Any,
     ) -> None:
         if isinstance(transport, str):
-            from tidal.weight_sync.plugin import sender_transport
-
             if transport == "zmq":
                 transport_options.setdefault("delta_updates", delta)
             elif delta:

@@ -14,6 +14,7 @@ announcement. Weights on a GPU go through `cuda_ipc` instead (transport_cuda_ipc
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -130,8 +131,6 @@ class ShmSenderTransport(SenderTransport):
             seg.unlock()
 
     def close(self) -> None:
-        import gc
-
         gc.collect()  # numpy views of the segments must go before the mappings can close
         for segs in self._slots:
             for seg in segs.values():
@@ -218,8 +217,6 @@ class ShmReceiverTransport(ReceiverTransport):
         pass
 
     def close(self) -> None:
-        import gc
-
         gc.collect()
         self._unlock_leased()
         for name in list(self._maps):

@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
-from tidal.core.arrays import Array
+from tidal.core.arrays import ITEMSIZE, Array
 from tidal.core.channels import DealerChannel, dealer, router
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.protocol import ACK_WEIGHTS, Ack, Error, WeightsAvailable, WeightsBucket, WeightsRequest
@@ -35,8 +36,6 @@ BUCKET_SLACK_BYTES = 1024**2
 
 
 def _security(security: ChannelSecurity | dict[str, Any]) -> ChannelSecurity:
-    import msgspec
-
     return security if isinstance(security, ChannelSecurity) else msgspec.convert(security, ChannelSecurity)
 
 
@@ -144,8 +143,6 @@ class ZmqSenderTransport(SenderTransport):
 
 
 def _np_width_type(dtype: str) -> type:
-    from tidal.core.arrays import ITEMSIZE
-
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[ITEMSIZE[dtype]]
 
 
