@@ -154,7 +154,7 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
 
 
 def _tool_demonstrator(tool_rate: float):
-    """The multiply demonstrator (tidal.rollout.multiply), its final answer ended by the turn's stop."""
+    """The multiply demonstrator (tidal.rollout.envs.multiply), its final answer ended by the turn's stop."""
     from tidal.rollout.envs.multiply import demonstration
 
     def show(task, rng):

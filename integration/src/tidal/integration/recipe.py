@@ -11,7 +11,7 @@
     name = "grpo"
 
 The role sections (`rollout`, `buffer`, `learner`) are exactly the configs of those processes
-(`python -m tidal.rollout.worker --help` and friends), so a setting has one name everywhere. The
+(`python -m tidal.rollout.worker.process --help` and friends), so a setting has one name everywhere. The
 launcher fills in what must agree between roles: endpoints, model folder, group size, batch size, seeds.
 `tidal run RECIPE.toml learner.backend_options.optim.lr=1e-4` overrides any field by its dotted name.
 """
