@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import sys
+from pathlib import Path
 
 import msgspec
 
+from tidal.core.errors import ConfigError, PluginError, PluginNotFound
+from tidal.core.plugin_options import options_text
 from tidal.core.plugins import KINDS, registry
 from tidal.core.protocol import PROTOCOL_VERSION
 
@@ -25,8 +29,6 @@ def _versions() -> dict[str, str]:
 def _options_line(kind: str, name: str) -> str:
     """What the recipe's `options = {...}` of this plugin takes (a weight transport: its sender's and
     receiver's)."""
-    from tidal.core.plugin_options import options_text
-
     try:
         if kind == "weight_transport":
             t = registry.create(kind, name)
@@ -63,15 +65,11 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def _logging(level: str) -> None:
-    import logging
-
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tidal.core.errors import ConfigError, PluginError, PluginNotFound
+    # each command's own modules load when it runs, so that `tidal --help` and `tidal plugins` stay quick
     from tidal.integration.recipe import check_models, default_run_dir, load_recipe
     from tidal.integration.report import report
     from tidal.integration.resume import RunFolderBusy, check_resumable, resume_command
@@ -121,8 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tidal.core.errors import ConfigError, PluginError, PluginNotFound
-    from tidal.integration.demo import demo
+    from tidal.integration.demo import demo  # loaded when the command runs (as every command's modules)
 
     _logging(args.log_level)
     try:
@@ -134,6 +131,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    # loaded when the command runs, as every command's modules: `tidal --help` stays quick
     from tidal.integration.monitor import read_metrics
     from tidal.integration.report import report, summarize
 
@@ -145,7 +143,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     s = summarize(read_metrics(args.run_dir))
     print(f"{png}\n{s['versions']} versions, {s['samples_trained']:.0f} samples trained, {s['wall_s'] / 60:.1f} min, "
           f"lag mean {s['lag_mean']:.2f} (max {s['lag_max']})")
-    from tidal.integration.samples import summary as samples_summary
+    from tidal.integration.samples import summary as samples_summary  # (the command's own module)
 
     t = samples_summary(args.run_dir)
     if t["count"]:
@@ -158,6 +156,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
+    # loaded when the command runs, as every command's modules: `tidal --help` stays quick
     from tidal.integration.samples import show
 
     if not os.path.isdir(args.run_dir):
@@ -170,6 +169,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # loaded when the command runs, as every command's modules: `tidal --help` stays quick
     from tidal.integration.export import export_run
 
     try:
@@ -182,8 +182,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    # loaded when the command runs, as every command's modules: `tidal --help` stays quick
     from tidal.integration.health import format_health, run_health
     from tidal.integration.monitor import read_metrics
 

@@ -53,6 +53,7 @@ from tidal.integration.learner.best import pin_best
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.rollout.engines.stops import split_stops
+from tidal.rollout.envs.tasks import first_tasks
 from tidal.rollout.worker.process import EVAL_KEY
 from tidal.staleness.depth import DepthGate
 
@@ -124,8 +125,6 @@ def unencodable(tok, text: str, error: Exception) -> str:
 
 class Domain:
     def __init__(self, name: str, plugin: str, env, weight: float, seed: int, eval_size: int, where: str) -> None:
-        from tidal.rollout.envs.tasks import first_tasks
-
         self.name, self.plugin, self.env, self.weight, self.where = name, plugin, env, weight, where
         self.train: Iterator[Task] = env.tasks("train", seed)
         self.eval: list[Task] = [check_task(t, plugin, f"{where}, eval split")

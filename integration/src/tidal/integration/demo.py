@@ -31,7 +31,13 @@ from typing import Any, NamedTuple
 import msgspec
 
 from tidal.core.config import apply_overrides, load_config, parse_override, to_dict
+from tidal.core.episodes import is_episodic
+from tidal.core.plugins import registry
 from tidal.integration.recipe import RunConfig, check, recipes_dir
+from tidal.integration.report import report
+from tidal.integration.run import run
+from tidal.rollout import tiny
+from tidal.rollout.envs.multiply import demonstration
 
 log = logging.getLogger("tidal.demo")
 
@@ -93,11 +99,8 @@ def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tu
 
 
 def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic") -> int:
-    from tidal.core.plugins import registry
-    from tidal.integration.report import report
-    from tidal.integration.run import run
+    # torch: the warm start's, loaded when it runs (demo_config and `tidal demo --help` need none)
     from tidal.integration.sft import SFTConfig, sft
-    from tidal.rollout import tiny
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,8 +158,6 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
 
 def _tool_demonstrator(tool_rate: float):
     """The multiply demonstrator (tidal.rollout.envs.multiply), its final answer ended by the turn's stop."""
-    from tidal.rollout.envs.multiply import demonstration
-
     def show(task, rng):
         segments = demonstration(task, rng, tool_rate=tool_rate)
         text, trained = segments[-1]
@@ -167,8 +168,7 @@ def _tool_demonstrator(tool_rate: float):
 
 def _warm_accuracy(cfg: RunConfig, env) -> float:
     """Greedy held-out accuracy of the warm start, as the run's evaluation will measure it."""
-    from tidal.core.episodes import is_episodic
-    from tidal.integration.sft import accuracy, episode_accuracy
+    from tidal.integration.sft import accuracy, episode_accuracy  # torch, as in demo()
 
     d = cfg.domains[0]
     if not is_episodic(env):

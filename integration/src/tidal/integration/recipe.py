@@ -28,8 +28,13 @@ import msgspec
 
 from tidal.buffer.config import BufferConfig
 from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.episodes import is_episodic
 from tidal.core.errors import ConfigError
+from tidal.core.plugin_failure import build_failure
+from tidal.core.plugin_options import fit
+from tidal.core.plugins import registry
 from tidal.integration.learner.config import LearnerConfig
+from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.worker.config import WorkerConfig
 
 
@@ -255,9 +260,6 @@ def preflight_env(cfg: RunConfig, i: int):
     evaluates), as the controller will: what fails here fails before any process starts, as one
     `ConfigError` naming `domains[i]`. The controller builds its own instance afterwards, on purpose: the
     draws made here must not shift the run's task stream."""
-    from tidal.core.plugin_failure import build_failure
-    from tidal.core.plugins import registry
-
     d = cfg.domains[i]
     try:
         env = registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
@@ -284,8 +286,6 @@ def check_env(cfg: RunConfig, i: int, env) -> None:
     """Multi-turn domains score with their episodes' own verifier (a domain `reward` plugin would be
     ignored) and record no routing and no sampling masks yet (a sample's observation tokens are never
     sampled, so they have neither): a recipe asking for any of these with such a domain is refused."""
-    from tidal.core.episodes import is_episodic
-
     d = cfg.domains[i]
     if not is_episodic(env):
         return
@@ -304,10 +304,6 @@ def check_plugins(cfg: RunConfig) -> None:
     """Every plugin the recipe names exists and its options fit the options it declares
     (`tidal.core.plugin_options`): checked in the driver, before any role starts, so that a misspelt
     name or option is a `ConfigError` naming its field, not a role that dies minutes in."""
-    from tidal.core.plugin_options import fit
-    from tidal.core.plugins import registry
-    from tidal.rollout.episodes.process import register_plugins
-
     # local plugin modules the recipe names (rollout.episodes.plugins): the driver, its controller, the
     # workers and their environment processes all import them
     register_plugins(cfg.rollout.episodes.plugins)

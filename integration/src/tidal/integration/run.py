@@ -58,6 +58,7 @@ from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
 from tidal.integration.samples import to_tensorboard
 from tidal.integration.supervisor import Supervisor, error_file, write_final
+from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.config import DomainSpec
 
 log = logging.getLogger("tidal.run")
@@ -323,8 +324,6 @@ def _locked(cfg: RunConfig, run_dir: Path, nproc_learner: int, resume: bool, ove
 
 def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservation | None,
          ipc_dir: Path | None, point: ResumePoint | None = None) -> RunResult:
-    from tidal.rollout.tiny import load_tokenizer
-
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
     roles, ep = plan(cfg, run_dir, nproc_learner, ports, ipc_dir)
     driver_sec = role_security(cfg, run_dir)["driver"]

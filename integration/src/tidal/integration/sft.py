@@ -24,6 +24,13 @@ from tidal.core.interfaces import GenerationRequest
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.backends import has_sinks
+from tidal.rollout.engines.common import generate
+from tidal.rollout.engines.embedded import EmbeddedEngine
+from tidal.rollout.engines.stops import split_stops
+from tidal.rollout.envs.tasks import first_tasks
+from tidal.rollout.episodes.multiturn import EpisodesConfig, run_episodes
+from tidal.rollout.episodes.pool import LocalEpisodes
+from tidal.rollout.tiny import load_tokenizer
 
 log = logging.getLogger("tidal.sft")
 
@@ -65,8 +72,6 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     """Fit `model_path` on `env`'s train split and save the result (model + tokenizer) to `out`.
     `demonstrate(task, rng)` gives each task's text segments (trained or not); default: the prompt, then
     the reference answer. Returns {"loss": final loss, "seconds": wall time, "examples": problems seen}."""
-    from tidal.rollout.tiny import load_tokenizer
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -153,12 +158,6 @@ def accuracy(model_path: str | Path, env, n: int = 200, temperature: float = 0.0
              max_tokens: int = 8) -> float:
     """Held-out accuracy of `model_path` on `env`'s eval split with the embedded engine (greedy when
     `temperature` is 0)."""
-    from tidal.rollout.engines.common import generate
-    from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.engines.stops import split_stops
-    from tidal.rollout.envs.tasks import first_tasks
-    from tidal.rollout.tiny import load_tokenizer
-
     tok = load_tokenizer(model_path)
     tasks = first_tasks(env, "eval", seed, n)
     engine = EmbeddedEngine(model_path, max_num_seqs=len(tasks), seed=seed)
@@ -179,12 +178,6 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
     """Held-out accuracy of `model_path` on a multi-turn environment: one episode per eval task, played
     to its end in this process (embedded engine, the environment in-process: `LocalEpisodes`).
     Returns {"accuracy", "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "failed"}."""
-    from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.envs.tasks import first_tasks
-    from tidal.rollout.episodes.multiturn import EpisodesConfig, run_episodes
-    from tidal.rollout.episodes.pool import LocalEpisodes
-    from tidal.rollout.tiny import load_tokenizer
-
     tok = load_tokenizer(model_path)
     env = registry.build("env", env_name, env_options)
     tasks = first_tasks(env, "eval", seed, n)

@@ -17,13 +17,11 @@ import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult
 from tidal.core.protocol import WeightsAvailable
-
-if TYPE_CHECKING:
-    from tidal.rollout.engines.weights import ReceiverPool
+from tidal.rollout.engines.weights import ReceiverPool
 
 
 class SimulatedEngine:
@@ -101,8 +99,6 @@ class SimulatedEngine:
 
     def receive_weights(self, announcement: WeightsAvailable) -> int:
         if self._receivers is None:
-            from tidal.rollout.engines.weights import ReceiverPool
-
             self._receivers = ReceiverPool(self._options)
         return self._receivers.receive(announcement, lambda _named: self.update_weights(None, announcement.version))
 
