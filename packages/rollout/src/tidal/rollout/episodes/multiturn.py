@@ -20,6 +20,7 @@ An episode that runs out of its token budget is truncated: it ends with reward 0
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
+from tidal.core.plugins import registry
 from tidal.core.protocol import (
     NO_VERSION,
     Assignment,
@@ -42,6 +44,9 @@ from tidal.core.protocol import (
     segment_id,
     trajectory_id,
 )
+from tidal.rollout.engines.stops import split_stops
+from tidal.rollout.episodes.pool import EnvPool
+from tidal.rollout.episodes.renderers import check_renderer
 
 log = logging.getLogger("tidal.rollout.multiturn")
 
@@ -307,8 +312,6 @@ class MultiTurn:
         """(stop token ids, stop strings), once per distinct set: every turn of every sample asks."""
         key = tuple(dict.fromkeys(stops))
         if key not in self._stops:
-            from tidal.rollout.engines.stops import split_stops
-
             self._stops[key] = split_stops(self.tokenizer, key)
         return self._stops[key]
 
@@ -459,9 +462,6 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any]
                     engine: Any, tokenizer: Any) -> MultiTurn:
     """A rollout worker's multi-turn driver: its environment processes started (every domain it may be
     asked for: `domains` (DomainSpec) and `envs`), its renderer built per sample, checked once."""
-    from tidal.core.plugins import registry
-    from tidal.rollout.episodes.pool import EnvPool
-
     specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in domains.items()}
     specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
     pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
@@ -483,8 +483,6 @@ def _check_renderer(worker: str, name: str, mt: MultiTurn, make: Callable[[], An
     """The startup check: does the renderer extend sampled tokens exactly for this model's tokenizer?
     Where it cannot, samples split (counted); where the tokenizer would merge tokens differently across
     a turn boundary, the model sees token sequences it never saw in one piece. Either is logged once."""
-    from tidal.rollout.episodes.renderers import check_renderer
-
     try:
         problems = check_renderer(make, tokenizer)
     except Exception as e:  # a tokenizer that cannot encode the probe conversation (a narrow alphabet)
@@ -499,8 +497,6 @@ def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Seq
                  cfg: EpisodesConfig, make_renderer: Callable[[], Any], timeout: float = 600.0) -> list[EpisodeRun | None]:
     """Play one episode per task to its end (evaluation: the demo's warm-start accuracy); None where the
     episode failed. The engine and the pool are the caller's; nothing is trained."""
-    import time
-
     mt = MultiTurn(cfg, pool, engine, tokenizer, make_renderer)
     groups = [f"local-{i:05d}" for i in range(len(tasks))]
     for gid, task in zip(groups, tasks, strict=True):

@@ -63,7 +63,13 @@ from tidal.core.interfaces import Task
 from tidal.core.process import ERROR_FILE_ENV, EXIT_CONFIG
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
 from tidal.core.security import AuthGuard, ChannelSecurity, make_role_keys
-from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EnvProcConfig, EnvSpec
+from tidal.rollout.episodes.process import (
+    MAX_OBSERVATION_CHARS,
+    EnvProcConfig,
+    EnvSpec,
+    EpisodeHost,
+    register_plugins,
+)
 
 log = logging.getLogger("tidal.rollout.envpool")
 
@@ -626,8 +632,6 @@ class LocalEpisodes:
 
     def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = (),
                  max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
-        from tidal.rollout.episodes.process import EpisodeHost, register_plugins
-
         register_plugins(list(plugins))
         self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local",
                                 max_observation_chars=max_observation_chars)

@@ -37,6 +37,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 import msgspec
@@ -67,6 +68,8 @@ from tidal.core.protocol import (
 from tidal.core.reliable import AckedPusher
 from tidal.rollout.engines.common import submit_all, warm_up
 from tidal.rollout.episodes.multiturn import EpisodeFailed, MultiTurn, start_multiturn
+from tidal.rollout.episodes.process import register_plugins
+from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.applier import WeightApplier
 from tidal.rollout.worker.config import WorkerConfig
 from tidal.rollout.worker.results import ResultForwarder, trajectory_of
@@ -79,13 +82,11 @@ EVAL_KEY = "tidal.eval"  # Assignment.metadata key of held-out evaluation groups
 
 
 def _software() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for dist in ("tidal-core", "tidal-rollout"):
         try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
             pass
     return out
 
@@ -120,11 +121,7 @@ class RolloutWorker:
             engine = registry.build("engine", cfg.engine.name, options, cfg.model, field="engine")
         self.engine = engine
         if cfg.episodes.plugins:  # local plugin modules: this process builds their envs too (is it episodic?)
-            from tidal.rollout.episodes.process import register_plugins
-
             register_plugins(cfg.episodes.plugins)
-        from tidal.rollout.tiny import load_tokenizer
-
         self.tokenizer = load_tokenizer(cfg.model) if cfg.model else None
         self.domains = Domains(cfg, self.tokenizer)
         self.dropped_by_reason: dict[str, int] = {}
