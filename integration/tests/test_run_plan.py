@@ -100,6 +100,19 @@ def test_the_buffer_learns_the_models_vocabulary_size_from_its_config(tmp_path):
     assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["vocab_size"] == 0
 
 
+@pytest.mark.parametrize(("admission", "max_lag"), [
+    ('{ name = "version_rejection" }', 3),  # left out: the run's max_staleness
+    ('{ name = "version_rejection", options = { max_lag = 1, mode = "mask" } }', 1),  # the recipe's own: kept
+])
+def test_version_rejection_bounds_lag_by_max_staleness_unless_the_recipe_says(tmp_path, admission, max_lag):
+    cfg = load_recipe(None, [f'model="{tmp_path}"', "max_staleness=3", f"buffer.admission={admission}"])
+    buffer = next(json.loads(r.config.read_text()) for r in plan(cfg, tmp_path / "run")[0] if r.name == "buffer")
+    assert buffer["admission"]["name"] == "version_rejection" and buffer["admission"]["options"]["max_lag"] == max_lag
+    cfg = load_recipe(None, [f'model="{tmp_path}"'])
+    assert next(json.loads(r.config.read_text()) for r in plan(cfg, tmp_path / "run2")[0]
+                if r.name == "buffer")["admission"] is None  # none asked for: none made up
+
+
 def test_the_buffers_ingest_limit_fits_the_largest_group_the_run_can_send(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 160_000, "max_position_embeddings": 32_768}))
     roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"', "sampling.return_sampling_mask=true"]), tmp_path / "r")

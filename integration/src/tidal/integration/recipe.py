@@ -127,7 +127,9 @@ class RunConfig(ConfigStruct):
     seed: int = 0  # seeds the task streams (domain i draws with seed + i), the sampler and the learner
     group_size: int = 8  # G samples per prompt
     batch_groups: int = 8  # groups per learner step
-    max_staleness: int = 2  # depth gate: no sample is more than this many versions old when trained (async)
+    # depth gate: no sample is more than this many versions old when trained (async); also the `max_lag` of
+    # a `buffer.admission = { name = "version_rejection" }` that does not set its own
+    max_staleness: int = 2
     domains: list[DomainConfig] = msgspec.field(default_factory=lambda: [DomainConfig()])
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from tidal.buffer.client import BatchClient
+from tidal.core.config import PluginRef
 from tidal.core.errors import ChannelTimeout, ConfigError
 from tidal.core.net import PortReservation
 from tidal.core.plugins import registry
@@ -105,7 +106,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     buffer = msgspec.structs.replace(
         cfg.buffer, ingest=ep["ingest"], serve=ep["serve"], publish=ep["buffer_pub"],
         wal_dir=str(run_dir / cfg.buffer.wal_dir),  # relative to the run folder (an absolute path stays)
-        group_size=cfg.group_size, batch_samples=cfg.batch_samples, security=sec["buffer"],
+        group_size=cfg.group_size, batch_samples=cfg.batch_samples, security=sec["buffer"], admission=_admission(cfg),
         # the buffer refuses token ids the model cannot embed (0 = unchecked: no config.json to read it from)
         vocab_size=cfg.buffer.vocab_size or vocab_size(cfg.learner.model or cfg.model),
         # its ingest socket takes the largest group this run can produce (a larger frame is dropped unread)
@@ -175,6 +176,15 @@ def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None):
     if ipc_dir is not None:
         options.setdefault("endpoint", f"ipc://{ipc_dir}/weights")
     return msgspec.structs.replace(weights, options=options)
+
+
+def _admission(cfg: RunConfig) -> PluginRef | None:
+    """The buffer's admission policy; `version_rejection` with no `max_lag` of the recipe's own bounds lag
+    by the run's `max_staleness`, the depth gate's bound (its own default, 4, would be another number)."""
+    a = cfg.buffer.admission
+    if a is None or a.name != "version_rejection" or "max_lag" in a.options:
+        return a
+    return msgspec.structs.replace(a, options={**a.options, "max_lag": cfg.max_staleness})
 
 
 def _receiver_security(transports: dict, sec: ChannelSecurity) -> dict:
