@@ -165,6 +165,10 @@ def test_three_interrupts_and_resumes_train_every_acked_sample_once(tmp_path, ti
     # one evaluation history: every version evaluated once, in order, from 0 to the budget
     evals = [e[0] for e in final["eval"]]
     assert evals == sorted(set(evals)) and evals[0] == 0 and evals[-1] == BUDGET, evals
-    # no hole longer than eval.every: a version the learner passed while no driver ran (killed, or between an
-    # interrupt and the exit checkpoint) is made up by the evaluation of the checkpoint the run resumed from
-    assert all(b - a <= 8 for a, b in itertools.pairwise(evals)), evals
+    # no hole longer than eval.every except across a resume: a version the learner passed while no driver ran
+    # (killed, or between an interrupt and the exit checkpoint) is made up by the resume's evaluation, of the
+    # version every worker holds once the run is up again: the checkpoint's, or one the resumed learner made
+    # from samples the buffer kept before the workers caught up (seen: interrupted at 6, evaluated 0 then 9)
+    for a, b in itertools.pairwise(evals):
+        if b - a > 8:
+            assert any(a < s <= b and b - s <= 8 for s in starts[1:]), (evals, starts)
