@@ -69,7 +69,8 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
         learner = subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
              f'publish="{announce}"', f"max_steps={STEPS}", "backend_options.optim.lr=3e-3",
-             'train.loss={name="ppo"}', f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=5"],
+             'train.loss={name="ppo"}', f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=5",
+             f'record_batches="{tmp_path / "recording"}"', f'export_dir="{tmp_path / "trained"}"'],
             stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT)
         procs.append(learner)
         metrics: list[Metrics] = []
@@ -97,6 +98,42 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
     assert metrics and metrics[-1].scalars["train/version"] == STEPS
     assert (tmp_path / "ckpt" / "latest" / "progress.json").is_file()
     assert json.loads((tmp_path / "ckpt" / "latest" / "progress.json").read_text())["step"] == STEPS
+    _replay_trains_the_same_policy(tmp_path, model_path)
+
+
+def _replay_trains_the_same_policy(tmp_path: Path, model_path: Path) -> None:
+    """The batches the learner recorded, replayed by a learner with no buffer (learner.source = "replay"),
+    train the same policy from the same start: the same weights, to float precision."""
+    from safetensors.torch import load_file
+
+    replay = subprocess.run(
+        [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'publish="{free_endpoint()}"',
+         f'source={{name="replay", options={{path="{tmp_path / "recording"}"}}}}', "weights.every=0",
+         "backend_options.optim.lr=3e-3", 'train.loss={name="ppo"}', f'export_dir="{tmp_path / "replayed"}"'],
+        capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert f"finished after {STEPS} batches" in replay.stderr, replay.stderr[-3000:]
+    trained, replayed = load_file(tmp_path / "trained" / "model.safetensors"), load_file(tmp_path / "replayed" / "model.safetensors")
+    assert trained.keys() == replayed.keys()
+    start = load_file(model_path / "model.safetensors")
+    assert any(not torch.equal(start[k], trained[k]) for k in trained)  # training moved the weights
+    for k in trained:
+        torch.testing.assert_close(replayed[k], trained[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_a_replay_of_a_missing_recording_is_refused_naming_what_is_there(tmp_path):
+    from tidal.rollout.tiny import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "model", seed=7)
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "batches-1.msgpack").write_bytes(b"")
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'publish="{free_endpoint()}"',
+         f'source={{name="replay", options={{path="{tmp_path / "rec"}"}}}}', "weights.every=0"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "no recording" in out.stderr and "batches-0.msgpack" in out.stderr and "batches-1.msgpack" in out.stderr, \
+        out.stderr[-2000:]
 
 
 def _push_groups(ingest: str, publish: str, tok, n_groups: int) -> None:

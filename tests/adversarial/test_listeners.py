@@ -77,7 +77,7 @@ def test_learner_ranks_rendezvous_on_a_loopback_store(tmp_path):
         from test_listeners import listening_hosts
         if "RANK" in os.environ:
             import torch, torch.distributed as dist
-            from tidal.integration.learner.service import _init_distributed
+            from tidal.integration.learner.process import _init_distributed
             _init_distributed("gloo")
             t = torch.ones(1)
             dist.all_reduce(t)
@@ -86,7 +86,7 @@ def test_learner_ranks_rendezvous_on_a_loopback_store(tmp_path):
             dist.barrier()
             dist.destroy_process_group()
         else:
-            from tidal.integration.learner.service import STORE_FD_ENV
+            from tidal.integration.learner.process import STORE_FD_ENV
             listener = socket.socket()
             listener.bind(("127.0.0.1", 0))
             listener.listen(16)

@@ -2,7 +2,7 @@ import os
 import sys
 
 from tidal.core.process import exit_now, role_main
-from tidal.integration.learner.service import main
+from tidal.integration.learner.process import main
 
 code = role_main(main, "learner")
 if code == 0 and "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -4,7 +4,9 @@ state is written by every rank, never gathered; one process writes it with torch
 training step by about as much), plus per-rank RNG state and the learner's progress
 (policy version, steps, data cursor) in a small JSON file. `export_hf` writes a Hugging Face folder
 (safetensors) that transformers and vLLM load, from a live backend; `checkpoint_weights` + `write_hf`
-do it from a checkpoint on disk (`tidal export`). `keep_last` keeps the newest N checkpoints.
+do it from a checkpoint on disk (`tidal export`). `keep_last` keeps the newest N checkpoints. The
+`Checkpointer` is the learner's seam: where and when it checkpoints, in the background or not, and which
+trained batches a finished checkpoint lets it acknowledge.
 
     save_checkpoint(path, backend, {"version": 12, "step": 12, "cursor": "b-41"})
     progress = load_checkpoint(path, backend)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +200,52 @@ def keep_last(checkpoint_dir: str | Path, latest: str | Path, step: int, keep: i
     steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
     for old in steps[:-keep]:
         shutil.rmtree(old)
+
+
+class Checkpointer:
+    """The learner's checkpoints at <directory>/latest (the newest `keep` also as step folders), every
+    `every` steps. A checkpoint written in the background (one process) is written from a snapshot while
+    training goes on; the batches it records become acknowledgeable once it is on disk (`collect`)."""
+
+    def __init__(self, directory: str | Path, backend: Any, *, every: int, keep: int,
+                 background: ThreadPoolExecutor | None) -> None:
+        self.latest: Path | None = Path(directory) / "latest" if directory else None
+        self.backend, self.every, self.keep, self.background = backend, every, keep, background
+        self._writing: Future | None = None
+        self._covers: list[str] = []  # the batches the background checkpoint records
+
+    def load(self) -> dict[str, Any] | None:
+        """The progress of <directory>/latest, its state restored into the backend; None without one."""
+        if self.latest is None or not (self.latest / "progress.json").is_file():
+            return None
+        return load_checkpoint(self.latest, self.backend)
+
+    def due(self, step: int) -> bool:
+        return self.latest is not None and self.every > 0 and step % self.every == 0
+
+    def save(self, progress: dict[str, Any], covers: list[str], background: bool = False) -> list[str]:
+        """Write a checkpoint recording `progress` (collective); returns the batches of `covers` that may be
+        acknowledged now (all of them, or none while a background write is still going)."""
+        assert self.latest is not None
+        done = self.collect(wait=True)  # one writer of <dir>/latest at a time
+        if not background or self.background is None:
+            self._write(progress)
+            return done + covers
+        self._writing = self.background.submit(self._write, progress, snapshot(self.backend))
+        self._covers = covers
+        return done
+
+    def collect(self, wait: bool) -> list[str]:
+        """The batches a background checkpoint that finished records (raises what the write raised)."""
+        fut = self._writing
+        if fut is None or not (wait or fut.done()):
+            return []
+        self._writing = None
+        fut.result()
+        done, self._covers = self._covers, []
+        return done
+
+    def _write(self, progress: dict[str, Any], state: dict[str, Any] | None = None) -> None:
+        assert self.latest is not None
+        save_checkpoint(self.latest, self.backend, progress, state)
+        keep_last(self.latest.parent, self.latest, progress["step"], self.keep)

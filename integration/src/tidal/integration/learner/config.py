@@ -75,6 +75,10 @@ class LearnerConfig(ConfigStruct):
     backend_options: BackendConfig = msgspec.field(default_factory=BackendConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
+    # where batches come from: "buffer" (the run's buffer, at `buffer`), or "replay" with
+    # options = { path = "DIR" }: the batches a learner recorded there (record_batches), in order, no buffer
+    source: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="buffer"))
+    record_batches: str = ""  # a folder: every batch trained is appended there as served, for a replay
     publish: str = "tcp://127.0.0.1:5620"  # PUB bound by rank 0: weight announcements and metrics
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     # a run's CURVE keys (tidal run fills it): the buffer's public key; publish lets in the "rollout" and

@@ -41,18 +41,33 @@ from tidal.staleness.correction import CorrectionInputs
 log = logging.getLogger("tidal.learner")
 
 
-def needs_reference(cfg: TrainConfig) -> bool:
-    """Whether the loss reads reference logprobs (a KL penalty to it, or distillation from it): what the
-    loss says of itself (`reads_reference`, tidal.core.interfaces.PolicyLoss)."""
-    loss = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
-    return bool(getattr(loss, "reads_reference", False))
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """The train plugins of a `TrainConfig`, built once: the policy loss, the advantage estimator and the
+    staleness correction, and what they say of themselves (tidal.core.interfaces)."""
 
+    loss: Any
+    estimator: Any
+    correction: Any | None
 
-def needs_critic(cfg: TrainConfig) -> bool:
-    """Whether the advantage estimator reads a critic's values (GAE: PPO mode): what the estimator says
-    of itself (`needs_values`, tidal.core.interfaces.AdvantageEstimator)."""
-    est = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
-    return bool(getattr(est, "needs_values", False))
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> Objective:
+        return cls(
+            loss=registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss"),
+            estimator=registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options,
+                                     field="train.advantage"),
+            correction=registry.build("correction", cfg.correction.name, cfg.correction.options,
+                                      field="train.correction") if cfg.correction else None)
+
+    @property
+    def reads_reference(self) -> bool:
+        """The loss reads reference logprobs (a KL penalty to it, or distillation from it)."""
+        return bool(getattr(self.loss, "reads_reference", False))
+
+    @property
+    def needs_values(self) -> bool:
+        """The advantage estimator reads a critic's values (GAE: PPO mode)."""
+        return bool(getattr(self.estimator, "needs_values", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,25 +82,28 @@ class Prepared:
 
 
 class Trainer:
-    """`reference`: a frozen model whose logprobs feed a KL penalty or distillation (required when
-    `needs_reference(cfg)`). PPO mode (advantage "gae") needs a backend with `value_head=True`."""
+    """`reference`: a frozen model whose logprobs feed a KL penalty or distillation (required when the
+    loss reads one, `Objective.reads_reference`). PPO mode (advantage "gae") needs a backend with
+    `value_head=True`. `objective`: `cfg`'s plugins when the caller built them already."""
 
     def __init__(self, backend: Any, cfg: TrainConfig, reference: torch.nn.Module | None = None, *,
-                 routing_replay: bool = False, sp: SequenceParallel | None = None) -> None:
+                 routing_replay: bool = False, sp: SequenceParallel | None = None,
+                 objective: Objective | None = None) -> None:
         self.backend = backend
         self.cfg = cfg
         self.routing_replay = routing_replay
         # sequence parallelism (learner.parallel.sp > 1): each micro-batch split over this rank's SP group
         self.sp = sp
-        if needs_reference(cfg) and reference is None:
+        objective = objective or Objective.build(cfg)
+        if objective.reads_reference and reference is None:
             raise ValueError(f"loss {cfg.loss.name!r} with options {cfg.loss.options} needs a reference model")
         ref: Any = reference  # a transformers causal LM (its config and attention switch are transformers')
         self.reference = ref.eval() if ref is not None else None
         if ref is not None and ref.config._attn_implementation != backend.attention:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
             ref.set_attn_implementation(backend.attention)
-        self.estimator = registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options, field="train.advantage")
-        self.critic = bool(getattr(self.estimator, "needs_values", False))
+        self.estimator = objective.estimator
+        self.critic = objective.needs_values
         self.uses_steps = bool(getattr(self.estimator, "uses_step_rewards", False))
         self._warned_steps = False
         if self.critic and not getattr(backend.cfg, "value_head", False):
@@ -101,13 +119,12 @@ class Trainer:
         if sp is not None and cfg.share_prompts:
             log.info("sequence parallelism: each sample is packed with its own prompt (train.share_prompts "
                      "needs tidal_varlen's shared-prefix layout, which a row split over ranks does not have)")
-        self.loss_fn = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
+        self.loss_fn = objective.loss
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
         self._value_loss = registry.create(
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self._warned: set[str] = set()
-        self.correction = (registry.build("correction", cfg.correction.name, cfg.correction.options, field="train.correction")
-                           if cfg.correction else None)
+        self.correction = objective.correction
 
     @property
     def fallback(self) -> SamplingParams:

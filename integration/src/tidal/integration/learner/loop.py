@@ -1,0 +1,78 @@
+"""The learner's loop: the four seams joined, top to bottom.
+
+    source (BatchSource) -> trainer (Trainer.step) -> checkpointer (Checkpointer) -> publisher (Publisher)
+
+Each step, on every rank: this rank's share of a batch from the source, one optimizer step on it (the
+policy version goes up by one), a checkpoint when due (the batches it records are then acknowledged to
+the source), the weights published every `weights.every` steps, and the step's metrics reported (off the
+step when there is a background thread). The pieces live on `Learner` (service.py), which builds them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from tidal.integration.learner.trainer import Prepared
+
+if TYPE_CHECKING:
+    from tidal.integration.learner.service import Learner
+
+
+def run(learner: Learner) -> int:
+    """Train until `max_steps`, a stop request or the end of the source, then checkpoint, acknowledge,
+    export and close."""
+    cfg = learner.cfg
+    if learner.version > 0 and cfg.weights.every:
+        # resumed from a checkpoint: the generators (started over, or resumed with the run) get its
+        # weights now, not after the next step (which waits for samples made with them)
+        learner.publish_weights()
+    try:
+        while cfg.max_steps == 0 or learner.step < cfg.max_steps:
+            if not learner.everyone(not learner.stopped):
+                break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
+            if train_one(learner) is None:
+                break  # stopped while waiting for a batch, or the source is exhausted
+    except BaseException:
+        learner.stop()  # a prefetch still waiting for data gives up within a wait slice: the process exits
+        raise
+    learner.finish()
+    return 0
+
+
+def train_one(learner: Learner) -> dict[str, float] | None:
+    """One step; None when stopped while waiting for the batch (or the source has no more)."""
+    cfg = learner.cfg
+    t0 = time.perf_counter()
+    fetched = learner.fetch(learner.version)
+    if not learner.everyone(fetched is not None):
+        return None  # a rank was stopped before its batch came: none trains (what came stays unacknowledged)
+    assert fetched is not None
+    t_batch = time.perf_counter()
+    batch, work, asked_at = fetched
+    # control-plane latency: from the moment this step could have started (the share complete in the
+    # buffer, our request sent, the previous step over: the latest of them) to its start. A batch that
+    # waited for a busy learner measures ~0: the learner was not idle for it
+    ready_to_step = (time.time() - max(batch.ready_at, asked_at, learner.last_step_end)
+                     if batch is not None and batch.ready_at else None)
+    batch_id = batch.batch_id if batch is not None else ""
+    if learner.sp is not None:
+        batch_id, work = learner.sp.share((batch_id, work))
+    if cfg.max_steps == 0 or learner.step + 1 < cfg.max_steps:
+        learner.prefetch(learner.version + 1)  # the buffer admits the next batch against the version this step makes
+    metrics = learner.trainer.step(work)
+    if cfg.simulate_s_per_sample:
+        time.sleep(cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / learner.dp)
+    t_train = time.perf_counter()
+    learner.record_step(batch_id, batch, int(metrics["train/sequences"]))
+    t_ckpt = time.perf_counter()
+    if cfg.weights.every and learner.step % cfg.weights.every == 0:
+        learner.publish_weights()
+    t_end = time.perf_counter()
+    metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
+    timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
+              "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9)}
+    samples = work.samples if isinstance(work, Prepared) else work
+    learner.report(dict(metrics), timing, ready_to_step, samples, batch.trajectories if batch is not None else [])
+    learner.last_step_end = time.time()
+    return metrics
