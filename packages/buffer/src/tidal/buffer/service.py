@@ -60,8 +60,7 @@ from tidal.core.security import AuthGuard, CurveServer
 log = logging.getLogger("tidal.buffer")
 GC_GEN0_THRESHOLD = 50_000
 # Shares formed ahead of a rank's request (when ready data allows): each is durable (its Serve record
-# fsynced) well before the rank asks for it, so a request does not wait for a commit. With one ahead, a
-# learner that asks again as soon as it has a batch waited for about one fsync per batch. Bounded mode
+# fsynced) well before the rank asks for it, so a request does not wait for a commit. Bounded mode
 # (max_groups > 0) keeps one ahead: its memory bound is ready + assembling + two shares per rank.
 SHARES_AHEAD = 3
 
@@ -128,10 +127,10 @@ class BufferService(Ingest):
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        # The live state is many small objects that form no reference cycles. With a deep buffer (40,960
-        # trajectories held) the cyclic collector's default (a pass every 700 allocations, and full passes
-        # over everything held) cost a third of the ingest time; what exists now (imports, the replayed
-        # state) is frozen out of its view, and young objects are looked at 70x less often.
+        # The live state is many small objects that form no reference cycles, and the cyclic collector's
+        # default (a pass every 700 allocations, and full passes over everything held) is costly on a deep
+        # buffer: what exists now (imports, the replayed state) is frozen out of its view, and young
+        # objects are looked at 70x less often.
         gc.freeze()
         gc.set_threshold(GC_GEN0_THRESHOLD, 50, 100)
         log.info("buffer serving: ingest %s, serve %s, publish %s", self.ingest.endpoint, self.server.endpoint, self.pub.endpoint)
