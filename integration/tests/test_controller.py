@@ -121,7 +121,7 @@ def test_evaluation_work_of_a_lost_worker_waits_apart_from_training_credits(tmp_
 
 def test_a_task_the_tokenizer_cannot_encode_is_skipped_and_named(tmp_path, caplog):
     from tidal.core.interfaces import Task
-    from tidal.integration.controller import check_task
+    from tidal.integration.domains import check_task
 
     ctl = _controller(tmp_path, "eval.every=0")
     d = ctl.domains[0]

@@ -212,7 +212,7 @@ def test_a_stall_message_names_the_gate_the_duplicates_and_what_each_worker_wait
     try:  # what issue 38 showed: the gate full of a dead run's groups, the buffer dropping duplicates
         ctl.gate.load_state_dict({"version": 4, "accepted": 256, "in_flight": 192})  # (2 + 4 + 1) x 64
         ctl.last["buffer"] = {"total/duplicates": 192.0, "depth/ready_samples": 0.0}
-        from tidal.integration.controller import WorkerState
+        from tidal.integration.workers import WorkerState
 
         ctl.workers["rollout-0"] = WorkerState(name="rollout-0", peer=b"rollout-0", version=0)
         text = ctl.diagnose()

@@ -13,8 +13,8 @@ import pytest
 from tidal.core.arrays import Array
 from tidal.core.interfaces import Task
 from tidal.core.protocol import Assignment, EpisodeReply, SamplingParams, trajectory_id
+from tidal.rollout.episodes.local import LocalEpisodes
 from tidal.rollout.episodes.multiturn import EpisodeFailed, EpisodesConfig, MultiTurn
-from tidal.rollout.episodes.pool import LocalEpisodes
 from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 

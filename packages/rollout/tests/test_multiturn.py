@@ -13,8 +13,9 @@ import pytest
 
 from tidal.core.interfaces import Task
 from tidal.core.protocol import NO_VERSION, SamplingParams, trajectory_id
+from tidal.rollout.episodes.local import LocalEpisodes
 from tidal.rollout.episodes.multiturn import EpisodesConfig, MultiTurn, run_episodes
-from tidal.rollout.episodes.pool import EnvPool, LocalEpisodes
+from tidal.rollout.episodes.pool import EnvPool
 from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 

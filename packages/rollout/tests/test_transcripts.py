@@ -11,6 +11,7 @@ import pytest
 
 from tidal.core.interfaces import Task
 from tidal.core.protocol import ChatMessage, SamplingParams
+from tidal.rollout.episodes.local import LocalEpisodes
 from tidal.rollout.episodes.multiturn import (
     EpisodeFailed,
     EpisodeRun,
@@ -19,7 +20,6 @@ from tidal.rollout.episodes.multiturn import (
     Segment,
     run_episodes,
 )
-from tidal.rollout.episodes.pool import LocalEpisodes
 from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.transcripts import (

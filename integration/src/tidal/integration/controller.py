@@ -6,7 +6,8 @@ G samples passes the staleness depth gate (tidal-staleness), so no sample is tra
 `max_staleness` versions after the policy that generated it (0 in sync mode: lock-step). Training prompts
 are drawn from the recipe's domains by weight. Every `eval.every` versions, once every worker holds that
 version, the held-out problems of each domain go out as evaluation groups (sent without credit; workers
-score them and return the `Trajectory` here instead of to the buffer).
+score them and return the `Trajectory` here instead of to the buffer). The rounds are
+`tidal.integration.evaluation.Evaluations`, a base class of the controller kept in its own file.
 
 Groups handed to a worker that dies are handed out again to the others (their samples carry the same ids
 and seeds, so the buffer deduplicates whatever the dead worker had already delivered).
@@ -19,8 +20,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,6 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.channels import SubChannel, make_hello, poll, router, sub
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
-from tidal.core.interfaces import Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
     ACK_ASSIGNMENT,
@@ -44,95 +43,25 @@ from tidal.core.protocol import (
     Trajectory,
     WeightsAvailable,
     WorkRequest,
-    eval_group_id,
     group_id,
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
+from tidal.integration.domains import Domain, check_task, unencodable
 from tidal.integration.drops import Drops
-from tidal.integration.learner.best import pin_best
+from tidal.integration.evaluation import Evaluations
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
+from tidal.integration.workers import WorkerState
 from tidal.rollout.engines.stops import split_stops
-from tidal.rollout.envs.tasks import first_tasks
 from tidal.rollout.worker.process import EVAL_KEY
 from tidal.staleness.depth import DepthGate
 
 log = logging.getLogger("tidal.controller")
 
-
-@dataclass
-class WorkerState:
-    name: str
-    peer: bytes
-    credits: int = 0
-    version: int = -1
-    last_seen: float = field(default_factory=time.monotonic)
-    outstanding: dict[str, Assignment] = field(default_factory=dict)  # group id -> assignment
-    alive: bool = True
-    applied_at: float = 0.0  # wall clock at which it applied the weights of `version` (its report)
-
-
-@dataclass
-class EvalRound:
-    version: int
-    started: float
-    expected: dict[str, str]  # group id -> domain
-    rewards: dict[str, float] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # group id -> why it could not be scored
-    versions: list[int] = field(default_factory=list)  # policy versions of the eval tokens
-
-    @property
-    def done(self) -> bool:
-        return len(self.rewards) + len(self.failed) >= len(self.expected)
-
-
-MAX_EVAL_ATTEMPTS = 3  # an evaluation problem aborted (by a weight update) this often is counted as failed
 MAX_UNENCODABLE = 100  # tasks in a row of one domain the tokenizer cannot encode before the run gives up
 
 
-def check_task(task: object, plugin: str, where: str) -> Task:
-    """A task as an environment made it, checked where the controller builds messages from it: what is
-    wrong names the plugin, the field and the value (an Assignment that fails to decode on a worker
-    would otherwise vanish there)."""
-    if not isinstance(task, Task):
-        raise PluginError(f"env {plugin!r} ({where}) yielded a {type(task).__name__}, not a tidal.core.interfaces.Task")
-    for name in ("prompt", "answer", "domain"):
-        value = getattr(task, name)
-        if not isinstance(value, str):
-            raise PluginError(f"env {plugin!r} ({where}) made a task whose `{name}` is {type(value).__name__} "
-                              f"{value!r}; it must be str")
-    if not isinstance(task.metadata, dict):
-        raise PluginError(f"env {plugin!r} ({where}) made a task whose `metadata` is {type(task.metadata).__name__}; "
-                          f"it must be dict[str, str]")
-    for k, v in task.metadata.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise PluginError(f"env {plugin!r} ({where}) made a task with metadata[{k!r}] = {v!r} "
-                              f"({type(v).__name__}); task metadata must be dict[str, str]: convert it in "
-                              f"the env's tasks(), e.g. {{k: str(v) for k, v in meta.items()}}")
-    return task
-
-
-def unencodable(tok, text: str, error: Exception) -> str:
-    """What the tokenizer cannot encode in `text`: the first character that fails alone, where it is."""
-    for i, ch in enumerate(text):
-        try:
-            tok.encode(ch)
-        except Exception:
-            return (f"the model's tokenizer cannot encode {ch!r} (U+{ord(ch):04X}) at position {i} of the prompt "
-                    f"{text[:80]!r} ({type(error).__name__}: {error})")
-    return f"the model's tokenizer cannot encode the prompt {text[:80]!r} ({type(error).__name__}: {error})"
-
-
-class Domain:
-    def __init__(self, name: str, plugin: str, env, weight: float, seed: int, eval_size: int, where: str) -> None:
-        self.name, self.plugin, self.env, self.weight, self.where = name, plugin, env, weight, where
-        self.train: Iterator[Task] = env.tasks("train", seed)
-        self.eval: list[Task] = [check_task(t, plugin, f"{where}, eval split")
-                                 for t in (first_tasks(env, "eval", seed, eval_size) if eval_size else [])]
-        self.unencodable = 0  # tasks skipped in a row because the tokenizer cannot encode their prompt
-
-
-class Controller:
+class Controller(Evaluations):
     def __init__(self, cfg: RunConfig, *, endpoint: str, learner_pub: str, buffer_pub: str, run_dir: Path,
                  tokenizer, emit: Callable[[Metrics], None], security: ChannelSecurity | None = None,
                  resume: ResumePoint | None = None) -> None:
@@ -218,20 +147,6 @@ class Controller:
                                              return_routing=s.return_routing)
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, max_tokens=cfg.eval.max_tokens or s.max_tokens,
                                             stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.seed)
-
-    def _init_evals(self, run_dir: Path) -> None:
-        cfg, resume = self.cfg, self.resume
-        self.evals: dict[int, EvalRound] = {}
-        self._next_eval = cfg.eval.every
-        self.eval_results: list[tuple[int, float, dict[str, float]]] = []  # (version, accuracy, per domain)
-        self.eval_unscored: list[int] = []  # versions whose evaluation scored no problem (no accuracy)
-        self.checkpoint_dir = Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints")  # best/ pinned there
-        if resume is not None:  # the history goes on; evaluated versions are not evaluated again
-            self.eval_results = list(resume.evals)
-            for v, _, _ in resume.evals:
-                self.evals[v] = EvalRound(v, -1.0, {})
-            if cfg.eval.every:
-                self._next_eval = (resume.version // cfg.eval.every + 1) * cfg.eval.every
 
     # ------------------------------------------------------------------ the loop
 
@@ -335,17 +250,6 @@ class Controller:
             level = logging.WARNING if self.drops.by_reason[reason] == 1 else logging.DEBUG
             log.log(level, "group %s dropped on %s (%s): %s; later drops of this kind are counted "
                     "(controller/groups_dropped/%s)", gid, worker, reason, msg.detail, reason)
-
-    def _eval_failed(self, a: Assignment, msg: Ack) -> None:
-        """An evaluation group came back unscored. An abort (a weight update caught it) is tried again, a
-        few times; a scoring error is final and counted in the round, which then still finishes."""
-        tries = self.eval_attempts[a.group_id] = self.eval_attempts.get(a.group_id, 0) + 1
-        if msg.reason == "abort" and tries < MAX_EVAL_ATTEMPTS:
-            self._send_eval(a)
-            return
-        rnd = self.evals.get(int(a.metadata[EVAL_KEY]))
-        if rnd is not None:
-            rnd.failed[a.group_id] = msg.detail or msg.reason
 
     def _on_published(self, topic: str, msg) -> None:
         if isinstance(msg, WeightsAvailable):
@@ -498,106 +402,8 @@ class Controller:
             except (ChannelTimeout, PeerUnreachable):
                 pass  # gone already; the launcher stops what is left of it
 
-    # ------------------------------------------------------------------ evaluation
-
-    def _maybe_start_eval(self, version: int) -> None:
-        every = self.cfg.eval.every
-        if not every or version in self.evals:
-            return
-        if version >= self._next_eval or version >= self.cfg.budget.versions:
-            self._next_eval = (version // every + 1) * every
-            self.start_eval(version)
-
-    def start_eval(self, version: int) -> None:
-        """Evaluate the held-out problems on the workers that hold `version` (or newer)."""
-        if not any(d.eval for d in self.domains) or not self._eval_workers(version):
-            return
-        expected: dict[str, str] = {}
-        for d in self.domains:
-            for i, task in enumerate(d.eval):
-                ids = self._encode(task.prompt, d)
-                if ids is None:
-                    continue
-                gid = eval_group_id(version, d.name, i)
-                expected[gid] = d.name
-                self._send_eval(Assignment(group_id=gid, prompt_ids=ids, num_samples=1, task=d.name,
-                                           answer=task.answer, sampling=self.eval_sampling,
-                                           metadata={**task.metadata, EVAL_KEY: str(version)},
-                                           prompt=task.prompt, domain=task.domain))
-        if not expected:  # every prompt was unencodable (logged, counted): nothing to wait for
-            log.warning("evaluation at version %d skipped: no held-out prompt could be encoded", version)
-            self.evals[version] = EvalRound(version, -1.0, expected)
-            return
-        self.evals[version] = EvalRound(version, time.monotonic(), expected)
-        log.info("evaluation at version %d: %d held-out problems", version, len(expected))
-
-    def _eval_workers(self, version: int) -> list[WorkerState]:
-        return [w for w in self.live_workers() if w.version >= version]
-
-    def _send_eval(self, a: Assignment) -> None:
-        ready = self._eval_workers(int(a.metadata[EVAL_KEY])) or self.live_workers()
-        if not ready:  # waits for a live worker; never sent as training work (it would use up credits)
-            self.eval_waiting.append(a)
-            return
-        self._send(min(ready, key=lambda w: len(w.outstanding)), a)
-
     def max_worker_version(self) -> int:
         return max((w.version for w in self.live_workers()), default=-1)
-
-    def _finish_evals(self) -> None:
-        for v, rnd in list(self.evals.items()):
-            if not rnd.done or rnd.started < 0:
-                continue
-            rnd.started = -1.0  # reported
-            if not rnd.rewards:
-                self._unscored_eval(v, rnd)
-                continue
-            per: dict[str, list[float]] = {}
-            for gid, r in rnd.rewards.items():
-                per.setdefault(rnd.expected[gid], []).append(r)
-            # accuracy counts full successes (reward 1); partial credit only shapes training
-            acc = float(np.mean([r >= 1.0 for r in rnd.rewards.values()]))
-            by_domain = {d: float(np.mean([r >= 1.0 for r in rs])) for d, rs in per.items()}
-            # the run's best so far (the history carries over resumes); version 0 is the starting model itself
-            if v > 0 and all(acc > a for _, a, _ in self.eval_results):
-                self._pin_best(v, acc)
-            self.eval_results.append((v, acc, by_domain))
-            self.eval_results.sort(key=lambda e: e[0])  # rounds may finish out of order
-            if rnd.failed:  # accuracy is over the problems that were scored; the rest are counted, not zeroed
-                log.warning("eval at version %d: %d of %d problems could not be scored, e.g. %s", v, len(rnd.failed),
-                            len(rnd.expected), next(iter(rnd.failed.values())))
-            scalars = {"eval/accuracy": acc,
-                       "eval/reward": float(np.mean(list(rnd.rewards.values()))),
-                       "eval/failed": float(len(rnd.failed)),
-                       "eval/version": float(v),
-                       "eval/token_version_min": float(min(rnd.versions, default=v)),
-                       "eval/problems": float(len(rnd.rewards))}
-            scalars.update({f"eval/{d}/accuracy": a for d, a in by_domain.items()})
-            log.info("eval at version %d: accuracy %.3f %s", v, acc,
-                     " ".join(f"{d}={a:.3f}" for d, a in by_domain.items()))
-            self._record(Metrics(source="controller", step=v, time=time.time(), scalars=scalars))
-
-    def _unscored_eval(self, v: int, rnd: EvalRound) -> None:
-        """An evaluation that scored nothing has no accuracy (0.0 would read as a model that is always
-        wrong): it is recorded as unscored (final.json `eval_unscored`, the report) and never pinned as best."""
-        self.eval_unscored.append(v)
-        log.warning("eval at version %d scored nothing: %d of %d problems could not be scored, e.g. %s; no accuracy "
-                    "is reported", v, len(rnd.failed), len(rnd.expected), next(iter(rnd.failed.values()), "?"))
-        self._record(Metrics(source="controller", step=v, time=time.time(), scalars={
-            "eval/unscored": 1.0, "eval/failed": float(len(rnd.failed)), "eval/version": float(v)}))
-
-    def _pin_best(self, version: int, acc: float) -> None:
-        try:
-            pinned = pin_best(self.checkpoint_dir, version)
-        except OSError as e:
-            log.warning("could not pin version %d as %s: %s", version, self.checkpoint_dir / "best", e)
-            return
-        if pinned is None:
-            log.info("eval at version %d is the best so far (accuracy %.3f) but no kept checkpoint holds it, so %s "
-                     "stays as it was: make eval.every a multiple of learner.checkpoint_every", version, acc,
-                     self.checkpoint_dir / "best")
-        else:
-            log.info("version %d pinned as %s (accuracy %.3f)", version, pinned, acc)
 
     def diagnose(self) -> str:
         """What the controller sees, for a stall message: the gate, the buffer, each worker."""
@@ -623,9 +429,6 @@ class Controller:
         parts.append("workers: " + ("; ".join(waiting) if waiting else "none connected"))
         parts.append(f"learner at version {self.learner_version} waits for a batch of {self.cfg.batch_samples} samples")
         return ". ".join(parts)
-
-    def eval_pending(self) -> bool:
-        return any(r.started >= 0 for r in self.evals.values())
 
     # ------------------------------------------------------------------ status
 

@@ -44,9 +44,8 @@ log = logging.getLogger("tidal.demo")
 
 def demo_workers(cores: int = 0) -> int:
     """Rollout workers for the demo on `cores` (0: the cores this process may use). On 2 cores, 2 workers
-    beside the learner are 3 busy processes on 2 cores, and 1 worker is the faster loop: measured in
-    paired runs, vs_trl.py's async 1.34-1.78k against 1.19-1.56k samples/s (1 worker ahead in 4 of 4),
-    the demo's RL phase 1.29-1.53k against 1.13-1.57k (3 of 4); on more cores, 2 workers."""
+    beside the learner are 3 busy processes on 2 cores, and 1 worker is the faster loop (the paired runs
+    are in the CHANGELOG); on more cores, 2 workers."""
     if not cores:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 1 if cores <= 2 else 2

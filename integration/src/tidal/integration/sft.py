@@ -28,8 +28,8 @@ from tidal.rollout.engines.common import generate
 from tidal.rollout.engines.embedded import EmbeddedEngine
 from tidal.rollout.engines.stops import split_stops
 from tidal.rollout.envs.tasks import first_tasks
+from tidal.rollout.episodes.local import LocalEpisodes
 from tidal.rollout.episodes.multiturn import EpisodesConfig, run_episodes
-from tidal.rollout.episodes.pool import LocalEpisodes
 from tidal.rollout.tiny import load_tokenizer
 
 log = logging.getLogger("tidal.sft")

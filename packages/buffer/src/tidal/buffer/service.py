@@ -11,18 +11,7 @@ driver); on serve, BatchRequest and batch Acks come from the learner only, stop 
 status from either. Refusals count as ``auth/refused`` (key not let in) and ``auth/role_refused``. A trajectory is acknowledged only once its WAL record is durable (group
 commit: one fsync per drained batch of records); a batch is forgotten only when its learner acknowledges it.
 
-A `TrajectoryGroup` is admitted as one WAL record (`PutMessage`, the message as it came, when every member
-is admitted unchanged; else `PutGroup` of the admitted members) and acknowledged as one
-(``Ack(kind=ACK_GROUP, ids=[group id])``). Its members meet the rules a lone trajectory meets, member by
-member: known ids are acknowledged again without a second copy, the admission policy refuses stale
-members one by one (named in ``Ack.refused``; the others are kept), so a group and the same trajectories
-sent singly end in the same state. A group that is malformed as a whole — no members, a member of
-another group, an id twice, or a member that fails `validate` — is refused whole (``ok=False``, the reason
-naming the member): it comes from a broken producer, and half of it would skew the group's advantages.
-
-Nothing is copied on the way through: a one-frame message is read as `Sample`s whose arrays are views
-into the received frame (`validate` checks their byte counts), the WAL writes that frame, the store keeps
-members' encodings as views into it, and a Batch splices them in as they are.
+What comes in on ingest is admitted by `tidal.buffer.ingest.Ingest`, a base class of the service.
 """
 
 from __future__ import annotations
@@ -42,25 +31,12 @@ from tidal.buffer import wal
 from tidal.buffer.batching import position_after, split_groups
 from tidal.buffer.commit import Effects, GroupCommit
 from tidal.buffer.config import BufferConfig
+from tidal.buffer.ingest import LOGGED_ERRORS, Ingest
 from tidal.buffer.memory import retain_freed_memory
-from tidal.buffer.store import (
-    GROUP_TYPES,
-    PREAMBLE,
-    VIEW_AT_LEAST,
-    Group,
-    Store,
-    body_of,
-    decode_body,
-    decode_samples,
-    encode_trajectory,
-    masked,
-    member_bodies,
-    sample_of,
-)
-from tidal.buffer.validate import Refusal, check_all_values, validate, validate_group
+from tidal.buffer.store import Group, Store, masked
 from tidal.core.arrays import Array
 from tidal.core.channels import PullChannel, RouterChannel, make_hello, pub, pull, router
-from tidal.core.codec import MAGIC, PREAMBLE_BYTES, Codec
+from tidal.core.codec import PREAMBLE_BYTES, Codec
 from tidal.core.config import load_config
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError
 from tidal.core.plugins import registry
@@ -68,7 +44,6 @@ from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
     ACK_BATCH,
     ACK_CONTROL,
-    PROTOCOL_VERSION,
     TOPIC_METRICS,
     Ack,
     Batch,
@@ -84,22 +59,13 @@ from tidal.core.security import AuthGuard, CurveServer
 
 log = logging.getLogger("tidal.buffer")
 GC_GEN0_THRESHOLD = 50_000
-INGEST_CHUNK = 64  # trajectories taken per turn of the loop: learner requests wait at most this long
 # Shares formed ahead of a rank's request (when ready data allows): each is durable (its Serve record
-# fsynced) well before the rank asks for it, so a request does not wait for a commit. With one ahead, a
-# learner that asks again as soon as it has a batch waited for about one fsync per batch. Bounded mode
+# fsynced) well before the rank asks for it, so a request does not wait for a commit. Bounded mode
 # (max_groups > 0) keeps one ahead: its memory bound is ready + assembling + two shares per rank.
 SHARES_AHEAD = 3
-# An ingested message at least this large is kept as a view of the received ZeroMQ message (the WAL writes
-# it and the store keeps members' encodings from it) instead of being copied out first. Smaller messages
-# are copied: libzmq may receive them into a shared 8 KiB batch, which a view would keep alive whole.
-INGEST_VIEW_BYTES = VIEW_AT_LEAST
-_GROUPS = (*GROUP_TYPES, TrajectoryGroup)
-# protocol errors logged one by one; after these, every 1000th (all are counted: errors/protocol/<reason>)
-LOGGED_ERRORS = 100
 
 
-class BufferService:
+class BufferService(Ingest):
     def __init__(self, cfg: BufferConfig) -> None:
         self.cfg = cfg
         t0 = time.monotonic()
@@ -161,10 +127,10 @@ class BufferService:
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        # The live state is many small objects that form no reference cycles. With a deep buffer (40,960
-        # trajectories held) the cyclic collector's default (a pass every 700 allocations, and full passes
-        # over everything held) cost a third of the ingest time; what exists now (imports, the replayed
-        # state) is frozen out of its view, and young objects are looked at 70x less often.
+        # The live state is many small objects that form no reference cycles, and the cyclic collector's
+        # default (a pass every 700 allocations, and full passes over everything held) is costly on a deep
+        # buffer: what exists now (imports, the replayed state) is frozen out of its view, and young
+        # objects are looked at 70x less often.
         gc.freeze()
         gc.set_threshold(GC_GEN0_THRESHOLD, 50, 100)
         log.info("buffer serving: ingest %s, serve %s, publish %s", self.ingest.endpoint, self.server.endpoint, self.pub.endpoint)
@@ -196,82 +162,11 @@ class BufferService:
     def backpressured(self) -> bool:
         return self.cfg.max_groups > 0 and len(self.store.ready) >= self.cfg.max_groups
 
-    # ------------------------------------------------------------------ ingest
-
-    def drain_ingest(self) -> None:
-        n = 0
-        taken = 0  # messages taken this turn, bad ones too: a flood of garbage cannot keep learners waiting
-        while n < INGEST_CHUNK and taken < INGEST_CHUNK and not self.backpressured():
-            try:
-                frames = self.ingest.recv_frames(timeout=0, view_at_least=INGEST_VIEW_BYTES)
-            except ChannelTimeout:
-                break
-            taken += 1
-            try:
-                msg, frame = self._decode(frames)
-            except ProtocolError as e:  # of any kind: the codec turns every decode failure into this
-                self._protocol_error(e)
-                if self.protocol_errors <= LOGGED_ERRORS or self.protocol_errors % 1000 == 0:
-                    log.warning("rejected a malformed message on %s (%d so far): %s", self.ingest.endpoint,
-                                self.protocol_errors, e)
-                continue
-            if type(msg) in _GROUPS:
-                n += len(msg.trajectories)
-                verdict, refused = self.accept_group(msg, frame)
-                if verdict is None:
-                    self.commits.ack_group(msg.source, msg.id, refused)
-                else:
-                    self._refuse(msg.source, "group", msg.id, verdict)
-                continue
-            n += 1
-            verdict = self.accept(msg, frame)
-            if verdict is None:
-                self.commits.ack(msg.source, msg.id)
-            else:
-                self._refuse(msg.source, "trajectory", msg.id, verdict)
-        self.commits.appended(n)
-        self._ingested_since += n
-        self.maybe_compact()
+    # ------------------------------------------------------------------ commits and acks
 
     def _protocol_error(self, e: ProtocolError) -> None:
         self.protocol_errors += 1
         self.protocol_errors_by[e.reason] = self.protocol_errors_by.get(e.reason, 0) + 1
-
-    def _refuse(self, source: str, kind: str, item: str, verdict: str) -> None:
-        """Tell `source` (a negative Ack, after the commit) that `item` is refused and why; counted by reason.
-        The producer does not resend it (AckedPusher.rejected)."""
-        reason = verdict.reason if isinstance(verdict, Refusal) else "refused"
-        self.refused_by[reason] = self.refused_by.get(reason, 0) + 1
-        self.commits.refuse(source, kind, item, str(verdict), reason)  # a plain str: msgspec encodes no subclass
-
-    def _max_version(self) -> int | None:
-        """The newest token version a trajectory may carry (None: unchecked)."""
-        if self.cfg.version_slack < 0 or not self._learner_known:
-            return None
-        return self.learner_version + self.cfg.version_slack
-
-    def _check_values(self, members: Any) -> tuple[int, Refusal] | None:
-        """The first of `members` whose values cannot be trained on (its index, and why), or None."""
-        cfg = self.cfg
-        bad = check_all_values(members, cfg.vocab_size, self._max_version(), cfg.max_abs_reward)
-        if bad is None:
-            return None
-        i, reason, detail = bad
-        return i, Refusal(f"invalid trajectory {members[i].id}: {detail}", reason)
-
-    def _decode(self, frames: list[Any]) -> tuple[Any, bytes | memoryview | None]:
-        """The message and, when it came as one frame (every array inline, already the WAL's encoding),
-        that frame. One frame decodes as Samples: arrays stay views into it, nothing is copied. Anything
-        else, or anything the Sample decoder refuses, goes through the full codec, which names what is
-        wrong (ProtocolError) or yields a Trajectory / TrajectoryGroup with out-of-line arrays."""
-        if len(frames) == 1:
-            f = frames[0]
-            if PREAMBLE_BYTES < len(f) <= self._max_frame and f[:2] == MAGIC and f[2] == PROTOCOL_VERSION[0]:
-                try:
-                    return decode_samples(body_of(f)), f
-                except Exception:  # any kind (a nested body's RecursionError too): the codec names it
-                    pass
-        return self.ingest.codec.decode(frames), None
 
     def commit(self, force: bool = False) -> None:
         """Group commit (`GroupCommit`): one fsync for the appended records, then their effects go out."""
@@ -288,100 +183,6 @@ class BufferService:
                 self.publish_ack(source, ack)
             for peer, batch in effects.replies:
                 self._reply(peer, batch)
-
-    def accept(self, t: Any, frame: bytes | memoryview | None = None) -> str | None:
-        """Admit `t`, a Sample decoded from `frame` or a Trajectory (WAL first). None when accepted or
-        already known; else why it is refused."""
-        if self.store.known(t.id):
-            self.store.stats["duplicates"] += 1
-            return None  # durable already: acknowledge again
-        why = validate(t)
-        if why is not None:
-            return Refusal(f"invalid trajectory {t.id}: {why}", "invalid")
-        bad = self._check_values((t,))
-        if bad is not None:
-            return bad[1]
-        if self.admission is not None:
-            why, mask = self._admit(t)
-            if why is not None:
-                return Refusal(why, "admission")
-            if mask is not None:
-                t, frame = masked(t, None if frame is None else body_of(frame), mask), None  # encode again
-        if frame is None:
-            frame = encode_trajectory(t)
-            t = sample_of(body_of(frame))
-        self.wal.append_put(frame)
-        group = self.store.put(t, body_of(frame))
-        if group is not None:
-            self.on_group_complete(group)
-        return None
-
-    def _admit(self, t: Any) -> tuple[str | None, Any]:
-        """The admission policy's verdict on `t`: why it is refused (or None), and the token mask it keeps
-        (None: all of it; else the stored encoding is made again with the narrowed loss mask)."""
-        assert self.admission is not None and self.cfg.admission is not None  # called only with a policy
-        adm = self.admission.admit(t.versions.numpy(), self.learner_version)
-        if not adm.admit:
-            self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
-            return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})", None
-        return None, adm.token_mask
-
-    def accept_group(self, g: Any, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:
-        """Admit the members of `g` (a SampleGroup decoded from `frame`, or a TrajectoryGroup) in one WAL
-        record. Returns why the whole group is refused (or None), and the members refused one by one
-        (id -> why); known members are acknowledged again."""
-        why = validate_group(g)
-        if why is not None:
-            return Refusal(f"invalid group {g.id}: {why}", "invalid"), {}
-        bad = self._check_values(g.trajectories)  # one bad member refuses the group whole (as validate_group)
-        if bad is not None:
-            i, why = bad
-            return Refusal(f"invalid group {g.id}: trajectories[{i}]: {why}", why.reason), {}
-        store = self.store
-        # each member's encoding is a slice of the header when every array rode inline in it
-        bodies = member_bodies(body_of(frame)) if frame is not None else None
-        admitted: list[Any] = []
-        kept: list[Any] = []
-        refused: dict[str, str] = {}
-        for i, t in enumerate(g.trajectories):
-            if store.known(t.id):
-                store.stats["duplicates"] += 1
-                continue
-            body: bytes | memoryview | msgspec.Raw | None = None if bodies is None else bodies[i]
-            if self.admission is not None:
-                why, mask = self._admit(t)
-                if why is not None:
-                    refused[t.id] = why
-                    continue
-                if mask is not None:
-                    t, body = masked(t, body, mask), None
-            if body is None:  # encoded again, every array inline, and held as a Sample of that
-                body = body_of(encode_trajectory(t))
-                t = sample_of(body)
-            admitted.append(t)
-            kept.append(body)
-        if admitted:
-            if (frame is not None and bodies is not None and len(admitted) == len(bodies)
-                    and all(a is b for a, b in zip(kept, bodies, strict=True))):
-                self.wal.append_message(frame)  # the whole group as it came: one piece, not one per member
-            else:
-                self.wal.append_group(kept, PREAMBLE)
-            group = store.put_group(admitted, kept)
-            if group is not None:
-                self.on_group_complete(group)
-        return None, refused
-
-    def on_group_complete(self, group: Group) -> None:
-        if not self.filters:
-            return
-        frames = self.store.frames  # filters see real Trajectories (the store holds Samples)
-        rewards_group = [decode_body(frames[tid]) for tid in group.members]
-        for name, keep in self.filters:
-            if not keep(rewards_group):
-                ids = list(group.members)
-                self.wal.append(wal.Drop(ids, f"filter:{name}"))
-                self.store.drop(ids, f"filter:{name}")
-                return
 
     def publish_ack(self, source: str, ack: Ack) -> None:
         if not source:

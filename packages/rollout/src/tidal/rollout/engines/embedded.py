@@ -129,7 +129,7 @@ class EmbeddedEngine:
         self._receivers = ReceiverPool(weight_transport_options)
         self._cache = _KVCache(max_num_seqs, self.max_model_len)
         # A 4-D mask is taken as already built, so transformers skips its mask preparation (which scans
-        # the position ids for packed sequences, ~6 % of a tiny model's step); the attention ignores it.
+        # the position ids for packed sequences, every step); the attention ignores it.
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self._router_outputs: list[torch.Tensor] = []
         self._routers = self._hook_routers()

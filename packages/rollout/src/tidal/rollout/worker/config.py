@@ -43,8 +43,8 @@ class WorkerConfig(ConfigStruct):
     stop_timeout_s: float = 30.0  # how long a stop waits for in-flight trajectories to be acknowledged
     connect_timeout_s: float = 120.0  # how long to wait for the controller's answer to our Hello
     # one small generation (a group of 8, 4 tokens each) before saying Hello: the engine's first-call costs
-    # (allocations, kernel choices: ~150 ms for the demo's model, 8x a warm step) are paid while the other
-    # roles start, not by the first batch the learner waits for; 0 skips it
+    # (allocations, kernel choices) are paid while the other roles start, not by the first batch the
+    # learner waits for; 0 skips it
     warmup_samples: int = 8
     episodes: EpisodesConfig = msgspec.field(default_factory=EpisodesConfig)  # multi-turn (episodic) domains
     # a sample of what the model wrote, as readable transcripts (`tidal samples RUN_DIR`)
