@@ -15,10 +15,10 @@ import torch.distributed as dist
 from tidal.core.config import PluginRef
 from tidal.core.plugins import registry
 from tidal.core.process import exit_now
-from tidal.integration.learner.checkpoint import load_checkpoint, save_checkpoint
-from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample
 from tidal.integration.learner.trainer import Trainer
+from tidal.learner.checkpoint import load_checkpoint, save_checkpoint
+from tidal.learner.config import BackendConfig, OptimConfig, TrainConfig
 
 
 def batch(step: int, vocab: int, groups: int = 4, g: int = 4, routing: tuple[int, int] | None = None

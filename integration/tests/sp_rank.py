@@ -18,10 +18,10 @@ from tidal.core.config import PluginRef
 from tidal.core.plugins import registry
 from tidal.core.process import exit_now
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.config import BackendConfig, TrainConfig
 from tidal.integration.learner.data import Sample
-from tidal.integration.learner.parallel import ParallelConfig, setup_sequence_parallel
+from tidal.integration.learner.parallel import setup_sequence_parallel
 from tidal.integration.learner.trainer import Trainer
+from tidal.learner.config import BackendConfig, ParallelConfig, TrainConfig
 
 
 def batch(vocab: int, groups: int = 3, g: int = 4) -> list[Sample]:

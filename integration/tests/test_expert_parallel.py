@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from tidal.core.testing import free_port
 from tidal.integration.learner.backends import SingleBackend
-from tidal.integration.learner.config import BackendConfig
-from tidal.integration.learner.parallel import ParallelConfig, check_ep_model, ep_backend_options
+from tidal.integration.learner.parallel import check_ep_model, ep_backend_options
+from tidal.learner.config import BackendConfig, ParallelConfig
 
 pytestmark = pytest.mark.timeout(600)
 RANK = Path(__file__).with_name("learner_rank.py")

@@ -20,7 +20,7 @@ from tidal.core.arrays import Array
 from tidal.core.protocol import Trajectory
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint
-from tidal.integration.learner.config import BackendConfig, LearnerConfig, OptimConfig
+from tidal.learner.config import BackendConfig, LearnerConfig, OptimConfig
 
 pytestmark = pytest.mark.timeout(600)
 G = 4
@@ -62,7 +62,7 @@ def test_a_stopped_learner_writes_a_model_folder_that_transformers_loads_and_tid
     from transformers import AutoModelForCausalLM
 
     from tidal.integration.learner.backends import SingleBackend
-    from tidal.integration.learner.checkpoint import load_checkpoint
+    from tidal.learner.checkpoint import load_checkpoint
     from tidal.rollout.tiny import build_tiny_model, load_tokenizer
 
     model_path = build_tiny_model(tmp_path / "base", seed=5)
@@ -149,7 +149,7 @@ def test_a_sharded_checkpoint_is_read_whole_and_best_is_the_best_evaluated_kept_
 
     from tidal.integration.export import find_checkpoint
     from tidal.integration.learner.backends import SingleBackend
-    from tidal.integration.learner.checkpoint import checkpoint_weights
+    from tidal.learner.checkpoint import checkpoint_weights
     from tidal.rollout.tiny import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / "base", seed=2)
@@ -188,8 +188,8 @@ def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_pa
     nothing; best survives latest being rewritten; `tidal export --checkpoint best` reads it."""
     from tidal.integration.export import find_checkpoint
     from tidal.integration.learner.backends import SingleBackend
-    from tidal.integration.learner.best import pin_best
-    from tidal.integration.learner.checkpoint import keep_last, save_checkpoint
+    from tidal.learner.best import pin_best
+    from tidal.learner.checkpoint import keep_last, save_checkpoint
     from tidal.rollout.tiny import build_tiny_model
 
     model_path = build_tiny_model(tmp_path / "base", seed=3)

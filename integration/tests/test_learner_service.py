@@ -235,7 +235,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
     # exit checkpoint (torch.distributed.checkpoint, read whole in this process); the newest two kept
     from safetensors.torch import load_file
 
-    from tidal.integration.learner.checkpoint import checkpoint_weights
+    from tidal.learner.checkpoint import checkpoint_weights
 
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     final = checkpoint_weights(tmp_path / "ckpt" / "latest", model_path)

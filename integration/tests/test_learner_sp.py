@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 
 from tidal.core.errors import ConfigError
 from tidal.core.testing import free_port
-from tidal.integration.learner.parallel import ParallelConfig, check_parallel
+from tidal.integration.learner.parallel import check_parallel
+from tidal.learner.config import ParallelConfig
 
 RANK = Path(__file__).with_name("sp_rank.py")
 pytestmark = pytest.mark.timeout(600)

@@ -13,8 +13,8 @@ from tidal.core.arrays import Array
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams, Trajectory
 from tidal.integration.learner.backends import SingleBackend
-from tidal.integration.learner.config import BackendConfig
 from tidal.integration.learner.data import Sample, pack, token_logprobs
+from tidal.learner.config import BackendConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,8 +102,8 @@ def test_keep_sampling_mask_renormalises_over_the_samplers_own_vocabulary(sample
 
 def test_a_greedy_trajectory_is_refused_by_name(sampled):
     from tidal.core.config import PluginRef
-    from tidal.integration.learner.config import TrainConfig
     from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import TrainConfig
 
     model, samples = sampled
     be = SingleBackend(str(model), BackendConfig())
@@ -120,8 +120,8 @@ def test_tokens_outside_the_learners_support_leave_the_loss_counted_never_as_inf
     import math
 
     from tidal.core.config import PluginRef
-    from tidal.integration.learner.config import TrainConfig
     from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import TrainConfig
 
     model, samples = sampled
     be = SingleBackend(str(model), BackendConfig())

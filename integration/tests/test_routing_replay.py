@@ -15,9 +15,9 @@ from tidal.core.config import PluginRef
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.protocol import SamplingParams, Trajectory
 from tidal.integration.learner.backends import SingleBackend
-from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample
 from tidal.integration.learner.trainer import Trainer
+from tidal.learner.config import BackendConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
 

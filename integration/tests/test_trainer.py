@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from tidal.core.config import PluginRef
 from tidal.integration.learner.backends import SingleBackend
-from tidal.integration.learner.checkpoint import export_hf
-from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample, completion_logprobs, pack
 from tidal.integration.learner.trainer import Trainer
+from tidal.learner.checkpoint import export_hf
+from tidal.learner.config import BackendConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -44,9 +44,9 @@ import torch
 from tidal.core.config import PluginRef
 from tidal.core.process import exit_now
 from tidal.integration.learner.backends import SingleBackend
-from tidal.integration.learner.config import BackendConfig, OptimConfig, TrainConfig
 from tidal.integration.learner.data import Sample, pad_rows
 from tidal.integration.learner.trainer import Trainer
+from tidal.learner.config import BackendConfig, OptimConfig, TrainConfig
 
 
 def make_batch(n: int, max_len: int, vocab: int, seed: int = 0, group: int = 8) -> list[Sample]:
@@ -142,7 +142,8 @@ def sp_worker(a: argparse.Namespace) -> None:
     """One rank of one sequence-parallel configuration: warm-up step, then `reps` measured steps."""
     import torch.distributed as dist
 
-    from tidal.integration.learner.parallel import ParallelConfig, setup_sequence_parallel
+    from tidal.integration.learner.parallel import setup_sequence_parallel
+    from tidal.learner.config import ParallelConfig
 
     torch.set_num_threads(a.threads)
     if a.world > 1:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tidal.core.protocol import Ack, Assignment, Metrics, eval_group_id
-from tidal.integration.learner.best import pin_best
+from tidal.learner.best import pin_best
 from tidal.rollout.worker.process import EVAL_KEY
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import msgspec
 
-from tidal.integration.learner.config import LearnerConfig
 from tidal.integration.monitor import read_metrics
 from tidal.integration.report import summarize
+from tidal.learner.config import LearnerConfig
 
 
 def learner_config(run_dir: str | Path) -> LearnerConfig:
@@ -82,7 +82,7 @@ def find_checkpoint(run_dir: str | Path, which: str = "latest") -> Path:
 def export_run(run_dir: str | Path, which: str = "latest", out: str | Path | None = None) -> Path:
     """Write checkpoint `which` of the run as a Hugging Face folder (default <run>/model-<checkpoint>)."""
     # heavy: torch; reading a run's metrics needs none
-    from tidal.integration.learner.checkpoint import checkpoint_weights, write_hf
+    from tidal.learner.checkpoint import checkpoint_weights, write_hf
 
     cfg = learner_config(run_dir)
     ckpt = find_checkpoint(run_dir, which)

@@ -33,7 +33,7 @@ from tidal.core.errors import ConfigError
 from tidal.core.plugin_failure import build_failure
 from tidal.core.plugin_options import fit
 from tidal.core.plugins import registry
-from tidal.integration.learner.config import LearnerConfig
+from tidal.learner.config import LearnerConfig
 from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.worker.config import WorkerConfig
 

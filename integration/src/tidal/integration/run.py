@@ -53,12 +53,13 @@ from tidal.core.protocol import Metrics
 from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role
-from tidal.integration.learner.parallel import ParallelConfig, check_parallel, model_config
+from tidal.integration.learner.parallel import check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
 from tidal.integration.samples import to_tensorboard
 from tidal.integration.supervisor import Supervisor, error_file, write_final
+from tidal.learner.config import ParallelConfig
 from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.config import DomainSpec
 

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tidal.integration.learner.config import BackendConfig, OptimConfig
 from tidal.integration.learner.parallel import (
     ParallelConfig,
     check_ep_model,
@@ -37,6 +36,7 @@ from tidal.integration.learner.parallel import (
     ep_named_weights,
     ep_save,
 )
+from tidal.learner.config import BackendConfig, OptimConfig
 from tidal.moe_fsdp.fsdp import shard_moe_model
 from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
 from tidal.seqpar.hf import ATTENTION_NAME, VARLEN_ATTENTION, register_varlen_attention

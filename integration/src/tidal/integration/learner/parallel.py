@@ -33,10 +33,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from tidal.core.config import ConfigStruct
 from tidal.core.errors import ConfigError
+from tidal.learner.config import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -47,12 +47,6 @@ if TYPE_CHECKING:
 FIELD = "learner.parallel"
 SP_BACKENDS = ("single", "fsdp2")  # deepspeed's engine is not wired to the SP layout (untested): refused
 SP_ATTENTION = ("auto", "tidal_sp")  # the attention implementation under sp > 1 is tidal-seqpar's
-
-
-class ParallelConfig(ConfigStruct):
-    sp: int = 1  # sequence-parallel degree (tidal-seqpar)
-    sp_mode: Literal["ulysses", "ring", "hybrid"] = "ulysses"
-    ep: int = 1  # expert-parallel degree (tidal-moe-fsdp)
 
 
 def model_config(model: str | Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
     python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
 
 `--nproc N` starts N ranks under torch.distributed (gloo on CPU, NCCL on GPU) on this machine; each builds
-its `Learner` (service.py) and runs `loop.run`. SIGTERM and SIGINT stop it at the next step, with the
+its `Learner` (build.py) and runs tidal-learner's `loop.run`. SIGTERM and SIGINT stop it at the next step, with the
 exit checkpoint and export.
 """
 
@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from tidal.core.config import load_config
 from tidal.core.process import role_main, setup_role_process
-from tidal.integration.learner import loop
-from tidal.integration.learner.config import LearnerConfig
-from tidal.integration.learner.service import Learner
+from tidal.integration.learner.build import build_learner
+from tidal.learner import loop
+from tidal.learner.config import LearnerConfig
 
 
 def _spawn(nproc: int, argv: list[str]) -> int:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo")
-    learner = Learner(cfg)
+    learner = build_learner(cfg)
     signal.signal(signal.SIGTERM, lambda *_: learner.stop())
     signal.signal(signal.SIGINT, lambda *_: learner.stop())
     clean = False

@@ -32,9 +32,9 @@ from tidal.algos.estimators import AdvantageInputs
 from tidal.algos.types import LossInputs
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.config import TrainConfig
 from tidal.integration.learner.data import Micro, Sample, pack, pad_rows, token_logprobs
 from tidal.integration.learner.parallel import SequenceParallel, Shard
+from tidal.learner.config import TrainConfig
 from tidal.moe_fsdp.replay import replay_routing, router_routes, routing_mismatch, used_routes
 from tidal.staleness.correction import CorrectionInputs
 

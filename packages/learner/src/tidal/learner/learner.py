@@ -1,14 +1,14 @@
-"""The learner's pieces, built from its config (`Learner`): batches in, a new policy version out.
+"""One learner rank (`Learner`): batches in, a new policy version out.
 
-    source (sources.py: the buffer, or a recording) -> Trainer.step (trainer.py)
+    source (sources.py: the buffer, or a recording) -> the trainer's step
         -> Checkpointer (checkpoint.py) -> Publisher (publisher.py: weights and metrics)
 
-joined by `loop.run` (loop.py); the process around them is process.py. With checkpoints a batch is
-acknowledged only once a checkpoint holds it: a learner killed between two checkpoints resumes from the
-last one and is served the batches trained since again (exactly once). Without checkpoints each batch is
-acknowledged after its step. Rank 0 announces each version (`WeightsAvailable`, topic ``weights``) and
-its `Metrics` (topic ``metrics``) on one PUB socket; FSDP2 weights are gathered one tensor at a time on
-every rank, rank 0 sends.
+joined by `loop.run` (loop.py). The model, its optimizer and the step are the caller's (Tidal's own are
+`tidal.integration.learner.build`): this package holds what every RL learner of an async loop needs
+around them. With checkpoints a batch is acknowledged only once a checkpoint holds it: a learner killed
+between two checkpoints resumes from the last one and is served the batches trained since again (exactly
+once). Without checkpoints each batch is acknowledged after its step. Rank 0 announces each version
+(`WeightsAvailable`, topic ``weights``) and its `Metrics` (topic ``metrics``) on one PUB socket.
 """
 
 from __future__ import annotations
@@ -16,108 +16,110 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal.buffer.client import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.errors import ConfigError
-from tidal.core.plugins import registry
 from tidal.core.protocol import TOPIC_METRICS, Batch, Metrics
-from tidal.integration.learner.backends import has_sinks, pick_attention
-from tidal.integration.learner.checkpoint import Checkpointer, export_hf
-from tidal.integration.learner.config import BackendConfig, LearnerConfig
-from tidal.integration.learner.data import Sample
-from tidal.integration.learner.metrics import step_metrics
-from tidal.integration.learner.parallel import (
-    ParallelConfig,
-    check_parallel,
-    ep_backend_options,
-    model_config,
-    setup_sequence_parallel,
-)
-from tidal.integration.learner.publisher import Publisher
-from tidal.integration.learner.sources import (
+from tidal.learner.checkpoint import Checkpointer, export_hf
+from tidal.learner.config import LearnerConfig
+from tidal.learner.metrics import step_metrics
+from tidal.learner.publisher import Publisher
+from tidal.learner.sources import (
+    BatchClientLike,
     BatchRecorder,
     BatchSource,
     BufferSource,
     Fetched,
     FollowerSource,
+    Prepare,
     ReplaySource,
 )
-from tidal.integration.learner.trainer import Objective, Trainer
 
 log = logging.getLogger("tidal.learner")
 
 
-class Learner:
-    """The learner's pieces, built from its config: the train backend and `Trainer`, a `BatchSource`, a
-    `Checkpointer` and (rank 0) a `Publisher`; `loop.run` joins them. The progress counters and the
-    bookkeeping of trained batches (acknowledged once a checkpoint holds them) live here."""
+class Backend(Protocol):
+    """The model and its optimizer, as the learner's seams use them."""
 
-    def __init__(self, cfg: LearnerConfig) -> None:
-        if not cfg.model:
-            raise ValueError("the learner needs `model` (a local Hugging Face folder)")
-        self.cfg = cfg
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class Trainer(Protocol):
+    """One optimizer step on a batch's work (what `Prepare` made of it); `before_update` is called just
+    before the optimizer changes the parameters (the learner waits there for a weight send that still
+    reads them)."""
+
+    before_update: Callable[[], None] | None
+
+    def step(self, work: Any) -> dict[str, float]: ...
+
+
+class SequenceShare(Protocol):
+    """Sequence parallelism as the learner sees it: the SP group's rank 0 (`leader`) gets the batch and
+    `share`s it with the others; the group is data-parallel rank `dp_rank` of `dp`."""
+
+    leader: bool
+    dp_rank: int
+    dp: int
+
+    def share(self, obj: Any) -> Any: ...
+
+
+Connect = Callable[[int, int, list[str]], BatchClientLike]
+
+
+class Learner:
+    """One learner rank: its four seams (a `BatchSource`, the trainer, a `Checkpointer` and, on rank 0, a
+    `Publisher`), the progress counters, and the bookkeeping of trained batches (acknowledged once a
+    checkpoint holds them). `loop.run` joins them.
+
+    `backend`: the model and optimizer (`state_dict`, `load_state_dict`, `named_weights`); `trainer`: one
+    optimizer step per batch (`step(work) -> metrics`, `before_update`); `prepare(batch, full)`: a
+    `Batch` as the trainer takes it. `sp`: sequence parallelism, when the ranks share sequences (its
+    `leader`, `dp_rank`, `dp` and `share`). `connect(dp_rank, dp, trained)`: a buffer client (`next_batch`,
+    `ack`, `close`: tidal-buffer's `BatchClient`) for `learner.source = "buffer"`."""
+
+    def __init__(self, cfg: LearnerConfig, backend: Backend, trainer: Trainer, prepare: Prepare, *,
+                 sp: SequenceShare | None = None, connect: Connect | None = None) -> None:
+        self.cfg, self.backend, self.trainer, self.sp = cfg, backend, trainer, sp
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        objective = Objective.build(cfg.train)  # the loss, estimator and correction: built once, here
-        options = self._build_backend(objective)
-        reference = _load_reference(cfg, options.attn) if objective.reads_reference else None
-        self.trainer = Trainer(self.backend, cfg.train, reference, routing_replay=cfg.moe.replay, sp=self.sp,
-                               objective=objective)
+        # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
+        # requests and acknowledges it and hands it to the others
+        self.dp_rank, self.dp = (sp.dp_rank, sp.dp) if sp is not None else (self.rank, self.world)
         # Off the step's critical path (one process; with several ranks the gathers and the checkpoint
         # are collective and stay on the step): weights are packed and staged while the next step's
-        # forward and backward run (the optimizer waits for it, see Trainer.before_update), and a
-        # checkpoint is written from a snapshot while training goes on; the batches it records are
-        # acknowledged with the next batch request once it is on disk.
+        # forward and backward run (the optimizer waits for it, see `before_update`), and a checkpoint
+        # is written from a snapshot while training goes on; the batches it records are acknowledged
+        # with the next batch request once it is on disk.
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-bg") \
             if self.world == 1 else None
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.backend, every=cfg.checkpoint_every,
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, backend, every=cfg.checkpoint_every,
                                          keep=cfg.keep_checkpoints, background=self._background)
         self._resume()
-        self.source = self._source()
+        self.source = self._source(prepare, connect)
         # every batch trained, as served, for a later replay (learner.source = "replay")
         self.recorder = BatchRecorder(cfg.record_batches, self.dp_rank) \
-            if cfg.record_batches and (self.sp is None or self.sp.leader) else None
+            if cfg.record_batches and (sp is None or sp.leader) else None
         self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s,
                                    security=cfg.security) if self.rank == 0 else None
         self.last_step_end = 0.0  # time.time() when the previous step ended (the learner free again)
-        self.trainer.before_update = self.wait_published  # the weights in flight are packed first
+        trainer.before_update = self.wait_published  # the weights in flight are packed first
         self.stopped = False
         if self.rank == 0:
             log.info("learner up at version %d: batches from %s, weights and metrics published on %s",
                      self.version, cfg.source.name if cfg.source.name != "buffer" else cfg.buffer, cfg.publish)
-
-    def _build_backend(self, objective: Objective) -> BackendConfig:
-        """The train backend and sequence parallelism (collective), the parallel layout checked before the
-        model is loaded. Returns the backend options used (a value head added for a critic)."""
-        cfg = self.cfg
-        if cfg.parallel != ParallelConfig():  # refused before the model is loaded
-            check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend,
-                           attn=cfg.backend_options.attn)
-        torch.manual_seed(cfg.seed)
-        options = cfg.backend_options
-        if objective.needs_values and not options.value_head:
-            log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
-            options = msgspec.structs.replace(options, value_head=True)
-        # ep: the backend splits MoE experts over a (dp, ep) mesh (checked above by check_parallel)
-        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
-                                       **ep_backend_options(cfg.parallel, cfg.backend, self.world))
-        self.sp = setup_sequence_parallel(cfg.parallel, self.backend)  # collective; None when sp = 1
-        # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
-        # requests and acknowledges it and hands it to the others
-        self.dp_rank, self.dp = (self.sp.dp_rank, self.sp.dp) if self.sp is not None else (self.rank, self.world)
-        if self.sp is not None:
-            m = self.sp.mesh
-            log.info("rank %d: sequence-parallel rank %d of %d (%s: ulysses %d x ring %d), data-parallel share %d of %d",
-                     self.rank, m.rank, m.size, cfg.parallel.sp_mode, m.ulysses, m.ring, self.dp_rank, self.dp)
-        return options
 
     def _resume(self) -> None:
         """Progress counters, from the checkpoint when there is one."""
@@ -138,26 +140,21 @@ class Learner:
             self.trained.extend(progress.get("trained", []))
             log.info("resumed from %s at step %d (version %d)", self.checkpointer.latest, self.step, self.version)
 
-    def _source(self) -> BatchSource:
+    def _source(self, prepare: Prepare, connect: Connect | None) -> BatchSource:
         """`learner.source`: the buffer (one client per data-parallel share) or a recording; a follower
         for the SP ranks whose group's SP rank 0 asks."""
         cfg = self.cfg
         if self.sp is not None and not self.sp.leader:
             return FollowerSource()
         if cfg.source.name == "replay":
-            return ReplaySource(replay_path(cfg), self.dp_rank, self.dp, self._prepare, self.trained)
-        if cfg.source.name != "buffer":
-            raise ConfigError(f"learner.source: no batch source {cfg.source.name!r}; the sources are \"buffer\" "
-                              f"and \"replay\" (options = {{ path = \"RECORDING_DIR\" }})", field="learner.source")
-        client = BatchClient(cfg.buffer, self.dp_rank, self.dp, name=f"learner-{self.rank}",
-                             trained=list(self.trained), curve=cfg.security.client("buffer"))
-        return BufferSource(client, self._prepare, timeout_s=cfg.batch_timeout_s, stopped=lambda: self.stopped,
+            return ReplaySource(replay_path(cfg), self.dp_rank, self.dp, prepare, self.trained)
+        if cfg.source.name != "buffer" or connect is None:
+            known = '"buffer" and "replay"' if connect is not None else '"replay" (no buffer client was given)'
+            raise ConfigError(f"learner.source: no batch source {cfg.source.name!r}; the sources are {known} "
+                              f"(replay: options = {{ path = \"RECORDING_DIR\" }})", field="learner.source")
+        return BufferSource(connect(self.dp_rank, self.dp, list(self.trained)), prepare,
+                            timeout_s=cfg.batch_timeout_s, stopped=lambda: self.stopped,
                             prefetch=self.world == 1 and cfg.prefetch)
-
-    def _prepare(self, batch: Batch, full: bool) -> Any:
-        """A batch as the trainer takes it; `full`: prepared ahead (packed, advantages without a critic)."""
-        samples = [Sample.from_trajectory(t) for t in batch.trajectories]
-        return self.trainer.prepare(samples) if full else samples
 
     def stop(self) -> None:
         self.stopped = True
@@ -211,25 +208,25 @@ class Learner:
             self.source.ack_now(ready)
 
     def report(self, metrics: dict[str, float], timing: dict[str, float], ready_to_step: float | None,
-               samples: list[Any], trajectories: list[Any]) -> None:
+               trajectories: list[Any]) -> None:
         """Rank 0 publishes and logs the step's metrics: off the step when there is a background thread
         (it runs while the next step's backward frees the GIL)."""
         if self.publisher is None:
             return
         counters = (self.step, self.version, self.samples_trained)  # as they are after this step
         if self._background is not None:
-            self._background.submit(self._report, metrics, timing, ready_to_step, samples, trajectories,
+            self._background.submit(self._report, metrics, timing, ready_to_step, trajectories,
                                     *counters).add_done_callback(_log_failure)
         else:
-            self._report(metrics, timing, ready_to_step, samples, trajectories, *counters)
+            self._report(metrics, timing, ready_to_step, trajectories, *counters)
 
     def _report(self, metrics: dict[str, float], timing: dict[str, float], ready_to_step: float | None,
-                samples: list[Any], trajectories: list[Any], step: int, version: int, samples_total: int) -> None:
+                trajectories: list[Any], step: int, version: int, samples_total: int) -> None:
         publisher = self.publisher
         assert publisher is not None
         metrics.update(publisher.send_stats)  # of the latest completed send
         metrics["auth/refused"] = float(publisher.auth.refused)  # subscribers without the run's keys
-        scalars, lags = step_metrics(metrics, timing, ready_to_step, samples, trajectories, version, samples_total)
+        scalars, lags = step_metrics(metrics, timing, ready_to_step, trajectories, version, samples_total)
         publisher.publish(TOPIC_METRICS, Metrics(
             source=f"learner-{self.rank}", step=version, time=time.time(), scalars=scalars,
             histograms={"lag": Array.from_numpy(lags.astype(np.float32))}))
@@ -313,14 +310,3 @@ def _log_failure(fut: Future) -> None:
         log.error("reporting a step's metrics failed: %r", e)
 
 
-def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
-    """The frozen reference model (a KL penalty, distillation): `reference_model`, else the starting one."""
-    # heavy: transformers (seconds to import); only loading a model needs it
-    from transformers import AutoModelForCausalLM
-
-    ref_path = cfg.reference_model or cfg.model
-    reference: Any = AutoModelForCausalLM.from_pretrained(
-        ref_path, attn_implementation=pick_attention(attn, torch.device(cfg.device), sinks=has_sinks(ref_path)))
-    reference = reference.to(cfg.device)
-    reference.requires_grad_(False)
-    return reference

@@ -4,7 +4,7 @@ A source hands this rank its share of the next batch (`next`), can ask for the o
 trains (`prefetch`), and takes the acknowledgements of trained batches (`ack_later`: sent with the next
 request; `ack_now`: sent and confirmed now). Three sources:
 
-- `BufferSource`: the buffer (tidal-buffer's `BatchClient`), one request per step, the next one asked for
+- `BufferSource`: the buffer, through a client such as tidal-buffer's `BatchClient`, one request per step, the next one asked for
   on a thread of its own while the step trains (one process) so a batch the buffer already holds costs
   the step nothing.
 - `ReplaySource`: the batches a learner trained on and recorded (`learner.record_batches`), in order,
@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from tidal.buffer.client import BatchClient
 from tidal.core.errors import ChannelTimeout, ConfigError
 from tidal.core.protocol import Batch
 
@@ -36,6 +35,17 @@ log = logging.getLogger("tidal.learner")
 
 # a batch's trajectories -> what the trainer steps on; `full`: also the work a step could do ahead of time
 Prepare = Callable[[Batch, bool], Any]
+
+
+class BatchClientLike(Protocol):
+    """A buffer client: this rank's share of the next batch (acknowledging `ack` with the request), an
+    ack on its own, close. tidal-buffer's `BatchClient` is one."""
+
+    def next_batch(self, version: int, timeout: float = ..., ack: list[str] | None = None) -> Batch: ...
+
+    def ack(self, batch_ids: list[str], timeout: float = ...) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Fetched(NamedTuple):
@@ -87,7 +97,7 @@ class BufferSource:
     """Batches from the buffer. With `prefetch`, every request and ack goes through one thread of its
     own (a ZeroMQ socket is used by one thread only), in order."""
 
-    def __init__(self, client: BatchClient, prepare: Prepare, *, timeout_s: float, stopped: Callable[[], bool],
+    def __init__(self, client: BatchClientLike, prepare: Prepare, *, timeout_s: float, stopped: Callable[[], bool],
                  prefetch: bool) -> None:
         self.client, self.prepare, self.timeout_s, self.stopped = client, prepare, timeout_s, stopped
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-learner-fetch") if prefetch else None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tidal.integration.learner.best import link
+from tidal.learner.best import link
 
 SINGLE_FILE = "state.pt"  # a one-process checkpoint's model + optimizer + scheduler
 

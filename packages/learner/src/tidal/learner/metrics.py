@@ -3,27 +3,24 @@ every trained token and the rewards (per task when there are several)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from tidal.core.protocol import NO_VERSION, Trajectory
 
 
 def step_metrics(metrics: dict[str, float], timing: dict[str, float], ready_to_step: float | None,
-                 samples: list[Any], trajectories: list[Trajectory], version: int,
-                 samples_total: int) -> tuple[dict[str, float], np.ndarray]:
-    """`metrics` completed (a copy) and the lag of every sampled token (observation tokens of multi-turn
-    samples have NO_VERSION: no lag)."""
-    lags = (np.concatenate([version - 1 - s.versions[s.versions > NO_VERSION] for s in samples])
-            if samples else np.zeros(0))
+                 trajectories: list[Trajectory], version: int, samples_total: int) -> tuple[dict[str, float], np.ndarray]:
+    """`metrics` completed (a copy) and the lag of every sampled token of this rank's share (observation
+    tokens of multi-turn samples have NO_VERSION: no lag), against `version`, the one the step made."""
+    versions = [t.versions.numpy() for t in trajectories]
+    lags = np.concatenate([version - 1 - v[v > NO_VERSION] for v in versions]) if versions else np.zeros(0)
     out = {
         **metrics,
         **timing,
         "train/version": float(version),
         "train/samples_total": float(samples_total),
         "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
-        "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
+        "reward/mean": float(np.mean([t.reward for t in trajectories])) if trajectories else 0.0,
     }
     if ready_to_step is not None:
         out["train/ready_to_step_ms"] = 1e3 * max(0.0, ready_to_step)

@@ -5,7 +5,7 @@
 Each step, on every rank: this rank's share of a batch from the source, one optimizer step on it (the
 policy version goes up by one), a checkpoint when due (the batches it records are then acknowledged to
 the source), the weights published every `weights.every` steps, and the step's metrics reported (off the
-step when there is a background thread). The pieces live on `Learner` (service.py), which builds them.
+step when there is a background thread). The pieces live on `Learner` (learner.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from tidal.integration.learner.trainer import Prepared
-
 if TYPE_CHECKING:
-    from tidal.integration.learner.service import Learner
+    from tidal.learner.learner import Learner
 
 
 def run(learner: Learner) -> int:
@@ -72,7 +70,6 @@ def train_one(learner: Learner) -> dict[str, float] | None:
     metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
     timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,
               "train/tokens_per_s": metrics["train/tokens"] / max(t_train - t_batch, 1e-9)}
-    samples = work.samples if isinstance(work, Prepared) else work
-    learner.report(dict(metrics), timing, ready_to_step, samples, batch.trajectories if batch is not None else [])
+    learner.report(dict(metrics), timing, ready_to_step, batch.trajectories if batch is not None else [])
     learner.last_step_end = time.time()
     return metrics

@@ -1,15 +1,24 @@
 """The learner's settings (``[learner]`` in a recipe, or a TOML file and dotted overrides for
-``python -m tidal.integration.learner``)."""
+``python -m tidal.integration.learner``). The backend, train and parallel sections describe Tidal's own
+backends and step (tidal.integration.learner); a learner built on this package with a backend and step
+of its own reads the rest."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
 from tidal.core.config import ConfigStruct, PluginRef
 from tidal.core.security import ChannelSecurity
-from tidal.integration.learner.parallel import ParallelConfig
 
 # No torch here: a recipe is checked (`tidal run` with a misspelt field) without importing it.
+
+
+class ParallelConfig(ConfigStruct):
+    sp: int = 1  # sequence-parallel degree (tidal-seqpar)
+    sp_mode: Literal["ulysses", "ring", "hybrid"] = "ulysses"
+    ep: int = 1  # expert-parallel degree (tidal-moe-fsdp)
 
 
 class OptimConfig(ConfigStruct):

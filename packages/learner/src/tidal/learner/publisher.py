@@ -24,7 +24,7 @@ from tidal.core.channels import pub
 from tidal.core.plugins import registry
 from tidal.core.protocol import TOPIC_METRICS, TOPIC_WEIGHTS, Metrics, WeightsAvailable
 from tidal.core.security import AuthGuard, ChannelSecurity
-from tidal.integration.learner.config import WeightsConfig
+from tidal.learner.config import WeightsConfig
 
 log = logging.getLogger("tidal.learner")
 
