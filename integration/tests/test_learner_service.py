@@ -68,7 +68,7 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
         # (weights.reannounce_s), and the learner's last version waits for it (weights.final_wait_s)
         learner = subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
-             f'publish="{announce}"', f"max_steps={STEPS}", "backend_options.optim.lr=3e-3",
+             f'publish="{announce}"', f"max_steps={STEPS}", "backend.options.optim.lr=3e-3",
              'train.loss={name="ppo"}', f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=5"],
             stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT)
         procs.append(learner)
@@ -160,7 +160,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
         log = open(tmp_path / "learner.log", "a")
         return subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", "--nproc", "2", f'model="{model_path}"',
-             f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend="fsdp2"',
+             f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend.name="fsdp2"',
              "weights.every=0", f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=2",
              "record_trained_ids=true", "keep_checkpoints=2", f'export_dir="{tmp_path / "exported"}"'],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

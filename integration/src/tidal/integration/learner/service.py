@@ -1,6 +1,6 @@
 """The learner process: batches from the buffer in, a new policy version out.
 
-    python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
+    python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend.name="fsdp2" --nproc 2
 
 Each step, on every rank: request this rank's share of a batch from the buffer, train on it
 (`Trainer.step`), bump the policy version, checkpoint when due and then acknowledge the batches that
@@ -107,16 +107,16 @@ class Learner:
         model is loaded. Returns the backend options used (a value head added for a critic)."""
         cfg = self.cfg
         if cfg.parallel != ParallelConfig():  # refused before the model is loaded
-            check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend,
-                           attn=cfg.backend_options.attn)
+            check_parallel(cfg.parallel, world=self.world, config=model_config(cfg.model), backend=cfg.backend.name,
+                           attn=cfg.backend.options.attn)
         torch.manual_seed(cfg.seed)
-        options = cfg.backend_options
+        options = cfg.backend.options
         if needs_critic(cfg.train) and not options.value_head:
             log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
             options = msgspec.structs.replace(options, value_head=True)
         # ep: the backend splits MoE experts over a (dp, ep) mesh (checked above by check_parallel)
-        self.backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
-                                       **ep_backend_options(cfg.parallel, cfg.backend, self.world))
+        self.backend = registry.create("train_backend", cfg.backend.name, cfg.model, options, cfg.device,
+                                       **ep_backend_options(cfg.parallel, cfg.backend.name, self.world))
         self.sp = setup_sequence_parallel(cfg.parallel, self.backend)  # collective; None when sp = 1
         # the buffer splits each batch over the data-parallel ranks: one per SP group, whose SP rank 0
         # requests and acknowledges it and hands it to the others
@@ -497,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="tidal-learner",
         description="Run the Tidal learner: batches from the buffer, a policy-gradient step per batch, "
                     "weights published to the generators.",
-        epilog="Overrides use dotted TOML syntax, e.g. model=\"/models/tiny\" backend=\"fsdp2\" "
-               "train.loss.name=\"gspo\" backend_options.optim.lr=1e-6 weights.transport=\"shm\"",
+        epilog="Overrides use dotted TOML syntax, e.g. model=\"/models/tiny\" backend.name=\"fsdp2\" "
+               "train.loss.name=\"gspo\" backend.options.optim.lr=1e-6 weights.transport.name=\"shm\"",
     )
     ap.add_argument("--config", help="TOML file with learner settings")
     ap.add_argument("--nproc", type=int, default=1, help="ranks to start on this machine (torch.distributed)")
