@@ -43,7 +43,7 @@ def test_generation_and_training_overlap_and_weights_flow_back(tmp_path):
             stdout=logs["buffer"], stderr=subprocess.STDOUT)
         procs["learner"] = subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", f'model="{model}"', f'buffer="{serve}"',
-             f'publish="{weights}"', f"max_steps={STEPS}", "backend_options.optim.lr=1e-3"],
+             f'publish="{weights}"', f"max_steps={STEPS}", "backend.options.optim.lr=1e-3"],
             stdout=logs["learner"], stderr=subprocess.STDOUT)
         metrics_sub = sub(weights, topics=["metrics"], linger=0)
         # PUB/SUB drops what is published before a subscription reaches the publisher: the worker (and

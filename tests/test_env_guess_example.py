@@ -108,7 +108,7 @@ def test_tidal_run_trains_on_the_installed_guess_example_by_name_with_multi_turn
     # answer stay within the tiny model's 512 positions
     run_dir = tmp_path / "run"
     rc, log, _ = tidal_run(py, tmp_path, run_dir, f'model="{model}"', 'monitor.progress="log"',
-                           "monitor.tensorboard=false", "workers=1", 'domains=[{env="guess_number", options={high=8}}]',
+                           "monitor.tensorboard=false", "workers=1", 'domains=[{env={name="guess_number", options={high=8}}}]',
                            "budget.versions=4", "sampling.max_tokens=8", "eval.every=4", "eval.size=8",
                            "rollout.episodes.max_tokens=200", "rollout.episodes.processes=1")
     assert rc == 0, log[-4000:] + env_logs(run_dir)

@@ -36,7 +36,7 @@ def test_every_section_and_field_of_the_recipe_is_in_the_reference():
         for f in msgspec.structs.fields(cls):
             assert f"- `{f.name}`: " in page, f"{path}.{f.name}"
     assert '- `run_dir`: `str` = `""`. "" = runs/<name>-<date>-<time>' in page
-    assert "## `rollout.episodes`" in page and "## `[[domains]]`" in page and "## `learner.backend_options.optim`" in page
+    assert "## `rollout.episodes`" in page and "## `[[domains]]`" in page and "## `learner.backend.options.optim`" in page
 
 
 def test_a_stale_reference_is_refused_with_the_command_that_rewrites_it(tmp_path, monkeypatch, capsys):

@@ -62,7 +62,7 @@ def test_a_module_that_fails_to_import_in_its_factory_is_refused_before_launch(v
     py, tmp, model = venv
     run_dir = tmp / "lazy"
     rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model),
-                                 'domains=[{env="unitconv", options={backend="pint"}}]', timeout=120)
+                                 'domains=[{env={name="unitconv", options={backend="pint"}}}]', timeout=120)
     assert rc != 0, out[-3000:]
     assert "domains" in out and "'unitconv'" in out and "unitconv_tidal" in out, out[-3000:]
     assert "No module named 'pint'" in out and "pint_backend.py:" in out, out[-3000:]
@@ -80,7 +80,7 @@ def test_a_tool_that_hangs_or_floods_costs_one_episode_and_the_worker_lives(venv
     tools = "tools={unit_factor={hang_every=15, flood_every=5, flood_mb=50}}"
     # a hang costs its episode alone when the group may train on its survivors (the default, drop_group,
     # would lose the group: a group of 8 untrained episodes meets a hang more often than not)
-    rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model), f'domains=[{{env="unitconv", options={{{tools}}}}}]',
+    rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model), f'domains=[{{env={{name="unitconv", options={{{tools}}}}}}}]',
                                  "budget.versions=10000", "budget.minutes=1", "rollout.episodes.step_timeout_s=3",
                                  'rollout.episodes.on_error="survivors"', "group_size=4", "batch_groups=2")
     assert rc == 0, out[-4000:] + env_logs(run_dir)
@@ -107,7 +107,7 @@ def test_rewards_that_are_not_numbers_are_never_trained_on_and_the_run_fails_wit
     py, tmp, model = venv
     run_dir = tmp / "bad-rewards"
     rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model),
-                                 'domains=[{env="unitconv", options={outcome_fault="mixed"}}]', "budget.versions=10",
+                                 'domains=[{env={name="unitconv", options={outcome_fault="mixed"}}}]', "budget.versions=10",
                                  "budget.minutes=4", "launch.no_trainable_group_s=20", timeout=400)
     assert seconds < 150, f"a run that could not train took {seconds:.0f} s to say so"
     final = json.loads((run_dir / "final.json").read_text())

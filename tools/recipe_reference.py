@@ -38,7 +38,9 @@ tests/test_recipe_reference.py, fails when this page and the structs disagree: r
 
 A field typed `PluginRef` chooses a plugin by name and passes it options:
 `{ name = "grpo", options = { eps = 1e-6 } }`. `tidal plugins KIND` lists the names, and each plugin's
-options are in docs/plugins.md or its own documentation.
+options are in docs/plugins.md or its own documentation. Every plugin choice has this shape; the train
+backend's (`learner.backend`, a `BackendChoice`) has typed options, listed below. A list of them
+(`rollout.weight_transport`, `rollout.envs`) names each plugin once.
 """
 
 

@@ -138,7 +138,7 @@ def test_environment_and_tool_failures_are_counted_and_the_run_finishes(world, t
     run_dir = tmp_path / "run"
     markers = tmp_path / "markers"
     markers.mkdir()
-    rc, out = tidal_cli.run(world, run_dir, f'domains=[{{env="acme-faulty", options={{markers="{markers}"}}}}]', "workers=1",
+    rc, out = tidal_cli.run(world, run_dir, f'domains=[{{env={{name="acme-faulty", options={{markers="{markers}"}}}}}}]', "workers=1",
                         "budget.versions=30", "eval.every=0", "sampling.max_tokens=8", 'sampling.stop=["\\n"]',
                         "rollout.episodes.max_tokens=64", "rollout.episodes.step_timeout_s=20",
                         "rollout.episodes.processes=2", "group_size=4", "batch_groups=4")

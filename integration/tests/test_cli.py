@@ -72,12 +72,12 @@ def test_run_names_the_bad_field_of_a_recipe(tmp_path):
     recipe.write_text('model = "/nowhere"\ngroup_sise = 4\n')
     out = tidal("run", str(recipe))
     assert out.returncode == 2 and "group_sise" in out.stderr and "group_size" in out.stderr
-    recipe.write_text(f'model = "{tmp_path}"\n[learner]\nbackend_options = {{ optim = {{ lr = "fast" }} }}\n')
+    recipe.write_text(f'model = "{tmp_path}"\n[learner]\nbackend = {{ options = {{ optim = {{ lr = "fast" }} }} }}\n')
     out = tidal("run", str(recipe))
-    assert out.returncode == 2 and "learner.backend_options.optim.lr" in out.stderr
-    out = tidal("run", str(recipe), "learner.backend_options.optim.lr=1e-4", "domains=[{env=\"algebra\"}]")
+    assert out.returncode == 2 and "learner.backend.options.optim.lr" in out.stderr
+    out = tidal("run", str(recipe), "learner.backend.options.optim.lr=1e-4", "domains=[{env={name=\"algebra\"}}]")
     assert out.returncode == 2 and "algebra" in out.stderr and "arithmetic" in out.stderr
-    out = tidal("run", str(recipe), 'model="/nowhere"', "learner.backend_options.optim.lr=1e-4")
+    out = tidal("run", str(recipe), 'model="/nowhere"', "learner.backend.options.optim.lr=1e-4")
     assert out.returncode == 2 and "/nowhere" in out.stderr
 
 
@@ -103,7 +103,7 @@ def _refused(tmp_path, monkeypatch, capsys, *args: str) -> str:
 
 
 @pytest.mark.parametrize(("overrides", "needles"), [
-    (["learner.backend_options.optim.lr=-1e-5"], ["learner.backend_options.optim.lr", "-1e-05", ">= 0"]),
+    (["learner.backend.options.optim.lr=-1e-5"], ["learner.backend.options.optim.lr", "-1e-05", ">= 0"]),
     (["budget.minutes=-1"], ["budget.minutes", ">= 0", "got -1"]),
     (["eval.every=-5"], ["eval.every", ">= 0", "got -5"]),
     (["learner.keep_checkpoints=0"], ["learner.keep_checkpoints", ">= 1", "got 0"]),

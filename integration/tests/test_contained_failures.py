@@ -111,9 +111,9 @@ def final(run_dir: Path) -> dict:
 
 def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    domains = ('domains=[{name="easy", env="acme-flaky", options={level=1, tag="easy"}},'
-               ' {name="hard", env="acme-flaky", options={level=2, tag="hard"}},'
-               ' {name="graded", env="acme-flaky", options={level=1, tag="graded", fail_one_in=1},'
+    domains = ('domains=[{name="easy", env={name="acme-flaky", options={level=1, tag="easy"}}},'
+               ' {name="hard", env={name="acme-flaky", options={level=2, tag="hard"}}},'
+               ' {name="graded", env={name="acme-flaky", options={level=1, tag="graded", fail_one_in=1}},'
                ' reward={name="acme-exact"}}]')
     rc, out = tidal_cli.run(world, run_dir, "workers=1", domains, "budget.versions=6", "eval.every=3", "eval.size=30",
                            "sampling.max_tokens=4")
@@ -146,7 +146,7 @@ def test_a_crashing_verifier_costs_its_groups_not_the_run(world, tmp_path, tidal
 
 def test_task_metadata_that_is_not_text_fails_the_run_naming_plugin_and_field(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="acme-intmeta", options={level=1}}]', "eval.every=0",
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env={name="acme-intmeta", options={level=1}}}]', "eval.every=0",
                               timeout=240)
     assert rc == 1, out[-3000:]
     status = final(run_dir)["status"]
@@ -157,7 +157,7 @@ def test_task_metadata_that_is_not_text_fails_the_run_naming_plugin_and_field(wo
 
 def test_an_env_that_can_never_score_ends_the_run_as_stalled_with_its_error(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="acme-flaky", options={fail_one_in=1}}]',
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env={name="acme-flaky", options={fail_one_in=1}}}]',
                               "eval.every=0", "launch.stall_timeout_s=20", timeout=300)
     assert rc == 1, out[-3000:]
     f = final(run_dir)
@@ -183,8 +183,8 @@ def test_a_loss_the_learner_refuses_fails_the_run_once_with_the_learners_own_mes
 
 def test_a_bad_env_option_is_refused_before_any_role_starts(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
-    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env="arithmetic", options={levl=2}}]', timeout=120)
+    rc, out = tidal_cli.run(world, run_dir, "workers=1", 'domains=[{env={name="arithmetic", options={levl=2}}}]', timeout=120)
     assert rc == 2, out[-3000:]
-    assert "`domains[0].options.levl`" in out and "did you mean 'level'" in out and "it takes: level" in out
+    assert "`domains[0].env.options.levl`" in out and "did you mean 'level'" in out and "it takes: level" in out
     assert "Traceback" not in out
     assert not run_dir.exists()  # refused while the recipe is read: no role started, no run folder made

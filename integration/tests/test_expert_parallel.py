@@ -137,7 +137,7 @@ def test_configs_ep_cannot_serve_are_refused_naming_the_constraint(oss, tmp_path
 
     with pytest.raises(ValueError, match=r"does not divide the learner's 3 ranks.*ep in \[1, 3\]"):
         ep_backend_options(ParallelConfig(ep=2), "fsdp2", 3)
-    with pytest.raises(ValueError, match=r"needs learner.backend = \"fsdp2\".*'single'"):
+    with pytest.raises(ValueError, match=r"needs learner.backend.name = \"fsdp2\".*'single'"):
         ep_backend_options(ParallelConfig(ep=2), "single", 2)
     with pytest.raises(ValueError, match="must be >= 1"):
         ep_backend_options(ParallelConfig(ep=0), "fsdp2", 2)

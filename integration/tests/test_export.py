@@ -20,7 +20,7 @@ from tidal.core.arrays import Array
 from tidal.core.protocol import Trajectory
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint
-from tidal.learner.config import BackendConfig, LearnerConfig, OptimConfig
+from tidal.learner.config import BackendChoice, BackendConfig, LearnerConfig, OptimConfig
 
 pytestmark = pytest.mark.timeout(600)
 G = 4
@@ -73,7 +73,7 @@ def test_a_stopped_learner_writes_a_model_folder_that_transformers_loads_and_tid
     # the learner's config as `tidal run` writes it (roles/learner.json): what `tidal export` reads
     cfg = LearnerConfig(model=str(model_path), buffer=serve, publish=announce, checkpoint_dir=str(run / "checkpoints"),
                         checkpoint_every=2, keep_checkpoints=2, export_dir=str(run / "model"),
-                        backend_options=BackendConfig(optim=OptimConfig(lr=3e-3)))
+                        backend=BackendChoice(options=BackendConfig(optim=OptimConfig(lr=3e-3))))
     config = run / "roles" / "learner.json"
     config.write_bytes(msgspec.json.encode(cfg))
     log_path = run / "learner.log"

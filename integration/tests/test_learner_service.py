@@ -68,7 +68,7 @@ def test_learner_learns_from_the_buffer_and_publishes_every_version(tmp_path):
         # (weights.reannounce_s), and the learner's last version waits for it (weights.final_wait_s)
         learner = subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'buffer="{serve}"',
-             f'publish="{announce}"', f"max_steps={STEPS}", "backend_options.optim.lr=3e-3",
+             f'publish="{announce}"', f"max_steps={STEPS}", "backend.options.optim.lr=3e-3",
              'train.loss={name="ppo"}', f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=5",
              f'record_batches="{tmp_path / "recording"}"', f'export_dir="{tmp_path / "trained"}"'],
             stdout=open(tmp_path / "learner.log", "w"), stderr=subprocess.STDOUT)
@@ -109,7 +109,7 @@ def _replay_trains_the_same_policy(tmp_path: Path, model_path: Path) -> None:
     replay = subprocess.run(
         [sys.executable, "-m", "tidal.integration.learner", f'model="{model_path}"', f'publish="{free_endpoint()}"',
          f'source={{name="replay", options={{path="{tmp_path / "recording"}"}}}}', "weights.every=0",
-         "backend_options.optim.lr=3e-3", 'train.loss={name="ppo"}', f'export_dir="{tmp_path / "replayed"}"'],
+         "backend.options.optim.lr=3e-3", 'train.loss={name="ppo"}', f'export_dir="{tmp_path / "replayed"}"'],
         capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert f"finished after {STEPS} batches" in replay.stderr, replay.stderr[-3000:]
@@ -197,7 +197,7 @@ def test_two_fsdp2_ranks_killed_between_checkpoints_train_every_sample_once(tmp_
         log = open(tmp_path / "learner.log", "a")
         return subprocess.Popen(
             [sys.executable, "-m", "tidal.integration.learner", "--nproc", "2", f'model="{model_path}"',
-             f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend="fsdp2"',
+             f'buffer="{serve}"', f'publish="{announce}"', f"max_steps={max_steps}", 'backend.name="fsdp2"',
              "weights.every=0", f'checkpoint_dir="{tmp_path / "ckpt"}"', "checkpoint_every=2",
              "record_trained_ids=true", "keep_checkpoints=2", f'export_dir="{tmp_path / "exported"}"'],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -178,11 +178,11 @@ LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 2}
     (ParallelConfig(sp=3), 3, LLAMA, {}, "Ulysses degrees that work are [1, 2, 4]"),
     (ParallelConfig(sp=2), 3, LLAMA, {}, "multiple of it (dp x sp), but it has 3"),
     (ParallelConfig(sp=2, sp_mode="hybrid"), 2, LLAMA, {}, "needs a Ulysses degree u with 1 < u < sp"),
-    (ParallelConfig(sp=2), 2, LLAMA, {"attn": "sdpa"}, "backend_options.attn = 'sdpa' cannot attend over a split row"),
+    (ParallelConfig(sp=2), 2, LLAMA, {"attn": "sdpa"}, "learner.backend.options.attn = 'sdpa' cannot attend over a split row"),
     (ParallelConfig(sp=2), 2, LLAMA, {"backend": "deepspeed"}, "not 'deepspeed'"),
     (ParallelConfig(sp=2), 2, {**LLAMA, "layer_types": ["sliding_attention", "full_attention"]}, {},
      "sliding-window attention layers"),
-    (ParallelConfig(ep=2), 2, LLAMA, {}, 'needs learner.backend = "fsdp2"'),
+    (ParallelConfig(ep=2), 2, LLAMA, {}, 'needs learner.backend.name = "fsdp2"'),
     (ParallelConfig(sp=2, ep=2), 4, LLAMA, {"backend": "fsdp2"}, "together are not supported yet"),
 ])
 def test_parallel_options_that_cannot_work_are_config_errors(par, world, config, kw, says):

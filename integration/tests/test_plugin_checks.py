@@ -27,11 +27,11 @@ def model(tmp_path_factory):
 
 # (plugin kind, override with a misspelt option, what the error must say)
 MISSPELT = [
-    ("env", "domains=[{env='arithmetic', options={levl=2}}]",
-     ["`domains[0].options.levl`", "env 'arithmetic'", "did you mean 'level'", "eval_size: int = 200"]),
-    ("env value type", "domains=[{env='arithmetic', options={level='hard'}}]",
-     ["`domains[0].options.level`", "Expected `int | array`, got `str`"]),
-    ("reward", "domains=[{env='arithmetic', reward={name='exact_match', options={strict=true}}}]",
+    ("env", "domains=[{env={name='arithmetic', options={levl=2}}}]",
+     ["`domains[0].env.options.levl`", "env 'arithmetic'", "did you mean 'level'", "eval_size: int = 200"]),
+    ("env value type", "domains=[{env={name='arithmetic', options={level='hard'}}}]",
+     ["`domains[0].env.options.level`", "Expected `int | array`, got `str`"]),
+    ("reward", "domains=[{env={name='arithmetic'}, reward={name='exact_match', options={strict=true}}}]",
      ["`domains[0].reward.options.strict`", "reward 'exact_match'", "no options"]),
     ("engine", "rollout.engine={name='embedded', options={max_num_seq=8}}",
      ["`rollout.engine.options.max_num_seq`", "engine 'embedded'", "did you mean 'max_num_seqs'"]),
@@ -45,25 +45,25 @@ MISSPELT = [
      ["`buffer.admission.options.max_lags`", "did you mean 'max_lag'"]),
     ("group_filter", "buffer.filters=[{name='zero_variance', options={tolerance=0.1}}]",
      ["`buffer.filters[0].options.tolerance`", "group_filter 'zero_variance'", "tol: float"]),
-    ("weight_transport (sender)", "learner.weights.options.bucket_byte=1024",
-     ["`learner.weights.options.bucket_byte`", "did you mean 'bucket_bytes'"]),
-    ("weight_transport (receiver)", "rollout.weight_transport.zmq.timeot=5",
-     ["`rollout.weight_transport.zmq.timeot`", "its receiver", "did you mean 'timeout'"]),
-    ("train_backend", "learner.backend_options.dtyp='float32'", ["learner.backend_options.dtyp", "dtype"]),
+    ("weight_transport (sender)", "learner.weights.transport={name='zmq', options={bucket_byte=1024}}",
+     ["`learner.weights.transport.options.bucket_byte`", "did you mean 'bucket_bytes'"]),
+    ("weight_transport (receiver)", "rollout.weight_transport=[{name='zmq', options={timeot=5}}]",
+     ["`rollout.weight_transport[0].options.timeot`", "its receiver", "did you mean 'timeout'"]),
+    ("train_backend", "learner.backend.options.dtyp='float32'", ["learner.backend.options.dtyp", "dtype"]),
     ("launcher", "launcher={name='ray', options={adress='auto'}}",
      ["`launcher.options.adress`", "launcher 'ray'", "did you mean 'address'"]),
     ("renderer", "rollout.episodes.renderer={name='plain', options={separatr='x'}}",
      ["`rollout.episodes.renderer.options.separatr`", "renderer 'plain'", "did you mean 'separator'"]),
-    ("tool (an episodic env's)", "domains=[{env='multiply', options={calculator={max_lenght=40}}}]",
-     ["`domains[0].options`", "`tools.calculator.options.max_lenght`", "tool 'calculator'",
+    ("tool (an episodic env's)", "domains=[{env={name='multiply', options={calculator={max_lenght=40}}}}]",
+     ["`domains[0].env.options`", "`tools.calculator.options.max_lenght`", "tool 'calculator'",
       "did you mean 'max_length'"]),
 ]
 
 # (plugin kind, override with an unknown name, what the error must say)
 UNKNOWN = [
-    ("env", "domains=[{env='arithmatic'}]", ["`domains[0].env`", "no env named 'arithmatic'", "countdown",
+    ("env", "domains=[{env={name='arithmatic'}}]", ["`domains[0].env.name`", "no env named 'arithmatic'", "countdown",
                                               "Did you mean 'arithmetic'"]),
-    ("reward", "domains=[{env='arithmetic', reward={name='exact'}}]", ["`domains[0].reward.name`", "exact_match"]),
+    ("reward", "domains=[{env={name='arithmetic'}, reward={name='exact'}}]", ["`domains[0].reward.name`", "exact_match"]),
     ("engine", "rollout.engine.name='vllm2'", ["`rollout.engine.name`", "no engine named 'vllm2'", "embedded"]),
     ("policy_loss", "learner.train.loss.name='ppp'", ["`learner.train.loss.name`", "Did you mean 'ppo'"]),
     ("advantage_estimator", "learner.train.advantage.name='gea'", ["`learner.train.advantage.name`", "gae"]),
@@ -72,10 +72,10 @@ UNKNOWN = [
                                                                          "version_rejection"]),
     ("admission", "buffer.admission={name='version_reject'}", ["`buffer.admission.name`", "version_rejection"]),
     ("group_filter", "buffer.filters=[{name='zero_var'}]", ["`buffer.filters[0].name`", "zero_variance"]),
-    ("weight_transport", "learner.weights.transport='zmqq'", ["`learner.weights.transport`", "torch_dist"]),
-    ("weight_transport (receiver)", "rollout.weight_transport.nccl={}", ["`rollout.weight_transport.nccl`",
+    ("weight_transport", "learner.weights.transport.name='zmqq'", ["`learner.weights.transport.name`", "torch_dist"]),
+    ("weight_transport (receiver)", "rollout.weight_transport=[{name='nccl'}]", ["`rollout.weight_transport[0].name`",
                                                                           "torch_dist"]),
-    ("train_backend", "learner.backend='fsdp'", ["`learner.backend`", "Did you mean 'fsdp2'"]),
+    ("train_backend", "learner.backend.name='fsdp'", ["`learner.backend.name`", "Did you mean 'fsdp2'"]),
     ("launcher", "launcher.name='slurm'", ["`launcher.name`", "no launcher named 'slurm'", "local"]),
     ("renderer", "rollout.episodes.renderer.name='chatml'", ["`rollout.episodes.renderer.name`",
                                                              "no renderer named 'chatml'", "chat_template"]),
@@ -139,11 +139,11 @@ def test_an_env_that_cannot_make_its_first_task_is_refused_before_any_process_st
 
     (tmp_path / "acme_no_tasks.py").write_text(NO_TASKS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = ["rollout.episodes.plugins=['acme_no_tasks']", "domains=[{env='no_tasks'}]"]
+    recipe = ["rollout.episodes.plugins=['acme_no_tasks']", "domains=[{env={name='no_tasks'}}]"]
     rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{tmp_path / "run"}"', *recipe])
     err = capsys.readouterr().err
     assert rc == 2 and not (tmp_path / "run").exists(), err
-    assert ("domains[0]: environment plugin 'no_tasks' (module acme_no_tasks) failed to make its first train task: "
+    assert ("domains[0].env: environment plugin 'no_tasks' (module acme_no_tasks) failed to make its first train task: "
             "KeyError: 'first' (acme_no_tasks.py:8)") in err, err
     # launch.check_envs = false: the pre-flight is skipped (the controller meets the error instead)
     assert load_recipe(RECIPE, [f'model="{model}"', *recipe, "launch.check_envs=false"]).launch.check_envs is False
@@ -171,7 +171,7 @@ def test_an_env_whose_train_stream_is_empty_is_refused_naming_the_domain(model, 
     (tmp_path / "acme_empty.py").write_text(EMPTY)
     monkeypatch.syspath_prepend(str(tmp_path))
     rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{tmp_path / "run"}"',
-               "rollout.episodes.plugins=['acme_empty']", "domains=[{env='empty'}]"])
+               "rollout.episodes.plugins=['acme_empty']", "domains=[{env={name='empty'}}]"])
     err = capsys.readouterr().err
     assert rc == 2 and not (tmp_path / "run").exists(), err
     assert "domains[0]: env 'empty' made no train task" in err, err

@@ -189,7 +189,7 @@ def test_a_run_whose_every_outcome_is_a_verifier_error_ends_failed_with_the_auth
 
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    rc, out = tidal_cli.run(judge_world, run_dir, 'domains=[{env="judge"}]', 'rollout.episodes.plugins=["judge_env"]',
+    rc, out = tidal_cli.run(judge_world, run_dir, 'domains=[{env={name="judge"}}]', 'rollout.episodes.plugins=["judge_env"]',
                             "rollout.episodes.processes=1", "rollout.episodes.max_tokens=32", "workers=1",
                             "group_size=4", "batch_groups=2", "sampling.max_tokens=4", "eval.every=1000",
                             "eval.size=4", "launch.no_trainable_group_s=5", timeout=110)

@@ -77,9 +77,10 @@ def test_every_role_gets_the_run_keys_it_needs_and_nothing_more(tmp_path):
     assert sorted(sec["learner"]["servers"]) == ["buffer"]
     assert sorted(sec["learner"]["clients"]) == ["driver", "rollout-0", "rollout-1"]
     assert sorted(sec["rollout-1"]["servers"]) == ["buffer", "driver", "learner"] and not sec["rollout-1"]["clients"]
-    assert by["learner"]["weights"]["options"]["security"]["secret_key"] == str(keys / "learner.key_secret")
-    assert by["learner"]["weights"]["options"]["endpoint"] == f"ipc://{tmp_path / 'ipc'}/weights"
-    assert by["rollout-0"]["weight_transport"]["zmq"]["security"]["servers"]["learner"] == sec["buffer"]["clients"]["learner"]
+    assert by["learner"]["weights"]["transport"]["options"]["security"]["secret_key"] == str(keys / "learner.key_secret")
+    assert by["learner"]["weights"]["transport"]["options"]["endpoint"] == f"ipc://{tmp_path / 'ipc'}/weights"
+    zmq, = (t for t in by["rollout-0"]["weight_transport"] if t["name"] == "zmq")  # listed or not, it gets the keys
+    assert zmq["options"]["security"]["servers"]["learner"] == sec["buffer"]["clients"]["learner"]
     before = (keys / "learner.key_secret").read_bytes()
     plan(cfg, run_dir)  # made again (a resume): the same keys
     assert (keys / "learner.key_secret").read_bytes() == before

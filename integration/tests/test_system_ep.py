@@ -52,7 +52,7 @@ def _run(tmp_path: Path, model: Path, *parallel: str) -> tuple[Path, list, list]
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "tidal.integration.cli", "run", str(RECIPE),
             f'model="{model}"', f'run_dir="{run_dir}"', 'monitor.progress="log"', "monitor.log_every_s=5",
-            'learner.backend="fsdp2"', *parallel, "learner.moe.replay=true",
+            'learner.backend.name="fsdp2"', *parallel, "learner.moe.replay=true",
             "sampling.return_routing=true", f"budget.versions={VERSIONS}", "eval.every=15", "learner.checkpoint_every=10",
             "--nproc", "2"]
     log = run_dir.with_suffix(".log")

@@ -41,7 +41,7 @@ def recipe(model: Path, run_dir: Path, mode: str, a: argparse.Namespace) -> obje
                         "sigma": a.sigma}}},
         "buffer": {"fsync": "never"},
         "learner": {"simulate_s_per_sample": a.train_ms / 1e3, "checkpoint_every": 0,
-                    "backend_options": {"optim": {"lr": 1e-5}}},
+                    "backend": {"options": {"optim": {"lr": 1e-5}}}},
         "monitor": {"progress": "off", "tensorboard": False},
     }, __import__("tidal.integration.recipe", fromlist=["RunConfig"]).RunConfig, source="pipeline bench")
 

@@ -275,6 +275,7 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     """One Tidal run; `eval_every` overrides --eval-every, `tag` names a second run of the same mode."""
     import msgspec
 
+    from tidal.core.config import PluginRef
     from tidal.integration.demo import demo_config
     from tidal.integration.recipe import DomainConfig, check
     from tidal.integration.run import run
@@ -285,10 +286,10 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
         f"mode={mode}", f'run_dir="{run_dir}"', f"budget.versions={w['steps']}", f"budget.minutes={a.minutes}",
         f"eval.every={eval_every or a.eval_every}", f"eval.size={a.eval_size}", f"workers={a.workers}",
         f"seed={a.seed}", f"group_size={a.group_size}", f"batch_groups={a.batch_samples // a.group_size}",
-        f"learner.backend_options.optim.lr={a.lr}", f"launch.threads={threads}",
+        f"learner.backend.options.optim.lr={a.lr}", f"launch.threads={threads}",
         "monitor.progress=off", "monitor.tensorboard=false", *a.set])
     cfg = msgspec.structs.replace(
-        cfg, model=str(model_path), domains=[DomainConfig(env=w["domain"]["env"], options=dict(w["domain"]["options"]))],
+        cfg, model=str(model_path), domains=[DomainConfig(env=PluginRef(name=w["domain"]["env"], options=dict(w["domain"]["options"])))],
         sampling=msgspec.structs.replace(cfg.sampling, max_tokens=w["max_tokens"]))
     check(cfg)
     if run_dir.exists():

@@ -240,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "policy as a Hugging Face folder (tidal export writes one from any kept checkpoint). "
                     "A recipe with a mistake (an unknown field, a negative learning rate, a model folder that holds "
                     "no model, ...) is refused before any process starts or the run folder is made.",
-        epilog="Overrides use dotted TOML syntax: workers=4 learner.backend_options.optim.lr=1e-4 "
-               "budget.versions=200 mode=sync domains='[{env=\"countdown\"}]'")
+        epilog="Overrides use dotted TOML syntax: workers=4 learner.backend.options.optim.lr=1e-4 "
+               "budget.versions=200 mode=sync domains='[{env={name=\"countdown\"}}]'. Every plugin choice is "
+               "{ name = \"...\", options = { ... } }: learner.backend.name=\"fsdp2\", "
+               "learner.weights.transport.name=\"shm\"")
     p.add_argument("recipe", nargs="?", default="", help="the run's TOML recipe (see integration/recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top of the recipe")
     p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed) on this machine")

@@ -126,8 +126,8 @@ class Controller(Evaluations):
 
     def _build_domains(self) -> None:
         cfg = self.cfg
-        self.domains = [Domain(d.name or d.env, d.env,
-                               registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env"),
+        self.domains = [Domain(d.name or d.env.name, d.env.name,
+                               registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"),
                                d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
                         for i, d in enumerate(cfg.domains)]
         for i, dom in enumerate(self.domains):  # done by the pre-flight already, unless launch.check_envs = false

@@ -30,10 +30,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from tidal.core.config import apply_overrides, load_config, parse_override, to_dict
+from tidal.core.config import apply_overrides, parse_override, to_dict
 from tidal.core.episodes import is_episodic
 from tidal.core.plugins import registry
-from tidal.integration.recipe import RunConfig, check, recipes_dir
+from tidal.integration.recipe import RunConfig, check, read_recipe, recipes_dir
 from tidal.integration.report import report
 from tidal.integration.run import run
 from tidal.rollout import tiny
@@ -93,7 +93,7 @@ def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tu
     warm = apply_overrides({"model_build": dict(t.model), "sft": dict(t.sft)}, ours)
     opts = DemoOptions(model=warm["model_build"], sft=warm["sft"])
     recipe = [o for o in overrides if o not in ours]
-    cfg = load_config(recipes_dir() / t.recipe, RunConfig, [*demo_overrides(task), *recipe])
+    cfg = read_recipe(recipes_dir() / t.recipe, [*demo_overrides(task), *recipe])
     return msgspec.structs.replace(cfg, model=str(out / "model-sft"), run_dir=cfg.run_dir or str(out / "run")), opts
 
 
@@ -106,7 +106,7 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
     cfg, opts = demo_config(out, list(overrides), task)
     t0 = time.monotonic()
     domain = cfg.domains[0]
-    env = registry.build("env", domain.env, domain.options, field="domains[0]", name_key="env")
+    env = registry.build("env", domain.env.name, domain.env.options, field="domains[0].env")
     sft_opts = dict(opts.sft)
     tool_rate = sft_opts.pop("tool_rate", None)
     sft_cfg = SFTConfig(**{"seed": cfg.seed, **sft_opts})
@@ -122,7 +122,7 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
     else:
         print(f"[1/4] building a tiny model and a character tokenizer in {out / 'model-init'}", flush=True)
         base = tiny.build_tiny_model(out / "model-init", seed=cfg.seed, **model_opts)
-        print(f"[2/4] warm start: {sft_cfg.steps} SFT steps on {domain.env} {domain.options}"
+        print(f"[2/4] warm start: {sft_cfg.steps} SFT steps on {domain.env.name} {domain.env.options}"
               + (f" (the demonstrator calls the tool {100 * tool_rate:.0f}% of the time)" if tool_rate is not None
                  else ""), flush=True)
         stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps),
@@ -173,7 +173,7 @@ def _warm_accuracy(cfg: RunConfig, env) -> float:
     if not is_episodic(env):
         return accuracy(cfg.model, env, n=cfg.eval.size, seed=cfg.seed, max_tokens=cfg.sampling.max_tokens)
     ep = cfg.rollout.episodes
-    stats = episode_accuracy(cfg.model, d.env, dict(d.options), n=cfg.eval.size, seed=cfg.seed,
+    stats = episode_accuracy(cfg.model, d.env.name, dict(d.env.options), n=cfg.eval.size, seed=cfg.seed,
                              max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop),
                              episode_tokens=ep.max_tokens, renderer=ep.renderer.name)
     print(f"      warm start: {stats['tool_calls_per_episode']:.2f} tool calls per episode, tool errors "

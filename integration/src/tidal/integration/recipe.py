@@ -5,15 +5,16 @@
     group_size = 8
     batch_groups = 8
     [[domains]]
-    env = "arithmetic"
-    options = { level = 2 }
+    env = { name = "arithmetic", options = { level = 2 } }
     [learner.train.loss]
     name = "grpo"
 
 The role sections (`rollout`, `buffer`, `learner`) are exactly the configs of those processes
 (`python -m tidal.rollout.worker.process --help` and friends), so a setting has one name everywhere. The
 launcher fills in what must agree between roles: endpoints, model folder, group size, batch size, seeds.
-`tidal run RECIPE.toml learner.backend_options.optim.lr=1e-4` overrides any field by its dotted name.
+`tidal run RECIPE.toml learner.backend.options.optim.lr=1e-4` overrides any field by its dotted name. Every
+plugin choice has the one shape `{ name = "...", options = { ... } }` (older spellings are refused by
+`tidal.integration.old_spellings`, with the new form).
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ from typing import Literal
 import msgspec
 
 from tidal.buffer.config import BufferConfig
-from tidal.core.config import ConfigStruct, PluginRef, load_config
+from tidal.core.config import ConfigStruct, PluginRef, apply_overrides, convert, read_config
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ConfigError
 from tidal.core.plugin_failure import build_failure
 from tidal.core.plugin_options import fit
 from tidal.core.plugins import registry
+from tidal.integration.old_spellings import refuse_old_spellings
 from tidal.learner.config import LearnerConfig
 from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.worker.config import WorkerConfig
 
 
 class DomainConfig(ConfigStruct):
-    env: str = "arithmetic"  # environment plugin name (`tidal plugins env`)
-    options: dict[str, object] = {}  # the environment's factory options, e.g. { level = 2 }
+    # environment plugin (`tidal plugins env`) and its factory options: { name = "arithmetic", options = { level = 2 } }
+    env: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="arithmetic"))
     weight: float = 1.0  # share of training prompts drawn from this domain (normalised over domains)
     # unique within the recipe; "" = the env's name. Group ids, per-domain metrics and evaluation go by
     # it, so one env can appear twice with different options under two names
@@ -157,9 +159,17 @@ def recipes_dir() -> Path:
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
-    cfg = load_config(path, RunConfig, overrides)
+    cfg = read_recipe(path, overrides)
     check(cfg)
     return cfg
+
+
+def read_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The recipe at `path` (None: defaults) with `overrides` applied, decoded but not checked; a plugin
+    choice spelt the old way is refused first, with its new form."""
+    data, source = read_config(path)
+    refuse_old_spellings(data, overrides, source)
+    return convert(apply_overrides(data, overrides), RunConfig, source=source)
 
 
 def _check_domains(cfg: RunConfig) -> None:
@@ -170,13 +180,13 @@ def _check_domains(cfg: RunConfig) -> None:
         raise ConfigError("every domain needs a positive `weight`", field="domains")
     seen: dict[str, int] = {}
     for i, d in enumerate(cfg.domains):
-        name = d.name or d.env
+        name = d.name or d.env.name
         if not _DOMAIN_NAME.fullmatch(name):
             raise ConfigError(f"domains[{i}].name {name!r} must be letters, digits, '_', '-' or '.' "
                               f"(it is part of group ids and metric names)", field=f"domains[{i}].name")
         if name in seen:
             raise ConfigError(f"domains[{i}] and domains[{seen[name]}] are both named {name!r}: give each a "
-                              f"unique `name` (e.g. name = \"{d.env}-2\"); group ids, metrics and evaluation "
+                              f"unique `name` (e.g. name = \"{d.env.name}-2\"); group ids, metrics and evaluation "
                               f"are keyed by it", field=f"domains[{i}].name")
         seen[name] = i
 
@@ -198,13 +208,13 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"sampling.temperature must be > 0 for training samples, got {cfg.sampling.temperature:g}: "
                           f"a greedy sample carries no policy gradient (eval.temperature may be 0)",
                           field="sampling.temperature")
-    lr = cfg.learner.backend_options.optim.lr
+    lr = cfg.learner.backend.options.optim.lr
     if lr < 0:
-        raise ConfigError(f"learner.backend_options.optim.lr must be >= 0, got {lr:g}: a negative learning rate "
-                          f"climbs the loss (typical: 1e-6 to 1e-4)", field="learner.backend_options.optim.lr")
+        raise ConfigError(f"learner.backend.options.optim.lr must be >= 0, got {lr:g}: a negative learning rate "
+                          f"climbs the loss (typical: 1e-6 to 1e-4)", field="learner.backend.options.optim.lr")
     nonnegative: list[tuple[str, float, str]] = [
         ("budget.minutes", cfg.budget.minutes, "no time limit"), ("eval.every", cfg.eval.every, "never evaluate"),
-        ("learner.backend_options.optim.warmup_steps", cfg.learner.backend_options.optim.warmup_steps, "no warmup")]
+        ("learner.backend.options.optim.warmup_steps", cfg.learner.backend.options.optim.warmup_steps, "no warmup")]
     for field, got, zero in nonnegative:
         if got < 0:
             raise ConfigError(f"`{field}` must be >= 0 (0 = {zero}), got {got:g}", field=field)
@@ -264,21 +274,22 @@ def preflight_env(cfg: RunConfig, i: int):
     draws made here must not shift the run's task stream."""
     d = cfg.domains[i]
     try:
-        env = registry.build("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
+        env = registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env")
     except ConfigError as e:
         if "domains[" in str(e):
             raise
         # an error from a plugin the env builds itself (its tools, its parser), which names only its own field
-        raise ConfigError(f"`domains[{i}].options` of env {d.env!r}: {e}", field=f"domains[{i}].options") from e
+        raise ConfigError(f"`domains[{i}].env.options` of env {d.env.name!r}: {e}",
+                          field=f"domains[{i}].env.options") from e
     splits = ("train", "eval") if cfg.eval.every and cfg.eval.size else ("train",)
     for split in splits:
         try:
             first = next(iter(env.tasks(split, cfg.seed + i)), None)
         except Exception as e:
-            raise build_failure("env", d.env, registry.get("env", d.env), e, field=f"domains[{i}]",
+            raise build_failure("env", d.env.name, registry.get("env", d.env.name), e, field=f"domains[{i}].env",
                                 doing=f"make its first {split} task") from e
         if first is None and split == "train":  # an eval stream may be short, even empty; a train one never
-            raise ConfigError(f"domains[{i}]: env {d.env!r} made no train task (its tasks(\"train\", "
+            raise ConfigError(f"domains[{i}]: env {d.env.name!r} made no train task (its tasks(\"train\", "
                               f"{cfg.seed + i}) yielded nothing): a training stream must never end",
                               field=f"domains[{i}]")
     return env
@@ -293,11 +304,11 @@ def check_env(cfg: RunConfig, i: int, env) -> None:
         return
     asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
     if d.reward is not None:
-        raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn: its episodes' outcome is the reward, so "
+        raise ConfigError(f"domains[{i}] ({d.env.name!r}) is multi-turn: its episodes' outcome is the reward, so "
                           f"the reward plugin {d.reward.name!r} would never run; remove domains[{i}].reward",
                           field=f"domains[{i}].reward")
     if asks:
-        raise ConfigError(f"domains[{i}] ({d.env!r}) is multi-turn, and multi-turn samples record no "
+        raise ConfigError(f"domains[{i}] ({d.env.name!r}) is multi-turn, and multi-turn samples record no "
                           f"{' or '.join(asks)} yet: set sampling.{asks[0]} = false, or train this domain "
                           f"in a recipe of its own", field=f"sampling.{asks[0]}")
 
@@ -310,7 +321,7 @@ def check_plugins(cfg: RunConfig) -> None:
     # workers and their environment processes all import them
     register_plugins(cfg.rollout.episodes.plugins)
     for i, d in enumerate(cfg.domains):
-        registry.check("env", d.env, d.options, field=f"domains[{i}]", name_key="env")
+        registry.check("env", d.env.name, d.env.options, field=f"domains[{i}].env")
         if d.reward is not None:
             registry.check("reward", d.reward.name, d.reward.options, field=f"domains[{i}].reward")
     t = cfg.learner.train
@@ -324,16 +335,24 @@ def check_plugins(cfg: RunConfig) -> None:
     for kind, ref, field in refs:
         if ref is not None:
             registry.check(kind, ref.name, ref.options, field=field)
-    registry.check("train_backend", cfg.learner.backend, {}, field="learner", name_key="backend")
-    w = cfg.learner.weights
-    registry.check("weight_transport", w.transport, {}, field="learner.weights", name_key="transport")
-    transport = registry.create("weight_transport", w.transport)
-    fit(w.options, transport.sender_options(), field="learner.weights.options",
-        what=f"weight transport {w.transport!r} (its sender)")
-    for name, options in cfg.rollout.weight_transport.items():
-        registry.check("weight_transport", name, {}, field="rollout.weight_transport", name_key=name)
-        fit(options, registry.create("weight_transport", name).receiver_options(),
-            field=f"rollout.weight_transport.{name}", what=f"weight transport {name!r} (its receiver)")
+    # the backend's options are typed (BackendConfig, checked when decoded); its name is checked here
+    registry.check("train_backend", cfg.learner.backend.name, {}, field="learner.backend")
+    sender = cfg.learner.weights.transport
+    registry.check("weight_transport", sender.name, {}, field="learner.weights.transport")
+    fit(sender.options, registry.create("weight_transport", sender.name).sender_options(),
+        field="learner.weights.transport.options", what=f"weight transport {sender.name!r} (its sender)")
+    for by_name in (cfg.rollout.receiver_options, cfg.rollout.env_options):  # a name listed twice is refused
+        try:
+            by_name()
+        except ConfigError as e:
+            raise ConfigError(f"rollout.{e}", field=f"rollout.{e.field}") from None
+    for i, r in enumerate(cfg.rollout.weight_transport):
+        at = f"rollout.weight_transport[{i}]"
+        registry.check("weight_transport", r.name, {}, field=at)
+        fit(r.options, registry.create("weight_transport", r.name).receiver_options(),
+            field=f"{at}.options", what=f"weight transport {r.name!r} (its receiver)")
+    for i, r in enumerate(cfg.rollout.envs):
+        registry.check("env", r.name, r.options, field=f"rollout.envs[{i}]")
 
 
 def set_by_the_run(cfg: RunConfig):

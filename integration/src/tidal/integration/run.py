@@ -126,12 +126,12 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
                          sec["learner"], ipc_dir))
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
-                       backend=learner.backend, attn=learner.backend_options.attn)
+                       backend=learner.backend.name, attn=learner.backend.options.attn)
     learner_threads, worker_threads = share_threads(os.cpu_count() or 1, cfg.workers, nproc_learner, cfg.launch.threads)
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
              _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
-    domains = {d.name or d.env: DomainSpec(env=d.env, options=dict(d.options), reward=d.reward) for d in cfg.domains}
+    domains = {d.name or d.env.name: DomainSpec(env=d.env, reward=d.reward) for d in cfg.domains}
     for i in range(cfg.workers):
         w = msgspec.structs.replace(
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
@@ -169,14 +169,14 @@ def role_security(cfg: RunConfig, run_dir: Path) -> dict[str, ChannelSecurity]:
 def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None):
     """The learner's weight sender options: the zmq transport's server gets the learner's keys (and, with
     ipc endpoints, an ipc socket beside them unless the recipe names an endpoint)."""
-    if weights.transport != "zmq":
+    if weights.transport.name != "zmq":
         return weights
-    options = dict(weights.options)
+    options = dict(weights.transport.options)
     if sec.enabled:
         options.setdefault("security", msgspec.to_builtins(sec))
     if ipc_dir is not None:
         options.setdefault("endpoint", f"ipc://{ipc_dir}/weights")
-    return msgspec.structs.replace(weights, options=options)
+    return msgspec.structs.replace(weights, transport=msgspec.structs.replace(weights.transport, options=options))
 
 
 def _admission(cfg: RunConfig) -> PluginRef | None:
@@ -188,12 +188,14 @@ def _admission(cfg: RunConfig) -> PluginRef | None:
     return msgspec.structs.replace(a, options={**a.options, "max_lag": cfg.max_staleness})
 
 
-def _receiver_security(transports: dict, sec: ChannelSecurity) -> dict:
-    """A worker's weight receiver options: the zmq receiver trusts the learner's public key."""
+def _receiver_security(transports: list[PluginRef], sec: ChannelSecurity) -> list[PluginRef]:
+    """A worker's weight receiver options: the zmq receiver (listed or not) trusts the learner's public key."""
     if not sec.enabled:
         return transports
-    zmq_options = {"security": msgspec.to_builtins(sec), **transports.get("zmq", {})}
-    return {**transports, "zmq": zmq_options}
+    keys = msgspec.to_builtins(sec)
+    listed = [msgspec.structs.replace(t, options={"security": keys, **t.options}) if t.name == "zmq" else t
+              for t in transports]
+    return listed if any(t.name == "zmq" for t in transports) else [*listed, PluginRef(name="zmq", options={"security": keys})]
 
 
 @contextmanager

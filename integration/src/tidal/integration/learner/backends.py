@@ -245,7 +245,7 @@ class FSDP2Backend(_Backend):
         if ep > 1:
             ep_backend_options(ParallelConfig(ep=ep), self.name, dist.get_world_size())  # the config checks
             if not cfg.moe_blocks:
-                raise ValueError(f"learner.parallel.ep={ep} needs backend_options.moe_blocks = true (expert "
+                raise ValueError(f"learner.parallel.ep={ep} needs learner.backend.options.moe_blocks = true (expert "
                                  "parallelism runs in tidal-moe-fsdp's MoEBlocks)")
             self.mesh = ep_mesh(ep, torch.device(device))
         super().__init__(model, cfg, device)

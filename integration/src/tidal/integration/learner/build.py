@@ -62,16 +62,16 @@ def _build_backend(cfg: LearnerConfig, objective: Objective, rank: int, world: i
     model is loaded: (the backend, the options it was built with (a value head added for a critic), the
     SP group or None)."""
     if cfg.parallel != ParallelConfig():  # refused before the model is loaded
-        check_parallel(cfg.parallel, world=world, config=model_config(cfg.model), backend=cfg.backend,
-                       attn=cfg.backend_options.attn)
+        check_parallel(cfg.parallel, world=world, config=model_config(cfg.model), backend=cfg.backend.name,
+                       attn=cfg.backend.options.attn)
     torch.manual_seed(cfg.seed)
-    options = cfg.backend_options
+    options = cfg.backend.options
     if objective.needs_values and not options.value_head:
         log.info("advantage %r reads a critic's values (PPO): adding a value head", cfg.train.advantage.name)
         options = msgspec.structs.replace(options, value_head=True)
     # ep: the backend splits MoE experts over a (dp, ep) mesh (checked above by check_parallel)
-    backend = registry.create("train_backend", cfg.backend, cfg.model, options, cfg.device,
-                              **ep_backend_options(cfg.parallel, cfg.backend, world))
+    backend = registry.create("train_backend", cfg.backend.name, cfg.model, options, cfg.device,
+                              **ep_backend_options(cfg.parallel, cfg.backend.name, world))
     sp = setup_sequence_parallel(cfg.parallel, backend)  # collective; None when sp = 1
     if sp is not None:
         m = sp.mesh

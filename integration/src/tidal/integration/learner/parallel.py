@@ -80,11 +80,11 @@ def check_sequence_parallel(par: ParallelConfig, *, world: int, config: dict[str
         return 1, 1
     if backend not in SP_BACKENDS:
         raise ConfigError(f"{FIELD}.sp = {sp} runs with the learner backends {list(SP_BACKENDS)}, not {backend!r}",
-                          field="learner.backend")
+                          field="learner.backend.name")
     if attn not in SP_ATTENTION:
         raise ConfigError(f"{FIELD}.sp = {sp} runs attention through tidal-seqpar (\"tidal_sp\": the row split over "
-                          f"the SP ranks); backend_options.attn = {attn!r} cannot attend over a split row: set it to "
-                          f"\"auto\"", field="learner.backend_options.attn")
+                          f"the SP ranks); learner.backend.options.attn = {attn!r} cannot attend over a split row: set it to "
+                          f"\"auto\"", field="learner.backend.options.attn")
     text = config.get("text_config") or config
     q = int(text.get("num_attention_heads") or 0)
     kv = int(text.get("num_key_value_heads") or q)
@@ -316,7 +316,7 @@ def ep_backend_options(parallel: ParallelConfig, backend: str, world: int) -> di
     if ep == 1:
         return {}
     if backend != "fsdp2":
-        raise ValueError(f"learner.parallel.ep={ep} needs learner.backend = \"fsdp2\" (experts sharded over a "
+        raise ValueError(f"learner.parallel.ep={ep} needs learner.backend.name = \"fsdp2\" (experts sharded over a "
                          f"(dp, ep) mesh under FSDP2), not {backend!r}")
     if world % ep:
         raise ValueError(f"learner.parallel.ep={ep} does not divide the learner's {world} ranks (world = dp × ep); "

@@ -1,6 +1,6 @@
 """The learner process: `python -m tidal.integration.learner`, one rank or several.
 
-    python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend="fsdp2" --nproc 2
+    python -m tidal.integration.learner --config learner.toml model="/models/tiny" backend.name="fsdp2" --nproc 2
 
 `--nproc N` starts N ranks under torch.distributed (gloo on CPU, NCCL on GPU) on this machine; each builds
 its `Learner` (build.py) and runs tidal-learner's `loop.run`. SIGTERM and SIGINT stop it at the next step, with the
@@ -19,9 +19,10 @@ import sys
 
 import torch.distributed as dist
 
-from tidal.core.config import load_config
+from tidal.core.config import load_config, read_config
 from tidal.core.process import role_main, setup_role_process
 from tidal.integration.learner.build import build_learner
+from tidal.integration.old_spellings import refuse_old_spellings
 from tidal.learner import loop
 from tidal.learner.config import LearnerConfig
 
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="tidal-learner",
         description="Run the Tidal learner: batches from the buffer, a policy-gradient step per batch, "
                     "weights published to the generators.",
-        epilog="Overrides use dotted TOML syntax, e.g. model=\"/models/tiny\" backend=\"fsdp2\" "
-               "train.loss.name=\"gspo\" backend_options.optim.lr=1e-6 weights.transport=\"shm\"",
+        epilog="Overrides use dotted TOML syntax, e.g. model=\"/models/tiny\" backend.name=\"fsdp2\" "
+               "train.loss.name=\"gspo\" backend.options.optim.lr=1e-6 weights.transport.name=\"shm\"",
     )
     ap.add_argument("--config", help="TOML file with learner settings")
     ap.add_argument("--nproc", type=int, default=1, help="ranks to start on this machine (torch.distributed)")
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                 and not (i > 0 and raw[i - 1] == "--nproc")]
         return _spawn(args.nproc, rest)
     setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
+    # the learner's own settings are the recipe's [learner] section: its old spellings get the same message
+    raw, source = read_config(args.config)
+    refuse_old_spellings({"learner": raw}, [f"learner.{o}" for o in args.overrides], source)
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo")

@@ -108,7 +108,7 @@ class Trainer:
         self._warned_steps = False
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError(f"advantage {cfg.advantage.name!r} reads a critic's values: set "
-                             f"backend_options.value_head = true")
+                             f"learner.backend.options.value_head = true")
         # called just before the optimizer changes the parameters (the learner waits there for a
         # background weight send that still reads them)
         self.before_update: Callable[[], None] | None = None

@@ -81,6 +81,29 @@ def convert(data: Mapping[str, Any], typ: type[T], *, source: str = "config") ->
         raise _config_error(str(e), typ, source) from None
 
 
+def read_config(path: str | os.PathLike[str] | None) -> tuple[dict[str, Any], str]:
+    """The raw nested dict of the TOML (or JSON, for a `.json` path) at `path` (None: empty), and the name
+    errors give its source; for a caller that inspects it before `apply_overrides` and `convert`."""
+    if path is None:
+        return {}, "defaults"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    if p.suffix == ".json":  # what launchers write for the roles they start
+        try:
+            data = msgspec.json.decode(p.read_bytes())
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p} holds a JSON {type(data).__name__}, not an object of settings")
+    else:
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    return data, str(p)
+
+
 def load_config(
     path: str | os.PathLike[str] | None,
     typ: type[T],
@@ -88,25 +111,7 @@ def load_config(
 ) -> T:
     """Read TOML (or JSON, for a `.json` path) at `path` (None: defaults only), apply overrides, and
     convert to `typ`."""
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        if p.suffix == ".json":  # what launchers write for the roles they start
-            try:
-                data = msgspec.json.decode(p.read_bytes())
-            except msgspec.DecodeError as e:
-                raise ConfigError(f"{p} is not valid JSON: {e}") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{p} holds a JSON {type(data).__name__}, not an object of settings")
-        else:
-            try:
-                data = tomllib.loads(p.read_text())
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{p} is not valid TOML: {e}") from None
-        source = str(p)
+    data, source = read_config(path)
     apply_overrides(data, overrides)
     return convert(data, typ, source=source)
 
@@ -192,4 +197,5 @@ def _struct_of(typ: Any) -> type[msgspec.Struct] | None:
     return None
 
 
-__all__ = ["ConfigStruct", "apply_overrides", "convert", "load_config", "parse_override", "to_dict"]
+__all__ = ["ConfigStruct", "PluginRef", "apply_overrides", "convert", "load_config", "parse_override", "read_config",
+           "to_dict"]

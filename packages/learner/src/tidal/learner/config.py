@@ -47,6 +47,15 @@ class BackendConfig(ConfigStruct):
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
+class BackendChoice(ConfigStruct):
+    """The train_backend plugin, in the shape of every plugin choice (`tidal.core.config.PluginRef`) but with
+    typed options, so a misspelt one is refused by field: backend = { name = "fsdp2", options = { dtype =
+    "bfloat16", optim = { lr = 1e-5 } } }; overridden as learner.backend.options.optim.lr=1e-4."""
+
+    name: str = "single"  # train_backend plugin: single, fsdp2, ... (`tidal plugins train_backend`)
+    options: BackendConfig = msgspec.field(default_factory=BackendConfig)
+
+
 class TrainConfig(ConfigStruct):
     loss: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="ppo"))
     advantage: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="grpo"))
@@ -70,8 +79,9 @@ class MoEOptions(ConfigStruct):
 
 
 class WeightsConfig(ConfigStruct):
-    transport: str = "zmq"  # weight transport plugin: zmq, shm, fs, torch_dist, ...
-    options: dict[str, object] = {}  # WeightSender options (bucket_bytes, delta, endpoint, ...)
+    # weight transport plugin (zmq, shm, fs, torch_dist, ...) and its WeightSender options (bucket_bytes,
+    # delta, endpoint, ...): transport = { name = "shm", options = { delta = true } }
+    transport: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="zmq"))
     every: int = 1  # publish after every N steps; 0 = never
     final_wait_s: float = 30.0  # at exit, keep serving the last version until a generator reports it (zmq, shm)
     reannounce_s: float = 2.0  # re-announce the latest version this often, for generators that (re)joined late
@@ -80,8 +90,8 @@ class WeightsConfig(ConfigStruct):
 class LearnerConfig(ConfigStruct):
     model: str = ""  # local Hugging Face folder to start from
     reference_model: str = ""  # frozen reference for a KL penalty / distillation; "" = the starting model
-    backend: str = "single"  # train_backend plugin: single, fsdp2, ...
-    backend_options: BackendConfig = msgspec.field(default_factory=BackendConfig)
+    # train_backend plugin and its typed options: { name = "fsdp2", options = { dtype = "bfloat16" } }
+    backend: BackendChoice = msgspec.field(default_factory=BackendChoice)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     buffer: str = "tcp://127.0.0.1:5602"  # buffer ROUTER (batch requests, acks)
     # where batches come from: "buffer" (the run's buffer, at `buffer`), or "replay" with

@@ -43,7 +43,7 @@ class Publisher:
         if wait_for_subscriber_s > 0 and not self.pub.wait_for_subscriber(TOPIC_METRICS, wait_for_subscriber_s):
             log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", endpoint, wait_for_subscriber_s)
         self._lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
-        self.sender = registry.create("weight_transport", weights.transport).sender(dict(weights.options)) \
+        self.sender = registry.create("weight_transport", weights.transport.name).sender(dict(weights.transport.options)) \
             if weights.every > 0 else None
         self._announced: WeightsAvailable | None = None  # the latest, re-published every reannounce_s
         self._sending: Future | None = None

@@ -462,7 +462,7 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any]
                     engine: Any, tokenizer: Any) -> MultiTurn:
     """A rollout worker's multi-turn driver: its environment processes started (every domain it may be
     asked for: `domains` (DomainSpec) and `envs`), its renderer built per sample, checked once."""
-    specs = {name: {"env": spec.env, "options": dict(spec.options)} for name, spec in domains.items()}
+    specs = {name: {"env": spec.env.name, "options": dict(spec.env.options)} for name, spec in domains.items()}
     specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
     pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
                    name=f"{worker}-env", log_dir=cfg.log_dir or None, start_timeout_s=cfg.start_timeout_s,

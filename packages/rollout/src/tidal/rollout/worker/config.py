@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.errors import ConfigError
 from tidal.core.protocol import TOPIC_WEIGHTS
 from tidal.core.security import ChannelSecurity
 from tidal.rollout.episodes.multiturn import EpisodesConfig
@@ -17,8 +18,7 @@ from tidal.rollout.worker.transcripts import TranscriptsConfig
 class DomainSpec(ConfigStruct):
     """What scores one recipe domain's samples (`Assignment.task` names the domain)."""
 
-    env: str  # environment plugin name (`tidal plugins env`)
-    options: dict[str, Any] = {}  # its factory options
+    env: PluginRef  # environment plugin and its factory options: { name = "arithmetic", options = { level = 2 } }
     reward: PluginRef | None = None  # a reward plugin that scores instead of the env's `score` (`tidal plugins reward`)
 
 
@@ -32,10 +32,13 @@ class WorkerConfig(ConfigStruct):
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
     # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
-    # that name, with options from `envs`
+    # that name, with its options from `envs`
     domains: dict[str, DomainSpec] = {}
-    envs: dict[str, dict[str, Any]] = {}  # environment name -> factory options (tasks not in `domains`)
-    weight_transport: dict[str, dict[str, Any]] = {}  # transport name -> receiver options
+    # factory options of environments named by tasks not in `domains`: [{ name = "countdown", options = {...} }]
+    envs: list[PluginRef] = []
+    # receiver options per weight transport, e.g. [{ name = "zmq", options = { timeout = 60.0 } }]; a
+    # transport not listed receives with its defaults (the learner's announcement names the transport)
+    weight_transport: list[PluginRef] = []
     max_groups: int = 4  # prompt groups held at once (generating + awaiting buffer acks)
     heartbeat_interval_s: float = 1.0
     metrics_interval_s: float = 5.0
@@ -56,6 +59,23 @@ class WorkerConfig(ConfigStruct):
     # (audits and fault tests: the producer's own record of what the buffer promised to keep);
     # "{name}" is replaced by the worker's name; "" = no record
     acked_log: str = ""
+
+    def receiver_options(self) -> dict[str, dict[str, Any]]:
+        """`weight_transport` by name (what the engines' receivers take); a name listed twice is refused."""
+        return _by_name(self.weight_transport, "weight_transport")
+
+    def env_options(self) -> dict[str, dict[str, Any]]:
+        """`envs` by name; a name listed twice is refused."""
+        return _by_name(self.envs, "envs")
+
+
+def _by_name(refs: list[PluginRef], field: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for i, ref in enumerate(refs):
+        if ref.name in out:
+            raise ConfigError(f"{field}[{i}] names {ref.name!r} again: list each once", field=f"{field}[{i}].name")
+        out[ref.name] = dict(ref.options)
+    return out
 
 
 __all__ = ["DomainSpec", "WorkerConfig"]

@@ -117,7 +117,7 @@ class RolloutWorker:
         if engine is None:
             if not cfg.model:
                 raise ValueError("the rollout worker needs `model` (a local Hugging Face folder)")
-            options = {"weight_transport_options": cfg.weight_transport, **cfg.engine.options}
+            options = {"weight_transport_options": cfg.receiver_options(), **cfg.engine.options}
             engine = registry.build("engine", cfg.engine.name, options, cfg.model, field="engine")
         self.engine = engine
         if cfg.episodes.plugins:  # local plugin modules: this process builds their envs too (is it episodic?)
@@ -290,7 +290,7 @@ class RolloutWorker:
 
     def _multiturn(self) -> MultiTurn:
         if self.multiturn is None:
-            self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.cfg.envs,
+            self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.cfg.env_options(),
                                              self.engine, self.tokenizer)
         return self.multiturn
 

@@ -36,9 +36,9 @@ class Domains:
         if name not in self._envs:
             spec = self.cfg.domains.get(name)
             if spec is not None:
-                self._envs[name] = registry.build("env", spec.env, spec.options, field=f"domains.{name}", name_key="env")
+                self._envs[name] = registry.build("env", spec.env.name, spec.env.options, field=f"domains.{name}.env")
             else:
-                self._envs[name] = registry.build("env", name, self.cfg.envs.get(name, {}), field=f"envs.{name}")
+                self._envs[name] = registry.build("env", name, self.cfg.env_options().get(name, {}), field=f"envs.{name}")
         return self._envs[name]
 
     def scorer(self, name: str) -> Any:
