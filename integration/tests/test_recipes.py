@@ -88,7 +88,7 @@ def test_the_wheel_ships_the_recipes_and_the_demo_reads_them_there(tmp_path):
     assert shipped == [p.name for p in RECIPES]
     code = ("from pathlib import Path; from tidal.integration.demo import demo_config; "
             "from tidal.integration.recipe import recipes_dir; "
-            "print(recipes_dir()); print(demo_config(Path('out'), [], 'tools')[0].domains[0].env)")
+            "print(recipes_dir()); print(demo_config(Path('out'), [], 'tools')[0].domains[0].env.name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
     assert out.returncode == 0, out.stderr
