@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return _spawn(args.nproc, rest)
     setup_role_process(args.log_level)  # `kill -USR1 PID` writes every thread's stack to the log
     # the learner's own settings are the recipe's [learner] section: its old spellings get the same message
-    raw, source = read_config(args.config)
-    refuse_old_spellings({"learner": raw}, [f"learner.{o}" for o in args.overrides], source)
+    settings, source = read_config(args.config)
+    refuse_old_spellings({"learner": settings}, [f"learner.{o}" for o in args.overrides], source)
     cfg = load_config(args.config, LearnerConfig, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _init_distributed("nccl" if cfg.device.startswith("cuda") else "gloo")

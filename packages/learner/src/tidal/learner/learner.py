@@ -147,7 +147,7 @@ class Learner:
         if self.sp is not None and not self.sp.leader:
             return FollowerSource()
         if cfg.source.name == "replay":
-            return ReplaySource(replay_path(cfg), self.dp_rank, self.dp, prepare, self.trained)
+            return ReplaySource(replay_path(cfg), self.dp_rank, self.dp, prepare, done=self.step)
         if cfg.source.name != "buffer" or connect is None:
             known = '"buffer" and "replay"' if connect is not None else '"replay" (no buffer client was given)'
             raise ConfigError(f"learner.source: no batch source {cfg.source.name!r}; the sources are {known} "

@@ -214,12 +214,12 @@ def read_recording(path: Path) -> Iterable[Batch]:
 
 
 class ReplaySource:
-    """The batches recorded by an earlier learner, in order, this rank's file; batches `trained` (a
-    resumed checkpoint's) are skipped, and a batch recorded twice (served again after the recording
-    learner was killed between checkpoints) is trained once. Exhausted, `next` returns None: the learner
-    stops as if asked to."""
+    """The batches recorded by an earlier learner, in order, this rank's file. A batch recorded twice
+    (served again after the recording learner was killed between checkpoints) is trained once, and the
+    first `done` batches (the steps of the checkpoint resumed from) are skipped. Exhausted, `next` returns
+    None: the learner stops as if asked to."""
 
-    def __init__(self, folder: str | Path, dp_rank: int, dp: int, prepare: Prepare, trained: Iterable[str] = ()) -> None:
+    def __init__(self, folder: str | Path, dp_rank: int, dp: int, prepare: Prepare, done: int = 0) -> None:
         path = recording_file(folder, dp_rank)
         if not path.is_file():
             have = sorted(p.name for p in Path(folder).glob("batches-*.msgpack")) if Path(folder).is_dir() else []
@@ -227,15 +227,18 @@ class ReplaySource:
                               f" (found: {', '.join(have) or 'nothing'}); record one with learner.record_batches, and"
                               f" replay it with as many data-parallel ranks as recorded it", field="learner.source")
         self.path, self.prepare = path, prepare
-        self._skip = set(trained)
+        self._seen: set[str] = set()
+        self._done = done
         self.prefetching = False
         self._batches = iter(read_recording(path))
         self.served = 0
 
     def next(self, version: int) -> Fetched | None:
         for batch in self._batches:
-            if batch.batch_id not in self._skip:
-                self._skip.add(batch.batch_id)
+            if batch.batch_id in self._seen:
+                continue
+            self._seen.add(batch.batch_id)
+            if len(self._seen) > self._done:
                 self.served += 1
                 return Fetched(batch, self.prepare(batch, False), time.time())
         log.info("replay of %s finished after %d batches", self.path, self.served)
