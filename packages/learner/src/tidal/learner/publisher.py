@@ -95,7 +95,7 @@ class Publisher:
     def _wait_for_last_version(self) -> None:
         """Give the generators `final_wait_s` to fetch the last version, ending early once one reports it."""
         sender = self.sender
-        if sender is None or self.cfg.transport not in ("zmq", "shm") or sender.version < 0:
+        if sender is None or self.cfg.transport.name not in ("zmq", "shm") or sender.version < 0:
             return
         deadline = time.monotonic() + self.cfg.final_wait_s
         while time.monotonic() < deadline and not sender.reports(sender.version):
