@@ -33,29 +33,9 @@ def _check(data: dict[str, Any], source: str) -> None:
 def _old(data: dict[str, Any]):
     """(field, message) for each old spelling in `data`."""
     learner = _section(data, "learner")
-    backend = learner.get("backend")
-    name = backend if isinstance(backend, str) else "single"
-    if "backend_options" in learner:
-        yield ("learner.backend_options",
-               f"learner.backend_options is gone: write learner.backend = {{ name = \"{name}\", options = "
-               f"{{ ... }} }} (the options moved under learner.backend.options, e.g. "
-               f"learner.backend.options.optim.lr=1e-5)")
-    if isinstance(backend, str):
-        yield ("learner.backend",
-               f"learner.backend = \"{backend}\" is the old form: write learner.backend = {{ name = \"{backend}\", "
-               f"options = {{ ... }} }} (as an override: learner.backend.name=\"{backend}\")")
-    weights = _section(learner, "weights")
-    transport = weights.get("transport")
-    name = transport if isinstance(transport, str) else "zmq"
-    if "options" in weights:
-        yield ("learner.weights.options",
-               f"learner.weights.options is gone: write learner.weights.transport = {{ name = \"{name}\", "
-               f"options = {{ ... }} }} (the options moved under learner.weights.transport.options)")
-    if isinstance(transport, str):
-        yield ("learner.weights.transport",
-               f"learner.weights.transport = \"{transport}\" is the old form: write learner.weights.transport = "
-               f"{{ name = \"{transport}\", options = {{ ... }} }} (as an override: "
-               f"learner.weights.transport.name=\"{transport}\")")
+    yield from _moved(learner, "backend", "backend_options", "single", "learner.backend",
+                      ", e.g. learner.backend.options.optim.lr=1e-5")
+    yield from _moved(_section(learner, "weights"), "transport", "options", "zmq", "learner.weights.transport", "")
     rollout = _section(data, "rollout")
     for key, what, example in (("weight_transport", "transport", "zmq"), ("envs", "environment", "countdown")):
         table = rollout.get(key)
@@ -70,6 +50,20 @@ def _old(data: dict[str, Any]):
     for i, d in enumerate(domains if isinstance(domains, list) else []):
         if isinstance(d, dict):
             yield from _old_env(d, f"domains[{i}]")
+
+
+def _moved(section: dict[str, Any], key: str, options_key: str, default: str, field: str, example: str):
+    """A plugin named by a bare string at `key` and/or with its options in a sibling `options_key`."""
+    value = section.get(key)
+    name = value if isinstance(value, str) else default
+    at = field.rsplit(".", 1)[0]
+    if options_key in section:
+        yield (f"{at}.{options_key}",
+               f"{at}.{options_key} is gone: write {field} = {{ name = \"{name}\", options = {{ ... }} }} (the "
+               f"options moved under {field}.options{example})")
+    if isinstance(value, str):
+        yield (field, f"{field} = \"{value}\" is the old form: write {field} = {{ name = \"{value}\", options = "
+                      f"{{ ... }} }} (as an override: {field}.name=\"{value}\")")
 
 
 def _old_env(domain: dict[str, Any], at: str):

@@ -578,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a Tidal rollout worker: prompt assignments from the controller, generation with the "
                     "configured engine, rewards from the named environment, trajectories to the buffer.",
         epilog="Overrides use dotted TOML syntax, e.g. name=\"rollout-1\" model=\"/models/tiny\" "
-               "engine.name=\"vllm\" engine.options.max_num_seqs=32 envs.arithmetic.level=2",
+               "engine.name=\"vllm\" engine.options.max_num_seqs=32 "
+               "envs='[{name=\"arithmetic\", options={level=2}}]'",
     )
     ap.add_argument("--config", help="TOML file with worker settings (defaults otherwise)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")
