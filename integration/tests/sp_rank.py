@@ -2,7 +2,7 @@
 over the data-parallel ranks (the SP groups) (GRPO groups of
 samples sharing a prompt, several sequences per packed row, several rows, half the samples drawn at
 temperature 0.7 / top-k 40), under `learner.parallel` as given. Rank 0 writes the step's loss and the
-full gradients, reduced as the optimizer sees them (safetensors)."""
+full gradients, reduced as the optimizer sees them (safetensors). The loss carries an entropy bonus."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def one_step(model: str, micro: int, backend: str, sp: int, sp_mode: str, loss: 
     torch.manual_seed(0)
     be = registry.create("train_backend", backend, model, BackendConfig(value_head=advantage == "gae"))
     par = setup_sequence_parallel(ParallelConfig(sp=sp, sp_mode=sp_mode), be)
-    trainer = Trainer(be, TrainConfig(micro_batch_tokens=micro, loss=PluginRef(name=loss),
+    # an entropy bonus: its gradient crosses the SP gather too, on top-k-truncated distributions
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=micro, loss=PluginRef(name=loss, options={"entropy_coef": 0.05}),
                                       advantage=PluginRef(name=advantage)), sp=par)
     grads: dict[str, torch.Tensor] = {}
 

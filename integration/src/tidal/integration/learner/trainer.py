@@ -71,6 +71,16 @@ class Objective:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTotals:
+    """What one step's loss is normalised by, over all data-parallel shares (see `Trainer._totals`)."""
+
+    tokens: float  # trained tokens
+    seqs: float  # sequences with a trained token
+    rows: float  # sequences
+    norm_length: float | None  # seq-mean-token-sum-norm's length (None: another aggregation)
+
+
+@dataclass(frozen=True, slots=True)
 class Prepared:
     """A batch made ready for `Trainer.step` (see `Trainer.prepare`): its samples, micro-batches and,
     without a critic, per-sample advantages and returns."""
@@ -121,6 +131,8 @@ class Trainer:
                      "needs tidal_varlen's shared-prefix layout, which a row split over ranks does not have)")
         self.loss_fn = objective.loss
         self.agg = cfg.loss.options.get("agg", _default_agg(self.loss_fn))
+        # Dr.GRPO's constant length for the policy and value losses: the recipe's, else the step's (`_totals`)
+        self.length_normalised = self.agg == "seq-mean-token-sum-norm" and _takes(self.loss_fn, "norm_length")
         self._value_loss = registry.create(
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self._warned: set[str] = set()
@@ -273,10 +285,7 @@ class Trainer:
         prepared = samples if isinstance(samples, Prepared) else self.prepare(samples)
         samples, micros = prepared.samples, prepared.micros
         be = self.backend
-        tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
-        seqs = float(sum(1 for s in samples if s.loss_mask.any()))
-        sp = self.sp.size if self.sp is not None else 1  # the ranks of an SP group hold the same samples
-        g_tokens, g_seqs = (x / sp for x in self._global([tokens, seqs]))
+        totals = self._totals(samples)
         world = dist.get_world_size() if dist.is_initialized() else 1
         # every rank must run the same number of forwards under FSDP (collectives in each)
         n_micro = int(max(self._global_max(len(micros)), 1))
@@ -305,7 +314,7 @@ class Trainer:
                 if routes is not None and self.routing_replay:  # every token to its sampler's experts
                     replaying.enter_context(replay_routing(be._module(), routes))
                 self._forward_backward(micro, shard, routes, samples, adv, returns, old_values, sums,
-                                       g_tokens=g_tokens, g_seqs=g_seqs, world=world, n_micros=len(micros),
+                                       totals=totals, world=world, n_micros=len(micros),
                                        last=k == n_micro - 1)
         # under sequence parallelism every rank of an SP group adds the same (whole micro-batch) metrics:
         # _forward_backward scales them by the number of SP groups (dp), not of ranks
@@ -315,14 +324,14 @@ class Trainer:
         if self.before_update is not None:
             self.before_update()
         metrics.update(be.clip_and_step())
-        metrics["train/tokens"] = g_tokens
-        metrics["train/sequences"] = g_seqs
+        metrics["train/tokens"] = totals.tokens
+        metrics["train/sequences"] = totals.seqs
         metrics["train/micro_batches"] = float(n_micro)
         return metrics
 
     def _forward_backward(self, micro: Any, shard: Shard | None, routes: torch.Tensor | None,
                           samples: Sequence[Sample], adv: list, returns: list | None, old_values: list | None,
-                          sums: dict[str, float], *, g_tokens: float, g_seqs: float, world: int, n_micros: int,
+                          sums: dict[str, float], *, totals: StepTotals, world: int, n_micros: int,
                           last: bool) -> None:
         """One micro-batch: forward, logprobs as sampled, corrections, loss, backward (its gradient scaled
         to its share of the whole step's batch); its metrics are added to `sums`. With a `shard` (sequence
@@ -333,14 +342,13 @@ class Trainer:
         # metrics are sums over the ranks of each data-parallel share (an SP group adds the same ones sp times)
         dp = world // (shard.mesh.size if shard is not None else 1)
         inputs, lp = self._loss_inputs(micro, [samples[i] for i in micro.index], lp, ent, adv, dev, sums,
-                                       g_tokens=g_tokens, dp=dp)
+                                       g_tokens=totals.tokens, dp=dp)
         if self.reference is not None:
             self._add_reference(inputs, micro, local, shard, lp)
         if self.correction is not None:
             self._add_correction(inputs, sums, n_micros)
-        loss, out = self._loss(inputs, micro, values, returns, old_values, dev)
-        self._backward(loss, out.metrics, inputs, sums, g_tokens=g_tokens, g_seqs=g_seqs, dp=dp, world=world,
-                       last=last)
+        loss, out = self._loss(inputs, micro, values, returns, old_values, dev, totals)
+        self._backward(loss, out.metrics, inputs, sums, totals=totals, dp=dp, world=world, last=last)
 
     def _policy_logprobs(self, local: Any, shard: Shard | None, routes: torch.Tensor | None,
                          sums: dict[str, float], n_micros: int
@@ -354,9 +362,9 @@ class Trainer:
             self._routing_metrics(routes, local, sums, n_micros)
         if shard is not None:
             if values is None:
-                lp, ent = shard.gather(lp, ent.detach())
+                lp, ent = shard.gather(lp, ent)
             else:
-                lp, ent, values = shard.gather(lp, ent.detach(), values)
+                lp, ent, values = shard.gather(lp, ent, values)
         return lp, ent, values, logits.device
 
     def _loss_inputs(self, micro: Any, ss: list[Sample], lp: torch.Tensor, ent: torch.Tensor, adv: list,
@@ -382,7 +390,8 @@ class Trainer:
             behaviour_logprobs=micro.padded(behaviour),
             advantages=micro.padded(torch.cat([adv[i] for i in micro.index]).to(dev)),
             mask=micro.padded(trained, False).bool(),
-            entropy=micro.padded(ent.detach()) if ent is not None else None,
+            # with its gradient: a loss's entropy bonus (entropy_coef) acts through it
+            entropy=micro.padded(ent),
         )
         return inputs, lp
 
@@ -421,9 +430,11 @@ class Trainer:
             sums[f"staleness/{name}"] += float(v) / n_micros
 
     def _loss(self, inputs: dict[str, Any], micro: Any, values: torch.Tensor | None, returns: list | None,
-              old_values: list | None, dev: torch.device) -> tuple[torch.Tensor, Any]:
+              old_values: list | None, dev: torch.device, totals: StepTotals) -> tuple[torch.Tensor, Any]:
         """The policy loss (plus the critic's value loss in PPO mode) and its outputs."""
-        out = self.loss_fn(LossInputs(**inputs))
+        # the step's length constant (see `_totals`), not each micro-batch's own padded width
+        extra = {"norm_length": totals.norm_length} if totals.norm_length is not None else {}
+        out = self.loss_fn(LossInputs(**inputs), **extra)
         loss = out.loss
         if self.critic:
             assert values is not None and returns is not None and old_values is not None
@@ -433,14 +444,15 @@ class Trainer:
                 values=micro.padded(values),
                 old_values=micro.padded(torch.cat([old_values[i] for i in micro.index]).to(dev)),
                 returns=micro.padded(torch.cat([returns[i] for i in micro.index]).to(dev)))
-            vout = self._value_loss(vin)
+            vout = self._value_loss(vin, **extra)
             loss = loss + self.cfg.value_coef * vout.loss
             out.metrics["loss/value"] = vout.loss.detach()
         return loss, out
 
     def _backward(self, loss: torch.Tensor, loss_metrics: dict[str, Any], inputs: dict[str, Any],
-                  sums: dict[str, float], *, g_tokens: float, g_seqs: float, dp: int, world: int, last: bool) -> None:
+                  sums: dict[str, float], *, totals: StepTotals, dp: int, world: int, last: bool) -> None:
         """Backward of `loss` scaled to the micro-batch's share of the step; its metrics added to `sums`."""
+        g_tokens = totals.tokens
         # sampler-vs-learner mismatch (k3 estimate of KL(sampler || learner) over trained tokens)
         log_ratio = (inputs["logprobs"].detach() - inputs["behaviour_logprobs"]).clamp(-20, 20)
         k3 = (log_ratio.exp() - 1 - log_ratio) * inputs["mask"]
@@ -448,16 +460,36 @@ class Trainer:
         if "ref_logprobs" in inputs:
             kl = ((inputs["logprobs"].detach() - inputs["ref_logprobs"]) * inputs["mask"]).sum()
             sums["kl/reference"] += float(kl) / max(g_tokens, 1) * dp
-        m_tokens = float(inputs["mask"].sum())
-        m_seqs = float(inputs["mask"].any(-1).sum())
-        share = (m_tokens / max(g_tokens, 1)) if self.agg == "token-mean" else (m_seqs / max(g_seqs, 1))
+        share = self._share(inputs["mask"], totals)
         # FSDP averages gradients over ranks: undo it so the step's gradient is the global sum's (under
         # sequence parallelism the SP ranks' gradients sum to their micro-batch's, then the same holds)
         self.backend.backward(loss * share * world, last=last)
         sums["loss/total"] += float(loss.detach()) * share * dp
         for name, v in loss_metrics.items():
             sums[name] += float(v) * share * dp
-        sums["train/entropy"] += float((inputs["entropy"] * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
+        sums["train/entropy"] += float((inputs["entropy"].detach() * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
+
+    def _totals(self, samples: Sequence[Sample]) -> StepTotals:
+        """The whole step's trained tokens, sequences and rows over every data-parallel share, and the
+        length constant of `seq-mean-token-sum-norm` when the recipe leaves it to the learner: the step's
+        longest completion, so that the loss does not depend on how the batch was packed."""
+        tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
+        seqs = float(sum(1 for s in samples if s.loss_mask.any()))
+        sp = self.sp.size if self.sp is not None else 1  # the ranks of an SP group hold the same samples
+        g_tokens, g_seqs, g_rows = (x / sp for x in self._global([tokens, seqs, float(len(samples))]))
+        norm_length = self.cfg.loss.options.get("norm_length") if self.length_normalised else None
+        if self.length_normalised and norm_length is None:
+            norm_length = max(self._global_max(max((len(s.completion) for s in samples), default=0)), 1.0)
+        return StepTotals(g_tokens, g_seqs, g_rows, norm_length)
+
+    def _share(self, mask: torch.Tensor, totals: StepTotals) -> float:
+        """A micro-batch's share of the step, as its loss aggregates: its trained tokens (token-mean), its
+        rows (seq-mean-token-sum-norm: a sum over B x L), else its sequences with a trained token."""
+        if self.agg == "token-mean":
+            return float(mask.sum()) / max(totals.tokens, 1)
+        if self.agg == "seq-mean-token-sum-norm":
+            return mask.shape[0] / max(totals.rows, 1)
+        return float(mask.any(-1).sum()) / max(totals.seqs, 1)
 
     def _global_dict(self, values: dict[str, float]) -> dict[str, float]:
         """Sum metric dicts over ranks; a rank with no data this step contributes no keys (so the key
@@ -487,3 +519,11 @@ def _default_agg(loss_fn: Any) -> str:
     fn = getattr(loss_fn, "func", loss_fn)
     param = inspect.signature(fn).parameters.get("agg")
     return param.default if param is not None else "token-mean"
+
+
+def _takes(loss_fn: Any, option: str) -> bool:
+    """Whether the loss (a partial of a function, or any callable) takes `option` as a keyword."""
+    try:
+        return option in inspect.signature(getattr(loss_fn, "func", loss_fn)).parameters
+    except (TypeError, ValueError):
+        return False

@@ -46,6 +46,9 @@ class GroupEstimator:
     def __init__(self, kind: str, eps: float = 1e-6, unbiased_std: bool = True) -> None:
         if kind not in ("grpo", "dr_grpo", "rloo", "opo"):
             raise ValueError(f"unknown group estimator {kind!r}")
+        if kind != "grpo" and (eps != 1e-6 or not unbiased_std):
+            raise ValueError(f"{kind} does not divide by the group's std: eps and unbiased_std (GRPO's) would "
+                             f"change nothing; leave them out")
         self.kind, self.eps, self.unbiased_std = kind, eps, unbiased_std
 
     def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidal.algos.filters import LengthFilter, ZeroVarianceFilter
+from tidal.core.plugin_options import NONZERO, NoOptions
 from tidal.core.plugins import declare, hookimpl
 
 
@@ -30,7 +31,14 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
         return loss
 
     make.__doc__ = f"Build tidal.algos.losses.{name} with fixed options."
-    return declare(make, signature=f"tidal.algos.losses:{name}", skip=("inputs",))
+    return declare(make, signature=f"tidal.algos.losses:{name}", skip=("inputs",), acts_with=LOSS_ACTS_WITH)
+
+
+# where a loss option changes nothing, so that a recipe setting it there is refused (not ignored)
+LOSS_ACTS_WITH = {
+    "norm_length": {"agg": "seq-mean-token-sum-norm"},  # the only aggregation that divides by a length
+    "kl_estimator": {"kl_coef": NONZERO},  # estimates the KL term, which kl_coef = 0 leaves out
+}
 
 
 # estimator name -> (class in tidal.algos.estimators, whether the class takes the name as its `kind`)
@@ -39,6 +47,10 @@ ESTIMATORS: dict[str, tuple[str, bool]] = {
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
     "grpo_process": ("ProcessEstimator", False),
 }
+
+
+# group estimators whose baseline has no options (GroupEstimator's eps and unbiased_std are GRPO's std's)
+NO_OPTIONS = ("dr_grpo", "rloo", "opo")
 
 
 def _estimator_factory(name: str) -> Callable[..., Any]:
@@ -51,6 +63,8 @@ def _estimator_factory(name: str) -> Callable[..., Any]:
         return cls(name, **options) if takes_kind else cls(**options)
 
     make.__doc__ = f"tidal.algos.estimators.{cls_name}" + (f"({name!r})" if takes_kind else "")
+    if name in NO_OPTIONS:
+        return declare(make, options=NoOptions)
     return declare(make, signature=f"tidal.algos.estimators:{cls_name}", skip=("kind",))
 
 

@@ -10,6 +10,12 @@ A factory says what it takes in one of three ways, tried in this order:
   ``**options`` and declares nothing is *unchecked*: its options reach it as they are, and `tidal plugins`
   says so.
 
+An option that changes nothing in some settings says so, so that a recipe setting it there is refused
+rather than silently ignored, and so that tests can check every other option acts (issue 40):
+``acts_with={"norm_length": {"agg": "seq-mean-token-sum-norm"}}`` (it acts only when those options have
+those values; `NONZERO` for "set to anything but 0, None or False"); ``metric_only=("eps",)`` for an
+option that changes only what is logged, never the result.
+
 Parameters that the framework passes positionally (an engine's model folder, a train backend's model,
 config and device) are not options; `FRAMEWORK_ARGS` names them per kind.
 
@@ -44,23 +50,52 @@ class NoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The options of a plugin that takes none."""
 
 
+NONZERO = "<nonzero>"  # an `acts_with` condition: the option is set to anything but 0, None or False
+
+
 class Declared(msgspec.Struct, frozen=True):
     options: type | None = None  # a Struct type
     signature: str = ""  # "module:attr" whose keyword parameters are the options
     skip: tuple[str, ...] = ()  # parameters of that signature that are not user options
+    # option -> {other option: the value it needs (or NONZERO)}: where else the option changes nothing
+    acts_with: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    metric_only: tuple[str, ...] = ()  # options that change only metrics, never the result
 
 
 def declare(factory: Callable[..., Any] | None = None, *, options: type | None = None, signature: str = "",
-            skip: tuple[str, ...] = ()) -> Any:
-    """Mark a plugin factory with the options it takes (see the module docstring). Usable as
-    ``@declare(options=...)`` or ``declare(fn, signature="pkg.mod:Cls")``."""
-    spec = Declared(options=options, signature=signature, skip=tuple(skip))
+            skip: tuple[str, ...] = (), acts_with: Mapping[str, Mapping[str, Any]] | None = None,
+            metric_only: tuple[str, ...] = ()) -> Any:
+    """Mark a plugin factory with the options it takes and where they act (see the module docstring).
+    Usable as ``@declare(options=...)`` or ``declare(fn, signature="pkg.mod:Cls")``."""
+    spec = Declared(options=options, signature=signature, skip=tuple(skip),
+                    acts_with={k: dict(v) for k, v in (acts_with or {}).items()}, metric_only=tuple(metric_only))
 
     def mark(f: Callable[..., Any]) -> Callable[..., Any]:
         setattr(f, _DECLARED, spec)
         return f
 
     return mark(factory) if factory is not None else mark
+
+
+def declared(factory: Callable[..., Any]) -> Declared:
+    """What `factory` declares of its options (an empty `Declared` when it declares nothing)."""
+    return getattr(factory, _DECLARED, None) or Declared()
+
+
+def check_acts(options: Mapping[str, Any], typ: type, spec: Declared, *, field: str, what: str) -> None:
+    """Refuse an option given where it changes nothing (`spec.acts_with`): a `ConfigError` naming it, the
+    option it needs and the value that option has here."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(typ)}
+    for opt, needs in spec.acts_with.items():
+        if opt not in options:
+            continue
+        for other, want in needs.items():
+            have = options[other] if other in options else defaults.get(other)
+            if (bool(have) if want == NONZERO else have == want):
+                continue
+            wanted = "a nonzero value" if want == NONZERO else repr(want)
+            raise ConfigError(f"`{field}.{opt}`: {what}: {opt} acts only with {other} = {wanted} (here {have!r}), "
+                              f"so it would change nothing; remove it, or set `{field}.{other}`", field=f"{field}.{opt}")
 
 
 def options_type(kind: str, name: str, factory: Callable[..., Any]) -> type | None:
@@ -202,5 +237,5 @@ def _type_name(typ: Any) -> str:
     return str(typ).replace("typing.", "")
 
 
-__all__ = ["FRAMEWORK_ARGS", "NoOptions", "declare", "describe", "fit", "options_text", "options_type",
-           "signature_options"]
+__all__ = ["FRAMEWORK_ARGS", "NONZERO", "Declared", "NoOptions", "check_acts", "declare", "declared", "describe",
+           "fit", "options_text", "options_type", "signature_options"]

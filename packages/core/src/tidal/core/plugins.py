@@ -33,7 +33,7 @@ import pluggy
 
 from tidal.core.errors import ConfigError, PluginConflict, PluginNotFound
 from tidal.core.plugin_failure import PluginBuildError, author_frame, build_failure
-from tidal.core.plugin_options import declare, fit, options_type
+from tidal.core.plugin_options import check_acts, declare, declared, fit, options_type
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,9 @@ class Registry:
         typ = options_type(kind, name, factory)
         if typ is None:
             return dict(options)
-        return fit(options, typ, field=f"{at}options", what=f"{kind} {name!r}")
+        fitted = fit(options, typ, field=f"{at}options", what=f"{kind} {name!r}")
+        check_acts(fitted, typ, declared(factory), field=f"{at}options", what=f"{kind} {name!r}")
+        return fitted
 
     def table(self) -> dict[str, dict[str, str]]:
         """kind -> name -> providing plugin, for listings such as `tidal plugins`."""

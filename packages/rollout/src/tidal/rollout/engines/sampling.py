@@ -70,8 +70,30 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 
 
 def processed_entropy(logp: torch.Tensor) -> torch.Tensor:
-    """Entropy [n] of processed log-distributions [n, V] (removed entries, -inf, contribute 0)."""
+    """Entropy [n] of processed log-distributions [n, V] (removed entries, -inf, contribute 0),
+    differentiable in `logp` (an entropy bonus in the loss) at the memory cost of `logp` alone."""
+    return _Entropy.apply(logp)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
     return -torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+
+
+class _Entropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v over the kept entries; dH/dlog p_v = -p_v (log p_v + 1) there, 0 at removed
+    ones. Backward recomputes p from the saved `logp`, which is log_softmax's output and kept by its own
+    backward already: autograd's default would save p and a mask, two more [n, V] tensors per micro-batch."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, logp: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logp)
+        return _entropy(logp)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (logp,) = ctx.saved_tensors  # type: ignore[attr-defined]  # set by save_for_backward
+        kept = torch.isfinite(logp)
+        return -grad[:, None] * logp.exp() * torch.where(kept, logp + 1.0, torch.zeros_like(logp))
 
 
 _M32 = 0xFFFFFFFF
