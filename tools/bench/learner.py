@@ -23,6 +23,13 @@ backward during the step's forward (parameters excluded), at its highest (the en
 backward frees it); the largest rank's is reported. Step time: the median of `--reps` steps (the slowest
 rank). Goal: sp = 2 holds <= 0.6x the activations of sp = 1 per rank.
 
+Entropy bonus (`--entropy-len`, 0 skips): one step on one sequence of `--entropy-len` tokens with a
+`--entropy-vocab`-token vocabulary (where the logits dominate activation memory), PPO with
+entropy_coef = 0 (the entropy is still computed, for the metric) against entropy_coef = 0.01 (its
+gradient flows: tidal's entropy saves only the log-distribution its log_softmax keeps anyway) and against
+0.01 with autograd's own entropy (which would save the probabilities and a mask too). Peak saved bytes
+as above, step time the median of `--reps`, in this process.
+
 Prints tables and one JSON line.
 """
 
@@ -231,6 +238,54 @@ def sp_section(a: argparse.Namespace, tmp: str) -> dict:
     return out
 
 
+def _autograd_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """The entropy as plain autograd would differentiate it (the bench's comparison only)."""
+    return -torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+
+
+def entropy_section(a: argparse.Namespace, tmp: str) -> dict:
+    """Peak saved bytes and step time of one long sequence, with and without the entropy bonus."""
+    from tidal.integration.learner import data
+    from tidal.rollout.tiny import build_tiny_model
+
+    alphabet = "".join(chr(0x4E00 + i) for i in range(a.entropy_vocab))  # one token per character
+    path = build_tiny_model(f"{tmp}/vocab", hidden=a.hidden, layers=2, heads=a.hidden // 64,
+                            kv_heads=max(1, a.hidden // 128), intermediate=3 * a.hidden,
+                            max_positions=a.entropy_len + 8, alphabet=alphabet)
+    rng = np.random.default_rng(0)
+    t = a.entropy_len - 32
+    vocab = len(alphabet)
+    sample = Sample(id="long", group_id="g", prompt=rng.integers(3, vocab, 32).astype(np.int32),
+                    completion=rng.integers(3, vocab, t).astype(np.int32),
+                    logprobs=(-rng.random(t) * 3 - np.log(vocab)).astype(np.float32), versions=np.zeros(t, np.int32),
+                    reward=1.0, loss_mask=np.ones(t, bool))
+    plain = data.processed_entropy
+    out = {}
+    for name, coef, entropy in (("no bonus", 0.0, plain), ("bonus", 0.01, plain),
+                                ("bonus, autograd entropy", 0.01, _autograd_entropy)):
+        data.processed_entropy = entropy
+        be = SingleBackend(str(path), BackendConfig(optim=OptimConfig(lr=1e-5)))
+        trainer = Trainer(be, TrainConfig(loss=PluginRef(name="ppo", options={"entropy_coef": coef}),
+                                          micro_batch_tokens=a.entropy_len))
+        trainer.step([sample])  # optimizer state: not measured
+        saved, times = SavedBytes(be.model), []
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
+            for _ in range(a.reps):
+                saved.reset()
+                t0 = time.perf_counter()
+                trainer.step([sample])
+                times.append(time.perf_counter() - t0)
+        out[name] = {"peak": saved.peak, "s": statistics.median(times)}
+    data.processed_entropy = plain
+    base = out["no bonus"]
+    print(f"\nentropy bonus: one {a.entropy_len}-token sequence, vocabulary {vocab}, hidden {a.hidden} x 2 layers; "
+          f"peak saved bytes of the step's forward")
+    print(f"{'':26}{'peak MiB':>10}{'vs none':>9}{'step s':>9}{'vs none':>9}")
+    for name, r in out.items():
+        print(f"{name:26}{r['peak'] / 2**20:10.1f}{r['peak'] / base['peak']:8.2f}x{r['s']:9.3f}{r['s'] / base['s']:8.2f}x")
+    return {"len": a.entropy_len, "vocab": vocab, **{k.replace(" ", "_").replace(",", ""): v for k, v in out.items()}}
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=64)
@@ -245,6 +300,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sp-modes", default="ulysses,ring", help="sp = 2 modes to measure; '' skips the section")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank in the sequence-parallel runs")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per sequence-parallel configuration")
+    ap.add_argument("--entropy-len", type=int, default=2048, help="sequence of the entropy-bonus section; 0 skips it")
+    ap.add_argument("--entropy-vocab", type=int, default=32000, help="vocabulary of the entropy-bonus section's model")
+    ap.add_argument("--only-entropy", action="store_true", help="run the entropy-bonus section alone")
     ap.add_argument("--sp-worker", action="store_true", help=argparse.SUPPRESS)
     for internal in ("--rank", "--world", "--port"):
         ap.add_argument(internal, type=int, default=0, help=argparse.SUPPRESS)
@@ -315,6 +373,13 @@ def main() -> None:
     if args.sp_worker:
         sp_worker(args)
         exit_now(0)  # no interpreter finalization: gloo's threads can abort it after the work is done
+    entropy = None
+    if args.entropy_len:
+        with tempfile.TemporaryDirectory() as tmp:
+            entropy = entropy_section(args, tmp)
+    if args.only_entropy:
+        print(json.dumps({"bench": "learner", "entropy": entropy}))
+        return
     m = measure(args)
     report(args, m)
     sp = None
@@ -325,7 +390,7 @@ def main() -> None:
     print(json.dumps({"bench": "learner", "real_tokens": m["real"], "padded_tokens": m["padded_tokens"],
                       "sum_len_sq": m["sum_sq"], **{f"{k.replace('/', '_')}_tok_s": m["real"] / v for k, v in t.items()},
                       "dense_over_varlen": t["dense"] / t["varlen"], "padded_over_varlen": t["padded"] / t["varlen"],
-                      "sweep": m["sweep"], "sp": sp}))
+                      "sweep": m["sweep"], "sp": sp, "entropy": entropy}))
 
 
 if __name__ == "__main__":
