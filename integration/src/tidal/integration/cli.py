@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from tidal.core.errors import ConfigError, PluginError, PluginNotFound
-from tidal.core.plugin_options import options_text
+from tidal.core.plugin_options import NONZERO, declared, options_text
 from tidal.core.plugins import KINDS, registry
 from tidal.core.protocol import PROTOCOL_VERSION
 
@@ -33,7 +33,15 @@ def _options_line(kind: str, name: str) -> str:
         if kind == "weight_transport":
             t = registry.create(kind, name)
             return f"sender options: {options_text(t.sender_options())}\n      receiver options: {options_text(t.receiver_options())}"
-        return f"options: {options_text(registry.options(kind, name))}"
+        line = f"options: {options_text(registry.options(kind, name))}"
+        spec = declared(registry.get(kind, name))
+        acts = [f"{o} only with " + ", ".join(f"{k} = {'nonzero' if v == NONZERO else repr(v)}" for k, v in needs.items())
+                for o, needs in spec.acts_with.items()]
+        if acts:
+            line += f"\n      acts: {'; '.join(acts)}"
+        if spec.metric_only:
+            line += f"\n      metric only: {', '.join(spec.metric_only)}"
+        return line
     except Exception as e:  # its module does not import here: say so, keep listing
         return f"options: cannot be read here ({type(e).__name__}: {e})"
 
