@@ -179,6 +179,31 @@ def test_distillation_advantage_is_teacher_minus_student():
     assert out.metrics["kl/teacher_reverse"].item() == pytest.approx((-0.5 + 1.0) / 2)
 
 
+def test_distillation_weights_scale_the_teacher_term_and_add_the_reward_gradient():
+    """reward_weight = 0 ignores the reward advantages; reward_weight = w adds exactly w times
+    REINFORCE's gradient of them; teacher_weight scales the distillation term alone."""
+    teacher = t([[-0.5, -3.0, -1.0]], dtype=torch.float64)
+    adv = [[2.0, -1.0, 0.5]]
+
+    def g(fn, advantages, **kw):
+        inp = inputs([[0.0, 0.0, 0.0]], advantages, old=[[-1.0, -2.0, -0.2]], ref_logprobs=teacher)
+        out = fn(inp, **kw)
+        return grad(out, inp), out
+
+    g_distill, plain = g(distillation_loss, adv)
+    g_zero_adv, _ = g(distillation_loss, [[0.0, 0.0, 0.0]])
+    torch.testing.assert_close(g_distill, g_zero_adv)  # the default ignores the reward advantages
+    g_reinforce, _ = g(reinforce_loss, adv)
+    g_mixed, mixed = g(distillation_loss, adv, reward_weight=0.5)
+    torch.testing.assert_close(g_mixed, g_distill + 0.5 * g_reinforce)
+    g_double, _ = g(distillation_loss, adv, teacher_weight=2.0)
+    torch.testing.assert_close(g_double, 2.0 * g_distill)
+    g_reward_only, _ = g(distillation_loss, adv, teacher_weight=0.0, reward_weight=1.0)
+    torch.testing.assert_close(g_reward_only, g_reinforce)
+    # the metric stays the reverse-KL estimate, whatever the weights
+    assert mixed.metrics["kl/teacher_reverse"].item() == pytest.approx(plain.metrics["kl/teacher_reverse"].item())
+
+
 def test_value_loss_clipped():
     v = t([[1.0, 2.0]], dtype=torch.float64, requires_grad=True)
     inp = LossInputs(logprobs=torch.zeros(1, 2, dtype=torch.float64), behaviour_logprobs=torch.zeros(1, 2, dtype=torch.float64),

@@ -222,15 +222,22 @@ def distillation_loss(
     *,
     agg: str = "token-mean",
     norm_length: float | None = None,
+    teacher_weight: float = 1.0,
+    reward_weight: float = 0.0,
 ) -> LossOutputs:
-    """Reverse-KL distillation as policy gradient: the teacher's logprobs come in `ref_logprobs`, the
-    advantage is `distillation_advantages` (inputs.advantages are ignored), and the loss is REINFORCE on
-    it, whose expected gradient is that of KL(student || teacher)."""
+    """Reverse-KL distillation as policy gradient: the teacher's logprobs come in `ref_logprobs`, and the
+    loss is REINFORCE on the advantage A_t = teacher_weight * `distillation_advantages` + reward_weight *
+    inputs.advantages (the estimator's reward advantage, ignored at the default reward_weight = 0). With
+    teacher_weight = 1 and reward_weight = 0 its expected gradient is that of KL(student || teacher); a
+    reward_weight > 0 adds the reward's policy gradient, scaled, as a second term."""
     teacher = require(inputs, "ref_logprobs", "distillation_loss")
-    adv = distillation_advantages(inputs.logprobs, teacher, inputs.mask)
+    distill = distillation_advantages(inputs.logprobs, teacher, inputs.mask)
+    adv = teacher_weight * distill
+    if reward_weight:
+        adv = adv + reward_weight * inputs.advantages.detach()
     per_token = -adv * inputs.logprobs
     metrics = _ratio_metrics(inputs.logprobs - inputs.anchor_logprobs.detach(), inputs.mask)
-    metrics["kl/teacher_reverse"] = masked_mean(-adv, inputs.mask)
+    metrics["kl/teacher_reverse"] = masked_mean(-distill, inputs.mask)
     return _finish(per_token, inputs, metrics, agg=agg, kl_coef=0.0, kl_estimator="k3",
                    entropy_coef=0.0, norm_length=norm_length)
 
