@@ -7,7 +7,9 @@ around it is process.py.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.buffer.client import BatchClient
+from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
 from tidal.core.protocol import Batch
 from tidal.integration.learner.backends import has_sinks, pick_attention
@@ -86,8 +89,47 @@ def _load_reference(cfg: LearnerConfig, attn: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     ref_path = cfg.reference_model or cfg.model
+    if cfg.reference_model and cfg.reference_model != cfg.model:
+        check_same_vocabulary(cfg.model, cfg.reference_model)  # before its weights load
     reference: Any = AutoModelForCausalLM.from_pretrained(
         ref_path, attn_implementation=pick_attention(attn, torch.device(cfg.device), sinks=has_sinks(ref_path)))
     reference = reference.to(cfg.device)
     reference.requires_grad_(False)
     return reference
+
+
+def check_same_vocabulary(model: str, reference: str) -> None:
+    """Refuse a reference (teacher) whose vocabulary differs from the policy's: config.json's
+    `vocab_size`, and the token -> id maps of their tokenizer.json files when both folders have one.
+    Folders that are not local (a hub name) are left to load as they are."""
+    student, teacher = Path(model), Path(reference)
+    if not ((student / "config.json").is_file() and (teacher / "config.json").is_file()):
+        return
+    sizes = [json.loads((p / "config.json").read_text()).get("vocab_size") for p in (student, teacher)]
+    vocabs = [_tokenizer_vocab(p) for p in (student, teacher)]
+    differ = [f"vocab_size {sizes[1]} (reference) vs {sizes[0]} (model)"] if sizes[0] != sizes[1] else []
+    if None not in vocabs and vocabs[0] != vocabs[1]:
+        a, b = vocabs[1] or {}, vocabs[0] or {}
+        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        differ.append(f"tokenizer.json with {len(a)} (reference) vs {len(b)} (model) tokens, {len(changed)} of "
+                      f"them missing from one or with another id (e.g. {changed[:3]})")
+    if differ:
+        raise ConfigError(
+            f"learner.reference_model = {reference!r} (the reference / teacher) does not share the vocabulary of "
+            f"learner.model = {model!r}: {'; '.join(differ)}. Distillation and the KL penalty compare the two "
+            f"models' per-token logprobs of the same token ids, which mean the same text only under one "
+            f"tokenizer. Choose a teacher of the student's model family (same tokenizer.json and vocab_size), "
+            f"or leave learner.reference_model empty to use the starting model.",
+            field="learner.reference_model")
+
+
+def _tokenizer_vocab(folder: Path) -> dict[str, int] | None:
+    """tokenizer.json's token -> id map (its model's vocabulary and its added tokens), or None without one."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    vocab = data.get("model", {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
+        vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+    return {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens", [])}}

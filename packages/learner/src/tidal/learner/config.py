@@ -89,7 +89,7 @@ class WeightsConfig(ConfigStruct):
 
 class LearnerConfig(ConfigStruct):
     model: str = ""  # local Hugging Face folder to start from
-    reference_model: str = ""  # frozen reference for a KL penalty / distillation; "" = the starting model
+    reference_model: str = ""  # KL penalty's frozen reference, or distillation's teacher (same tokenizer); "" = the starting model
     # train_backend plugin and its typed options: { name = "fsdp2", options = { dtype = "bfloat16" } }
     backend: BackendChoice = msgspec.field(default_factory=BackendChoice)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
