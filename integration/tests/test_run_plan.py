@@ -122,3 +122,18 @@ def test_the_buffers_ingest_limit_fits_the_largest_group_the_run_can_send(tmp_pa
     assert buffer["max_message_bytes"] >= 32_768 * (13 + 20_000) * buffer["group_size"]
     roles, _ = plan(load_recipe(None, [f'model="{tmp_path}"']), tmp_path / "r2")
     assert next(json.loads(r.config.read_text()) for r in roles if r.name == "buffer")["max_message_bytes"] == 256 * 1024**2
+
+
+def test_publishing_every_l_steps_needs_a_depth_gate_that_lets_generation_run_l_ahead(tmp_path):
+    """Lag by design (learner.weights.every = L): accepted when max_staleness >= L - 1; refused, naming the
+    fields and the value to set, when the gate or the buffer's admission would stall or starve the run."""
+    cfg = load_recipe(None, [f'model="{tmp_path}"', "learner.weights.every=16", "max_staleness=15"])
+    learner = next(json.loads(r.config.read_text()) for r in plan(cfg, tmp_path / "run")[0] if r.name == "learner")
+    assert learner["weights"]["every"] == 16
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [f'model="{tmp_path}"', "learner.weights.every=16"])
+    assert e.value.field == "max_staleness" and "max_staleness >= 15" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [f'model="{tmp_path}"', "learner.weights.every=4", "max_staleness=3",
+                           'buffer.admission={ name = "version_rejection", options = { max_lag = 2 } }'])
+    assert e.value.field == "buffer.admission.options.max_lag" and ">= 3" in str(e.value)

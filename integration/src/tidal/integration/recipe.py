@@ -234,10 +234,31 @@ def check(cfg: RunConfig) -> None:
     if cfg.learner.weights.every < 1:
         raise ConfigError("learner.weights.every must be >= 1 for a run: the generators need the new weights",
                           field="learner.weights.every")
+    _check_lag_by_design(cfg)
     check_plugins(cfg)
     if cfg.launch.check_envs:
         for i in range(len(cfg.domains)):
             check_env(cfg, i, preflight_env(cfg, i))
+
+
+def _check_lag_by_design(cfg: RunConfig) -> None:
+    """Publishing every L steps (`learner.weights.every = L`, OAPL's setting) trains on samples up to L - 1
+    versions old by design: the depth gate must let generation run that far ahead of the sampler's weights,
+    or the learner waits for a batch the gate will not grant before it publishes, and the run stalls."""
+    every = cfg.learner.weights.every
+    if every > cfg.max_staleness + 1:
+        raise ConfigError(f"learner.weights.every = {every} publishes every {every} steps, so samples are up to "
+                          f"{every - 1} versions old when trained, but max_staleness = {cfg.max_staleness} lets "
+                          f"generation run only {cfg.max_staleness} versions ahead of the weights it holds: the "
+                          f"learner would wait for a batch the depth gate never grants. Set max_staleness >= "
+                          f"{every - 1}", field="max_staleness")
+    a = cfg.buffer.admission
+    max_lag = a.options.get("max_lag") if a is not None and a.name == "version_rejection" else None
+    if isinstance(max_lag, int) and max_lag < every - 1:
+        raise ConfigError(f"buffer.admission.options.max_lag = {max_lag} drops every sample more than {max_lag} "
+                          f"versions old, but learner.weights.every = {every} trains on samples up to {every - 1} "
+                          f"versions old by design: raise max_lag to >= {every - 1} (or leave it out: it follows "
+                          f"max_staleness)", field="buffer.admission.options.max_lag")
 
 
 def check_models(cfg: RunConfig) -> None:

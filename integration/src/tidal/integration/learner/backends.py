@@ -183,16 +183,25 @@ class _Backend:
         """Accumulate the gradient of one micro-batch (`last`: the step's final one)."""
         loss.backward()
 
-    def clip_and_step(self) -> dict[str, float]:
+    def clip_and_step(self, skip: bool = False) -> dict[str, float]:
+        """Clip the accumulated gradient and step the optimizer and the LR schedule, unless `skip` (the
+        step's loss was not finite) or the global gradient norm is not finite: then the gradient is
+        dropped, nothing steps, and `train/skipped_nonfinite` is 1 (the same on every rank: the norm is
+        global, and the caller's `skip` is decided from globally reduced metrics)."""
         clip = self.cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        return self._step_unless_nonfinite(norm, skip)
+
+    def _step_unless_nonfinite(self, norm: torch.Tensor, skip: bool) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = skip or not bool(torch.isfinite(norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"train/grad_norm": float(norm), "train/lr": float(lr)}
+        return {"train/grad_norm": float(norm), "train/lr": float(lr), "train/skipped_nonfinite": float(skipped)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's full weights (the critic head stays here: generators do not have it)."""
@@ -288,17 +297,13 @@ class FSDP2Backend(_Backend):
             if not name.startswith("value_head."):
                 yield name, full
 
-    def clip_and_step(self) -> dict[str, float]:
+    def clip_and_step(self, skip: bool = False) -> dict[str, float]:
         if self.mesh is None:
-            return super().clip_and_step()
+            return super().clip_and_step(skip)
 
         clip = self.cfg.optim.grad_clip
         norm = ep_clip_grad_norm(list(self.model.parameters()), clip if clip > 0 else float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"train/grad_norm": float(norm), "train/lr": float(lr)}
+        return self._step_unless_nonfinite(torch.as_tensor(norm), skip)
 
     @property
     def native_checkpoints(self) -> bool:
@@ -372,11 +377,21 @@ class DeepSpeedBackend(_Backend):
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def clip_and_step(self) -> dict[str, float]:
+    def clip_and_step(self, skip: bool = False) -> dict[str, float]:
+        """DeepSpeed clips and steps inside `engine.step`, and in fp32 applies a non-finite gradient as it
+        is: a step whose loss is not finite (`skip`) is not handed to it; the partitioned gradient is
+        dropped the way `engine.step` drops it after a step (the ZeRO optimizer's zero_grad). A finite loss
+        whose gradient is not finite is stepped by DeepSpeed before its norm can be read: it is counted in
+        `train/nonfinite_grad_applied`, not skipped."""
         lr = self.scheduler.get_last_lr()[0]
+        if skip:
+            self.engine.optimizer.zero_grad()
+            return {"train/grad_norm": float("nan"), "train/lr": float(lr), "train/skipped_nonfinite": 1.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return {"train/grad_norm": float(norm if norm is not None else 0.0), "train/lr": float(lr)}
+        norm = float(norm if norm is not None else 0.0)
+        return {"train/grad_norm": norm, "train/lr": float(lr), "train/skipped_nonfinite": 0.0,
+                "train/nonfinite_grad_applied": float(not math.isfinite(norm))}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors one at a time; under ZeRO-3 each is gathered (collective: every rank iterates)."""

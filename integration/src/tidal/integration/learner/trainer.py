@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -137,6 +138,7 @@ class Trainer:
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self._warned: set[str] = set()
         self.correction = objective.correction
+        self.skipped_steps = 0  # steps whose loss or gradient was not finite: dropped (`step`)
 
     @property
     def fallback(self) -> SamplingParams:
@@ -323,7 +325,12 @@ class Trainer:
             self.sp.reduce_grads(be)
         if self.before_update is not None:
             self.before_update()
-        metrics.update(be.clip_and_step())
+        # a step whose loss (summed over every rank, so all agree) or gradient norm is not finite changes
+        # nothing: skipped and counted, the run goes on (the learner logs the batch)
+        loss_finite = all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
+        metrics.update(be.clip_and_step(skip=not loss_finite))
+        self.skipped_steps += int(metrics.get("train/skipped_nonfinite", 0.0))
+        metrics["train/skipped_steps_total"] = float(self.skipped_steps)
         metrics["train/tokens"] = totals.tokens
         metrics["train/sequences"] = totals.seqs
         metrics["train/micro_batches"] = float(n_micro)

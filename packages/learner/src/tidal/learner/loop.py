@@ -10,11 +10,14 @@ step when there is a background thread). The pieces live on `Learner` (learner.p
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tidal.learner.learner import Learner
+
+log = logging.getLogger("tidal.learner")
 
 
 def run(learner: Learner) -> int:
@@ -59,6 +62,12 @@ def train_one(learner: Learner) -> dict[str, float] | None:
     if cfg.max_steps == 0 or learner.step + 1 < cfg.max_steps:
         learner.prefetch(learner.version + 1)  # the buffer admits the next batch against the version this step makes
     metrics = learner.trainer.step(work)
+    if metrics.get("train/skipped_nonfinite"):
+        ids = [t.id for t in batch.trajectories] if batch is not None else []
+        log.warning("step %d skipped: its loss (%g) or gradient norm (%g) is not finite; nothing was updated "
+                    "(train/skipped_steps_total counts them). Batch %r, trajectories %s%s", learner.step + 1,
+                    metrics.get("loss/total", float("nan")), metrics.get("train/grad_norm", float("nan")),
+                    batch_id, ", ".join(ids[:8]), f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
     if cfg.simulate_s_per_sample:
         time.sleep(cfg.simulate_s_per_sample * int(metrics["train/sequences"]) / learner.dp)
     t_train = time.perf_counter()

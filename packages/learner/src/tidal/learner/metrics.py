@@ -20,6 +20,9 @@ def step_metrics(metrics: dict[str, float], timing: dict[str, float], ready_to_s
         "train/version": float(version),
         "train/samples_total": float(samples_total),
         "staleness/lag_mean": float(lags.mean()) if len(lags) else 0.0,
+        # the tail, which publishing every L steps (learner.weights.every) makes up to L - 1 by design
+        "staleness/lag_p90": float(np.percentile(lags, 90)) if len(lags) else 0.0,
+        "staleness/lag_max": float(lags.max()) if len(lags) else 0.0,
         "reward/mean": float(np.mean([t.reward for t in trajectories])) if trajectories else 0.0,
     }
     if ready_to_step is not None:
