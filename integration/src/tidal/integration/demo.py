@@ -98,13 +98,41 @@ def demo_config(out: Path, overrides: list[str], task: str = "arithmetic") -> tu
 
 
 def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic") -> int:
-    # torch: the warm start's, loaded when it runs (demo_config and `tidal demo --help` need none)
-    from tidal.integration.sft import SFTConfig, sft
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, opts = demo_config(out, list(overrides), task)
     t0 = time.monotonic()
+    warm = warm_start(cfg, opts, out)
+    check(cfg)
+    run_dir = Path(cfg.run_dir)
+    if run_dir == out / "run" and run_dir.exists():  # the demo's own folder: a rerun starts over, it does
+        import shutil  # not resume the last run's final checkpoint
+
+        shutil.rmtree(run_dir)
+    (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
+    print(f"[3/4] {cfg.mode} GRPO: {cfg.workers} rollout worker{'s' if cfg.workers != 1 else ''}, buffer, learner, controller "
+          f"({cfg.budget.versions} versions or {cfg.budget.minutes:g} min); logs in {Path(cfg.run_dir) / 'logs'}",
+          flush=True)
+    result = run(cfg)
+    png = report(result.run_dir)
+    print(f"[4/4] report: {png}", flush=True)
+    if result.eval:
+        first, last = result.eval[0], result.eval[-1]
+        best = max(result.eval, key=lambda e: e[1])
+        print(f"      held-out accuracy {100 * first[1]:.1f}% at version {first[0]} -> {100 * last[1]:.1f}% at "
+              f"version {last[0]} (best {100 * best[1]:.1f}%); run {result.wall_s / 60:.1f} min, "
+              f"total {(time.monotonic() - t0) / 60:.1f} min; status {result.status}", flush=True)
+    print(f"      RL phase: {result.samples} samples trained in {result.rl_s:.1f} s = {result.samples_per_s:.0f} "
+          f"samples/s", flush=True)
+    return 0 if result.status == "completed" else 1
+
+
+def warm_start(cfg: RunConfig, opts: DemoOptions, out: Path) -> dict[str, Any]:
+    """The demo's warm start at cfg.model (a tiny model, then SFT on the first domain), reused when
+    OUT/model-sft.json says it was made with the same model, SFT, domain and seed; returns those settings."""
+    # torch: the warm start's, loaded when it runs (demo_config and `tidal demo --help` need none)
+    from tidal.integration.sft import SFTConfig, sft
+
     domain = cfg.domains[0]
     env = registry.build("env", domain.env.name, domain.env.options, field="domains[0].env")
     sft_opts = dict(opts.sft)
@@ -131,28 +159,7 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
         print(f"      SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
               f"{100 * start_acc:.1f}% (greedy)", flush=True)
         stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stats["seconds"]}))
-    check(cfg)
-    run_dir = Path(cfg.run_dir)
-    if run_dir == out / "run" and run_dir.exists():  # the demo's own folder: a rerun starts over, it does
-        import shutil  # not resume the last run's final checkpoint
-
-        shutil.rmtree(run_dir)
-    (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
-    print(f"[3/4] {cfg.mode} GRPO: {cfg.workers} rollout worker{'s' if cfg.workers != 1 else ''}, buffer, learner, controller "
-          f"({cfg.budget.versions} versions or {cfg.budget.minutes:g} min); logs in {Path(cfg.run_dir) / 'logs'}",
-          flush=True)
-    result = run(cfg)
-    png = report(result.run_dir)
-    print(f"[4/4] report: {png}", flush=True)
-    if result.eval:
-        first, last = result.eval[0], result.eval[-1]
-        best = max(result.eval, key=lambda e: e[1])
-        print(f"      held-out accuracy {100 * first[1]:.1f}% at version {first[0]} -> {100 * last[1]:.1f}% at "
-              f"version {last[0]} (best {100 * best[1]:.1f}%); run {result.wall_s / 60:.1f} min, "
-              f"total {(time.monotonic() - t0) / 60:.1f} min; status {result.status}", flush=True)
-    print(f"      RL phase: {result.samples} samples trained in {result.rl_s:.1f} s = {result.samples_per_s:.0f} "
-          f"samples/s", flush=True)
-    return 0 if result.status == "completed" else 1
+    return warm
 
 
 def _tool_demonstrator(tool_rate: float):

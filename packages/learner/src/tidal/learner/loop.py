@@ -34,6 +34,10 @@ def run(learner: Learner) -> int:
                 break  # stopped: every rank leaves at the same step (the exit checkpoint is collective)
             if train_one(learner) is None:
                 break  # stopped while waiting for a batch, or the source is exhausted
+        if cfg.weights.every and learner.step % cfg.weights.every and learner.step == cfg.max_steps:
+            # publishing every L steps (lag by design): the last version is published too, so the
+            # generators (the run's final evaluation) get the weights the run ends with
+            learner.publish_weights()
     except BaseException:
         learner.stop()  # a prefetch still waiting for data gives up within a wait slice: the process exits
         raise
