@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tidal.algos.estimators import AdvantageInputs
 from tidal.algos.types import LossInputs
+from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.data import Micro, Sample, pack, pad_rows, token_logprobs
@@ -53,8 +54,20 @@ class Objective:
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Objective:
+        loss = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
+        # pairings a loss states of itself (tidal.algos.plugin.LOSS_TRAITS), refused before any model loads
+        need = getattr(loss, "requires_advantage", None)
+        if need is not None and cfg.advantage.name != need:
+            raise ConfigError(f"train.loss.name = {cfg.loss.name!r} needs train.advantage.name = {need!r} (its "
+                              f"objective is built on that advantage), got {cfg.advantage.name!r}: set "
+                              f"train.advantage.name = {need!r}", field="train.advantage.name")
+        refuses = getattr(loss, "refuses_correction", None)
+        if refuses and cfg.correction:
+            raise ConfigError(f"train.loss.name = {cfg.loss.name!r} takes no staleness correction ({refuses}), got "
+                              f"train.correction.name = {cfg.correction.name!r}: remove train.correction",
+                              field="train.correction")
         return cls(
-            loss=registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss"),
+            loss=loss,
             estimator=registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options,
                                      field="train.advantage"),
             correction=registry.build("correction", cfg.correction.name, cfg.correction.options,
@@ -524,6 +537,10 @@ def _default_agg(loss_fn: Any) -> str:
         return kw["agg"]
 
     fn = getattr(loss_fn, "func", loss_fn)
+    # a loss without an `agg` option says how it reduces (OAPL: a mean over sequences)
+    stated = getattr(loss_fn, "aggregation", None) or getattr(fn, "aggregation", None)
+    if stated is not None:
+        return stated
     param = inspect.signature(fn).parameters.get("agg")
     return param.default if param is not None else "token-mean"
 

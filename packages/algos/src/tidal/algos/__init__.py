@@ -37,7 +37,11 @@ _EXPORTS: dict[str, str] = {
     "kl_penalty": "kl",
     "last_token_rewards": "advantages",
     "masked_mean": "aggregation",
+    "m2po_loss": "offpolicy",
+    "m2po_mask": "offpolicy",
     "masked_whiten": "aggregation",
+    "oapl_advantages": "offpolicy",
+    "oapl_loss": "offpolicy",
     "opo_advantages": "advantages",
     "overlong_penalty": "shaping",
     "ppo_loss": "losses",
@@ -46,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "rloo_advantages": "advantages",
     "step_rewards_to_tokens": "advantages",
     "to_tokens": "advantages",
+    "topr_loss": "offpolicy",
     "value_loss": "losses",
 }
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from tidal.algos import advantages as adv
+from tidal.algos.offpolicy import oapl_advantages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,3 +114,19 @@ class GAEEstimator:
             r = r - batch.token_penalty.detach()
         a, ret = adv.gae_advantages(r, values, batch.mask, gamma=self.gamma, lam=self.lam)
         return AdvantageOutputs(advantages=a, returns=ret)
+
+
+class OAPLEstimator:
+    """OAPL's advantage (registered as "oapl"): A_i = r_i - V*_g, V*_g = beta * log mean_g exp(r / beta)
+    (`tidal.algos.offpolicy.oapl_advantages`; `beta` is the paper's beta_1), broadcast to tokens. The
+    loss "oapl" needs it; with another policy-gradient loss it is a soft-max group baseline, between
+    Dr.GRPO's mean (large beta) and the group's best reward (small beta)."""
+
+    def __init__(self, beta: float = 1.0) -> None:
+        if beta <= 0:
+            raise ValueError(f"beta (OAPL's beta_1) must be > 0, got {beta}")
+        self.beta = beta
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", "oapl")
+        return AdvantageOutputs(advantages=adv.to_tokens(oapl_advantages(batch.rewards, g, self.beta), batch.mask))

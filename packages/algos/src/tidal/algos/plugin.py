@@ -15,11 +15,20 @@ from tidal.core.plugin_options import NONZERO, NoOptions
 from tidal.core.plugins import declare, hookimpl
 
 
-def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
-    def make(**options: Any) -> Callable[[Any], Any]:
-        from tidal.algos import losses  # heavy: torch, which the buffer loading this module must not pay for
+# what a loss function may say of itself, copied onto the built loss for the learner to read: the
+# aggregation it reduces by when it takes no `agg`, the advantage it needs, why it takes no correction
+LOSS_TRAITS = ("aggregation", "requires_advantage", "refuses_correction")
 
-        fn = getattr(losses, name)
+
+def _loss_factory(qualified: str) -> Callable[..., Callable[[Any], Any]]:
+    # "name" is a function of tidal.algos.losses, "module:name" one of tidal.algos.<module>
+    module, _, name = qualified.rpartition(":")
+    module = module or "losses"
+
+    def make(**options: Any) -> Callable[[Any], Any]:
+        import importlib  # heavy: torch, which the buffer loading this module must not pay for
+
+        fn = getattr(importlib.import_module(f"tidal.algos.{module}"), name)
         params = inspect.signature(fn).parameters
         unknown = sorted(set(options) - set(params) - {"inputs"})
         if unknown:
@@ -28,10 +37,13 @@ def _loss_factory(name: str) -> Callable[..., Callable[[Any], Any]]:
         loss = functools.partial(fn, **options)
         # what the learner asks: whether to load a frozen reference model for this loss
         loss.reads_reference = bool(getattr(fn, "reads_reference", False) or options.get("kl_coef"))  # type: ignore[attr-defined]  # a partial takes attributes; its stub declares none
+        for trait in LOSS_TRAITS:
+            if hasattr(fn, trait):
+                setattr(loss, trait, getattr(fn, trait))
         return loss
 
-    make.__doc__ = f"Build tidal.algos.losses.{name} with fixed options."
-    return declare(make, signature=f"tidal.algos.losses:{name}", skip=("inputs",), acts_with=LOSS_ACTS_WITH)
+    make.__doc__ = f"Build tidal.algos.{module}.{name} with fixed options."
+    return declare(make, signature=f"tidal.algos.{module}:{name}", skip=("inputs",), acts_with=LOSS_ACTS_WITH)
 
 
 # where a loss option changes nothing, so that a recipe setting it there is refused (not ignored)
@@ -45,7 +57,7 @@ LOSS_ACTS_WITH = {
 ESTIMATORS: dict[str, tuple[str, bool]] = {
     "grpo": ("GroupEstimator", True), "dr_grpo": ("GroupEstimator", True), "rloo": ("GroupEstimator", True),
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
-    "grpo_process": ("ProcessEstimator", False),
+    "grpo_process": ("ProcessEstimator", False), "oapl": ("OAPLEstimator", False),
 }
 
 
@@ -77,6 +89,9 @@ def tidal_policy_losses() -> dict[str, Callable[..., Any]]:
         "reinforce": _loss_factory("reinforce_loss"),
         "distillation": _loss_factory("distillation_loss"),
         "value": _loss_factory("value_loss"),
+        "oapl": _loss_factory("offpolicy:oapl_loss"),
+        "m2po": _loss_factory("offpolicy:m2po_loss"),
+        "topr": _loss_factory("offpolicy:topr_loss"),
     }
 
 

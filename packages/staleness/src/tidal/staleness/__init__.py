@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "TokenTIS": "correction",
     "SequenceTIS": "correction",
     "MaskedIS": "correction",
+    "IcePop": "correction",
     "OffPolicySequenceMask": "correction",
     "DecoupledPPO": "correction",
     "combine": "correction",

@@ -33,6 +33,11 @@ class MaskedISConfig(ConfigStruct):
     level: Literal["token", "sequence"] = "token"  # ratio per token, or geometric mean per sequence
 
 
+class IcePopConfig(ConfigStruct):
+    low: float = 0.5  # tokens with pi_learner / pi_sampler below this are masked out
+    high: float = 5.0  # ... or above this; inside [low, high] a token keeps the ratio as its weight
+
+
 class OffPolicySequenceMaskConfig(ConfigStruct):
     delta: float = 1e-3  # mask a negative-advantage sequence whose mean mismatch KL exceeds this
 

@@ -96,7 +96,13 @@ class SequenceTIS:
 class MaskedIS:
     """Masked IS ("MIS"): instead of reweighting, drop tokens (or whole sequences, by geometric-mean
     ratio) whose ratio falls outside [low, high]. Use when large mismatches mean broken samples (e.g. a
-    kernel bug, a stale prefix) that should not be trained on at all."""
+    kernel bug, a stale prefix) that should not be trained on at all.
+
+    `level="sequence"` is the geometric-mean sequence rejection: a sequence is dropped whole when
+    exp(mean_t log(pi_learner / pi_sampler)) leaves [low, high]. It is the sequence-level MIS of Yao et
+    al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" and its follow-up
+    on rollout-training mismatch, "geometric" sequence masking) and the length-normalised sequence ratio
+    GSPO (Zheng et al. 2025, arXiv 2507.18071) clips; use it rather than a separate correction."""
 
     def __init__(self, low: float = 0.5, high: float = 2.0, level: str = "token") -> None:
         if not 0 <= low < 1 < high:
@@ -118,6 +124,29 @@ class MaskedIS:
             out = mask & keep_seq[:, None]
             metrics = {"is/seq_masked_frac": _seq_frac(~keep_seq, mask)}
         return Correction(weights=out.to(torch.float32), mask=out, metrics=metrics)
+
+
+class IcePop:
+    """IcePop (inclusionAI 2025, "Small Leak Can Sink a Great Ship: Boost RL Training on MoE with IcePop",
+    the Ring-1T report, arXiv 2510.18855): token-level training-inference mismatch correction with
+    k_t = pi_learner(t) / pi_sampler(t): the token keeps weight k_t where low <= k_t <= high, else it is
+    masked out of the gradient (weight 0, mask False). Unlike TIS it does not keep a capped weight on a
+    token whose probabilities disagree by more than the band: such tokens (MoE routing flips, kernel
+    differences compounding over long outputs) are dropped. Paper defaults: 0.5 and 5."""
+
+    def __init__(self, low: float = 0.5, high: float = 5.0) -> None:
+        if not 0 <= low < 1 < high:
+            raise ValueError(f"need 0 <= low < 1 < high, got low={low}, high={high}")
+        self.low, self.high = low, high
+
+    def __call__(self, inp: CorrectionInputs) -> Correction:
+        mask = inp.mask.bool()
+        k = _log_ratio(inp).exp()
+        inside = (k >= self.low) & (k <= self.high)  # False for NaN: a broken token is dropped too
+        out = mask & inside
+        # where(), not a product: k may be inf at a masked position with a -inf sampler logprob
+        weights = torch.where(out, k, torch.zeros_like(k))
+        return Correction(weights=weights, mask=out, metrics={"is/icepop_masked_frac": _frac(~inside, mask)})
 
 
 class OffPolicySequenceMask:
@@ -184,4 +213,5 @@ FACTORIES = {
     "masked_is": (MaskedIS, C.MaskedISConfig),
     "off_policy_seq_mask": (OffPolicySequenceMask, C.OffPolicySequenceMaskConfig),
     "decoupled_ppo": (DecoupledPPO, C.DecoupledPPOConfig),
+    "icepop": (IcePop, C.IcePopConfig),
 }
