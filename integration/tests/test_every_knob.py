@@ -219,7 +219,10 @@ def step_grad(models, loss: str, options: dict[str, Any], *, micro: int = 4096, 
     """The gradient one Trainer step hands the optimizer, with the recipe's loss `{name, options}`."""
     policy, reference = models
     be = SingleBackend(str(policy), BackendConfig(optim=OptimConfig(lr=1e-3)))
-    cfg = TrainConfig(loss=PluginRef(name=loss, options=options), micro_batch_tokens=micro)
+    # a loss that states the advantage it needs (OAPL) is trained with it; every other with the default
+    advantage = getattr(registry.build("policy_loss", loss, options), "requires_advantage", None) or "grpo"
+    cfg = TrainConfig(loss=PluginRef(name=loss, options=options), advantage=PluginRef(name=advantage),
+                      micro_batch_tokens=micro)
     needs_ref = loss == "distillation" or options.get("kl_coef")
     ref = None
     if needs_ref:
@@ -234,12 +237,18 @@ def step_grad(models, loss: str, options: dict[str, Any], *, micro: int = 4096, 
     return grads[0]
 
 
+def agg_option(loss: str) -> set[str]:
+    """{"agg"} for a loss that takes an aggregation option (not OAPL: its mean over sequences is fixed)."""
+    typ = options_type("policy_loss", loss, registry.get("policy_loss", loss))
+    return {"agg"} if typ is not None and "agg" in {f.name for f in msgspec.structs.fields(typ)} else set()
+
+
 # the options the trainer interprets between the recipe and the loss, each with a value to set it to
 TRAINER_KNOBS = {"kl_coef": 0.5, "entropy_coef": 0.05, "norm_length": 64.0,
                  **{f"agg={mode}": mode for mode in AGG_MODES}}
 POLICY_LOSSES = [n for n in registry.names("policy_loss") if n != "value"]  # value: the critic's, see PPO mode
 TRAINER_CASES = [(loss, knob) for loss in POLICY_LOSSES for knob in TRAINER_KNOBS
-                 if knob.split("=")[0] in {o for o, *_ in knobs("policy_loss", loss)} | {"agg"}]
+                 if knob.split("=")[0] in {o for o, *_ in knobs("policy_loss", loss)} | agg_option(loss)]
 
 
 @pytest.mark.parametrize(("loss", "knob"), TRAINER_CASES, ids=[f"{a}-{b}" for a, b in TRAINER_CASES])
@@ -258,6 +267,14 @@ def test_the_step_does_not_depend_on_micro_batching(models, agg):
     options = {"agg": agg, "entropy_coef": 0.05, "kl_coef": 0.1}
     one, many = step_grad(models, "ppo", options, micro=4096), step_grad(models, "ppo", options, micro=20)
     assert (one - many).abs().max() <= 1e-5 * one.abs().max(), agg
+
+
+@pytest.mark.parametrize("loss", ["oapl", "topr"])
+def test_a_sequence_mean_loss_step_does_not_depend_on_micro_batching(models, loss):
+    """OAPL states its aggregation (a mean over sequences, no `agg` option) and TOPR defaults to one: the
+    learner shares each micro-batch by its sequences, so one micro-batch or many give the same step."""
+    one, many = step_grad(models, loss, {"kl_coef": 0.1}, micro=4096), step_grad(models, loss, {"kl_coef": 0.1}, micro=20)
+    assert (one - many).abs().max() <= 1e-5 * one.abs().max(), loss
 
 
 def test_the_entropy_bonus_moves_the_weights_with_zero_advantages(models):
