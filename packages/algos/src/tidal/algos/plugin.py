@@ -14,7 +14,6 @@ from tidal.algos.filters import LengthFilter, ZeroVarianceFilter
 from tidal.core.plugin_options import NONZERO, NoOptions
 from tidal.core.plugins import declare, hookimpl
 
-
 # what a loss function may say of itself, copied onto the built loss for the learner to read: the
 # aggregation it reduces by when it takes no `agg`, the advantage it needs, why it takes no correction
 LOSS_TRAITS = ("aggregation", "requires_advantage", "refuses_correction")
