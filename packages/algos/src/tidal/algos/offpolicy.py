@@ -20,7 +20,8 @@ from tidal.algos.types import LossInputs, LossOutputs
 def oapl_advantages(rewards: Tensor, group_index: Tensor, beta: float = 1.0) -> Tensor:
     """OAPL's advantage (Ritter, Oertell, Guo, Chang, Brantley, Sun 2026, "LLMs Can Learn to Reason Via
     Off-Policy RL", arXiv 2602.19362, the optimal value of the KL-regularised objective estimated from
-    the group's samples of pi_lag): V*_g = beta * log mean_{j in g} exp(r_j / beta), A_i = r_i - V*_g.
+    the group's samples of pi_lag; equation numbers not checked against the paper's text here):
+    V*_g = beta * log mean_{j in g} exp(r_j / beta), A_i = r_i - V*_g.
 
     `beta` is the paper's beta_1. V* lies between the group mean (beta -> inf: Dr.GRPO's r - mean) and
     the group max (beta -> 0), so A is a soft-max baseline that any policy-gradient loss may use; it
@@ -58,7 +59,8 @@ def oapl_loss(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
 ) -> LossOutputs:
-    """OAPL (Ritter et al. 2026, arXiv 2602.19362, the squared-loss regression of the optimal advantage):
+    """OAPL (Ritter et al. 2026, arXiv 2602.19362, the least-squares regression of the optimal advantage
+    of the KL-regularised objective towards pi_lag; equation numbers not checked against the paper here):
     L = mean_i [beta * log(pi_theta(y_i) / pi_lag(y_i)) - A_i]^2, A_i = r_i - V*_g (`oapl_advantages`),
 
     with sequence log-probabilities (sums over each sequence's masked tokens) and the mean over the
