@@ -6,6 +6,7 @@ This module imports no torch at import time: the buffer (no torch) loads it to f
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +26,8 @@ def _loss_factory(qualified: str) -> Callable[..., Callable[[Any], Any]]:
     module = module or "losses"
 
     def make(**options: Any) -> Callable[[Any], Any]:
-        import importlib  # heavy: torch, which the buffer loading this module must not pay for
-
+        # imported here, not at the top: the loss modules load torch, which the buffer loading this module
+        # must not pay for
         fn = getattr(importlib.import_module(f"tidal.algos.{module}"), name)
         params = inspect.signature(fn).parameters
         unknown = sorted(set(options) - set(params) - {"inputs"})
