@@ -99,10 +99,12 @@ class MaskedIS:
     kernel bug, a stale prefix) that should not be trained on at all.
 
     `level="sequence"` is the geometric-mean sequence rejection: a sequence is dropped whole when
-    exp(mean_t log(pi_learner / pi_sampler)) leaves [low, high]. It is the sequence-level MIS of Yao et
-    al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" and its follow-up
-    on rollout-training mismatch, "geometric" sequence masking) and the length-normalised sequence ratio
-    GSPO (Zheng et al. 2025, arXiv 2507.18071) clips; use it rather than a separate correction."""
+    exp(mean_t log(pi_learner / pi_sampler)) leaves [low, high]. It is the sequence-level masked IS of
+    the MIS line of work (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+    RL Training", and its follow-ups) with the length-normalised ratio that GSPO (Zheng et al. 2025,
+    arXiv 2507.18071) clips, known as "geometric sequence masking" (TRL's
+    `sequence_geometric_mean_mask`, 2026). Unlike the product of ratios it does not favour short
+    sequences. Use it rather than a separate correction."""
 
     def __init__(self, low: float = 0.5, high: float = 2.0, level: str = "token") -> None:
         if not 0 <= low < 1 < high:
