@@ -9,7 +9,8 @@
   Liu et al. 2025): no length bias; the constant defaults to the padded length T.
 
 Sequences without any valid token are left out of sequence means (they add nothing and divide nothing);
-a batch without any valid token gives 0, never NaN.
+a batch without any valid token gives 0, never NaN. Masked positions are zeroed with `torch.where`, not
+multiplied by 0: a NaN or inf there (0 * inf = NaN) reaches neither the result nor its gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-tok
 def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", norm_length: float | None = None) -> Tensor:
     """Reduce [B, T] per-token `values` to a scalar over the positions where `mask` is set."""
     m = mask.to(values.dtype)
-    masked = values * m
+    masked = torch.where(mask.bool(), values, 0.0)
     if mode == "token-mean":
         return masked.sum() / m.sum().clamp(min=1)
     if mode == "seq-mean-token-sum-norm":
@@ -46,13 +47,13 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", norm_lengt
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean over masked positions (0 when there are none), detached-friendly helper for metrics."""
     m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp(min=1)
+    return torch.where(mask.bool(), values, 0.0).sum() / m.sum().clamp(min=1)
 
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(values - mean) / std over masked positions; masked-out positions become 0."""
-    m = mask.to(values.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (values * m).sum() / n
-    var = (((values - mean) * m) ** 2).sum() / n
-    return (values - mean) * torch.rsqrt(var + eps) * m
+    m = mask.bool()
+    n = m.sum().to(values.dtype).clamp(min=1)
+    zeroed = torch.where(m, values, 0.0)
+    centered = torch.where(m, zeroed - zeroed.sum() / n, 0.0)
+    return centered * torch.rsqrt(centered.square().sum() / n + eps)

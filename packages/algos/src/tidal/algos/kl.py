@@ -6,6 +6,10 @@ of tokens sampled from pi (Schulman 2020, "Approximating KL Divergence"). With l
 - ``k3`` = (r - 1) - log r                unbiased, low variance, always >= 0 (GRPO's choice)
 - ``low-var-k3``: k3 clamped to [-10, 10], as some trainers do to avoid blow-ups
 
+log r is first clamped to +-20 (`tidal.algos.ratio.LOG_RATIO_BOUND`): exp(20) ~ 4.9e8 is finite, and a
+-inf reference logprob (a token outside the reference's support) gives a finite estimate and a zero
+gradient instead of inf or NaN. Where the clamp binds the gradient is 0.
+
 As a loss term: add ``kl_coef * aggregate(kl)`` (gradient flows through logp). As a reward penalty:
 subtract ``beta * kl.detach()`` per token before computing advantages (`kl_penalty`).
 """
@@ -15,12 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tidal.algos.ratio import LOG_RATIO_BOUND
+
 KL_ESTIMATORS = ("k1", "k2", "k3", "low-var-k3")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token KL(pi || ref) estimate, [B, T]."""
-    log_r = ref_logprobs - logprobs
+    log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
@@ -33,7 +39,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, beta: float, estimator: str = "k1") -> Tensor:
     """Per-token reward penalty beta * KL (detached), 0 where masked: subtract it from token rewards."""
-    return beta * kl_estimate(logprobs.detach(), ref_logprobs, estimator) * mask.to(logprobs.dtype)
+    kl = kl_estimate(logprobs.detach(), ref_logprobs, estimator)
+    return beta * torch.where(mask.bool(), kl, 0.0)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -4,6 +4,10 @@ All share the options `agg` (see tidal.algos.aggregation), `kl_coef`/`kl_estimat
 `ref_logprobs` as a loss term), `entropy_coef` (bonus on `entropy`), and multiply per-token terms by
 `is_weights` when tidal-staleness supplies them. The ratio is taken against `old_logprobs` when given
 (decoupled PPO's proximal policy), else against the sampler's `behaviour_logprobs`.
+
+NaN safety: every log-ratio comes from `tidal.algos.ratio.log_ratio` (clamped to +-20, 0 at masked
+positions) and every reduction masks with `torch.where`, so a -inf or NaN at a masked position (a padded
+behaviour logprob, a teacher's unsupported token) reaches neither the loss nor its gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import Tensor
 
 from tidal.algos.aggregation import aggregate, masked_mean
 from tidal.algos.kl import kl_estimate
+from tidal.algos.ratio import log_ratio as _log_ratio
 from tidal.algos.types import LossInputs, LossOutputs, require
 
 
@@ -32,7 +37,8 @@ def _finish(
     metrics.pop("_inv", None)
     mask = inputs.mask
     if inputs.is_weights is not None:
-        per_token = per_token * inputs.is_weights.detach()
+        # where, not a product alone: a weight that is NaN at a masked position would poison the gradient
+        per_token = per_token * torch.where(mask.bool(), inputs.is_weights.detach(), 0.0)
     loss = aggregate(per_token, mask, agg, norm_length)
     metrics["loss/policy"] = loss.detach()
     if kl_coef:
@@ -76,6 +82,12 @@ def _ratio_metrics(log_ratio: Tensor, mask: Tensor, ratio: Tensor | None = None)
     }
 
 
+def _advantages(inputs: LossInputs) -> Tensor:
+    """The detached advantages, 0 at masked positions (with `torch.where`: a NaN there, times a zero
+    gradient, would still be NaN in the backward pass)."""
+    return torch.where(inputs.mask.bool(), inputs.advantages.detach(), 0.0)
+
+
 def _fraction(hit: Tensor, mask: Tensor, metrics: dict[str, Tensor]) -> Tensor:
     """Share of valid tokens where `hit` (bool) holds."""
     return (hit & mask.bool()).sum().to(metrics["_inv"].dtype) * metrics["_inv"]
@@ -102,9 +114,9 @@ def ppo_loss(
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (typically 3), got {dual_clip}")
-    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    log_ratio = _log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask)
     ratio = log_ratio.exp()
-    adv = inputs.advantages.detach()
+    adv = _advantages(inputs)
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
@@ -142,17 +154,17 @@ def gspo_loss(
     """
     mask = inputs.mask
     m = mask.to(inputs.logprobs.dtype)
-    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
-    seq_log_ratio = (log_ratio.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+    log_ratio = _log_ratio(inputs.logprobs, inputs.anchor_logprobs, mask)  # 0 where masked: the sum is safe
+    seq_log_ratio = log_ratio.detach().sum(-1) / m.sum(-1).clamp(min=1)  # [B]
     token_ratio = torch.exp(seq_log_ratio[:, None] + inputs.logprobs - inputs.logprobs.detach())
-    adv = inputs.advantages.detach()
+    adv = _advantages(inputs)
     surr1 = token_ratio * adv
     surr2 = token_ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
     metrics = _ratio_metrics(log_ratio, mask)
     s = seq_log_ratio.exp()
     has = m.sum(-1) > 0
-    seq_adv = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
+    seq_adv = torch.where(mask.bool(), adv, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
     n = has.sum().clamp(min=1).to(s.dtype)
     metrics["clip/high"] = (((s > 1 + clip_high) & (seq_adv > 0) & has).to(s.dtype).sum() / n)
     metrics["clip/low"] = (((s < 1 - clip_low) & (seq_adv < 0) & has).to(s.dtype).sum() / n)
@@ -179,11 +191,11 @@ def cispo_loss(
     ratios still learn. The paper tunes only the upper bound and leaves the lower one open:
     `clip_low=None` means no lower bound.
     """
-    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
+    log_ratio = _log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask)
     r = log_ratio.detach().exp()
     lower = 0.0 if clip_low is None else 1.0 - clip_low
     weight = r.clamp(lower, 1.0 + clip_high)
-    adv = inputs.advantages.detach()
+    adv = _advantages(inputs)
     per_token = -weight * adv * inputs.logprobs
     mask = inputs.mask
     metrics = _ratio_metrics(log_ratio, mask, r)
@@ -204,9 +216,8 @@ def reinforce_loss(
 ) -> LossOutputs:
     """REINFORCE (Williams 1992): L_t = -A_t log pi_t. Off-policy samples are reweighted only through
     `is_weights` (from tidal-staleness); there is no ratio clipping."""
-    log_ratio = inputs.logprobs - inputs.anchor_logprobs.detach()
-    per_token = -inputs.advantages.detach() * inputs.logprobs
-    metrics = _ratio_metrics(log_ratio, inputs.mask)
+    per_token = -_advantages(inputs) * inputs.logprobs
+    metrics = _ratio_metrics(_log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask), inputs.mask)
     return _finish(per_token, inputs, metrics, agg=agg, kl_coef=kl_coef, kl_estimator=kl_estimator,
                    entropy_coef=entropy_coef, norm_length=norm_length)
 
@@ -214,7 +225,8 @@ def reinforce_loss(
 def distillation_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the per-token negative
     reverse KL, A_t = log p_teacher(x_t) - log p_student(x_t), on the student's own samples."""
-    return (teacher_logprobs - student_logprobs).detach() * mask.to(student_logprobs.dtype)
+    # where, not a product: the teacher's logprob is -inf at a token outside its support (masked)
+    return torch.where(mask.bool(), (teacher_logprobs - student_logprobs).detach(), 0.0)
 
 
 def distillation_loss(
@@ -234,9 +246,9 @@ def distillation_loss(
     distill = distillation_advantages(inputs.logprobs, teacher, inputs.mask)
     adv = teacher_weight * distill
     if reward_weight:
-        adv = adv + reward_weight * inputs.advantages.detach()
+        adv = adv + reward_weight * _advantages(inputs)
     per_token = -adv * inputs.logprobs
-    metrics = _ratio_metrics(inputs.logprobs - inputs.anchor_logprobs.detach(), inputs.mask)
+    metrics = _ratio_metrics(_log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask), inputs.mask)
     metrics["kl/teacher_reverse"] = masked_mean(-distill, inputs.mask)
     return _finish(per_token, inputs, metrics, agg=agg, kl_coef=0.0, kl_estimator="k3",
                    entropy_coef=0.0, norm_length=norm_length)

@@ -4,7 +4,7 @@
 
 exp(20) ~ 4.9e8 is far beyond any clip range or IS cap in use (PPO's 1.2, TIS's 2, IcePop's 5), so the
 clamp changes no loss value a clip would not already have changed, and exp() of the result stays finite
-in float16 as in float32. A masked position is set to 0 with `torch.where`, not a product: its inputs may
+in float32 and bfloat16 (not in float16, whose largest value, 65504, is about e^11). A masked position is set to 0 with `torch.where`, not a product: its inputs may
 be -inf (a padded or unsupported behaviour logprob) or NaN, and neither reaches the value or the gradient.
 Where the clamp binds the gradient is 0, as where PPO's clip binds.
 """

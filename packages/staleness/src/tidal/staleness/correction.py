@@ -5,6 +5,11 @@ into tidal-algos' `LossInputs` (`is_weights`, and `mask &= correction.mask`). Po
 `combine` (weights multiply, masks AND). Everything here runs without gradient.
 
 With behaviour == learner logprobs every policy is the identity: weights 1, nothing masked.
+
+Every weight starts from `_log_ratio`, clamped to +-LOG_RATIO_BOUND (20: exp(20) ~ 4.9e8, far beyond any
+cap in use) and set to 0 at masked positions with `torch.where`, so a -inf behaviour logprob at a padded
+position, or a ratio of e^1000, gives finite weights. (tidal-algos' `tidal.algos.ratio` does the same;
+this package does not import it.)
 """
 
 from __future__ import annotations
@@ -42,14 +47,18 @@ class Correction:
     metrics: dict[str, Tensor] = field(default_factory=dict)  # detached 0-d tensors
 
 
+LOG_RATIO_BOUND = 20.0
+
+
 def _log_ratio(inp: CorrectionInputs) -> Tensor:
     target = inp.proximal_logprobs if inp.proximal_logprobs is not None else inp.learner_logprobs
-    return (target - inp.behaviour_logprobs).detach().float()
+    lr = (target - inp.behaviour_logprobs).detach().float().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.where(inp.mask.bool(), lr, 0.0)  # where: -inf - -inf is NaN, which a product keeps
 
 
 def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
     m = mask.to(x.dtype)
-    return (x * m).sum(-1) / m.sum(-1).clamp(min=1)
+    return torch.where(mask.bool(), x, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def _frac(flags: Tensor, mask: Tensor) -> Tensor:
