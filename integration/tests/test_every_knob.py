@@ -172,12 +172,21 @@ def test_each_option_changes_what_it_claims(kind, name, option, default, is_int)
 
 def test_every_kl_estimator_gives_its_own_gradient():
     """With a KL term, each estimator's gradient differs from every other's (low-var-k3 from k3 where
-    its clamp at 10 is reached: the probe's reference is up to 3.5 nats away)."""
+    its clamp at 10 is reached: the probe's reference is up to 3.5 nats away); a straight-through "+"
+    variant has exactly k2's gradient, by design, and its base estimator's value (the logged kl/ref)."""
+    plain = [e for e in KL_ESTIMATORS if not e.endswith("+")]
     grads = {e: loss_probe(registry.build("policy_loss", "ppo", {"kl_coef": 0.5, "kl_estimator": e}))
              for e in KL_ESTIMATORS}
-    for i, a in enumerate(KL_ESTIMATORS):
-        for b in KL_ESTIMATORS[i + 1:]:
+    for i, a in enumerate(plain):
+        for b in plain[i + 1:]:
             assert differs(grads[a], grads[b]), (a, b)
+    b = _batch()
+    for e in (e for e in KL_ESTIMATORS if e.endswith("+")):
+        assert not differs(grads[e], grads["k2"]), e
+        values = [registry.build("policy_loss", "ppo", {"kl_coef": 0.5, "kl_estimator": k})(LossInputs(
+            logprobs=b["logprobs"], behaviour_logprobs=b["behaviour"], advantages=b["advantages"], mask=b["mask"],
+            ref_logprobs=b["ref"])).metrics["kl/ref"] for k in (e, e[:-1])]
+        assert values[0] == values[1], e
 
 
 def test_an_option_where_it_changes_nothing_is_refused():

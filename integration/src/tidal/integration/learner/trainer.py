@@ -504,7 +504,10 @@ class Trainer:
 
     def _share(self, mask: torch.Tensor, totals: StepTotals) -> float:
         """A micro-batch's share of the step, as its loss aggregates: its trained tokens (token-mean), its
-        rows (seq-mean-token-sum-norm: a sum over B x L), else its sequences with a trained token."""
+        rows (seq-mean-token-sum-norm: a sum over B x L), 1 (token-sum: each micro-batch's loss is its own
+        sum, and the step's is the sum of theirs), else its sequences with a trained token."""
+        if self.agg == "token-sum":
+            return 1.0
         if self.agg == "token-mean":
             return float(mask.sum()) / max(totals.tokens, 1)
         if self.agg == "seq-mean-token-sum-norm":

@@ -52,6 +52,13 @@ _EXPORTS: dict[str, str] = {
     "to_tokens": "advantages",
     "topr_loss": "offpolicy",
     "value_loss": "losses",
+    # the catalogue ported from other frameworks
+    "dppo_loss": "losses",
+    "gmpo_loss": "losses",
+    "gpg_advantages": "advantages",
+    "kl_cov_loss": "losses",
+    "passk_advantages": "advantages",
+    "sapo_loss": "losses",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -194,3 +194,54 @@ def grpo_process_advantages(
     norm = torch.zeros_like(step_rewards)
     norm[valid] = grpo_advantages(flat_r, flat_g, eps=eps, unbiased_std=False)
     return step_rewards_to_tokens(norm, step_ends, num_tokens, cumulative=True)
+
+
+def gpg_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv 2504.02546, eq. 9-10): A_i = alpha (r_i - mean_g), no std division, with
+    alpha = B / B_valid, B_valid the samples of groups whose rewards are not all equal. Those groups'
+    advantages are 0, so they would otherwise dilute a token-mean gradient; alpha undoes the dilution
+    (all groups all-equal: alpha = 1, every advantage 0). Use with the `reinforce` loss (the paper's
+    objective is plain policy gradient, token-mean, no ratio clip)."""
+    idx = _check(rewards, group_index)
+    _, mean = _group_mean(rewards, idx)
+    flat = _group_all_equal(rewards, idx)
+    n_valid = int((~flat).sum())
+    alpha = rewards.numel() / n_valid if n_valid else 1.0
+    adv = torch.where(flat, torch.zeros_like(mean), alpha * (rewards.to(torch.float64) - mean))
+    return adv.to(rewards.dtype)
+
+
+def _log_comb(n: Tensor, k: Tensor) -> Tensor:
+    """log C(n, k) for float tensors with 0 <= k <= n (the caller masks other entries)."""
+    return torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma((n - k).clamp(min=0) + 1)
+
+
+def passk_advantages(rewards: Tensor, group_index: Tensor, *, k: int, threshold: float = 0.5) -> Tensor:
+    """Pass@k advantages (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and
+    Exploitation of Large Reasoning Models", arXiv 2508.10751, the analytical derivation): the group's
+    expected pass@k over its k-subsets, for binary rewards, with group size n and c correct samples:
+
+        R = 1 - C(n - c, k) / C(n, k),   sigma = sqrt(R (1 - R)),
+        A_correct = (1 - R) / sigma,     A_wrong = (1 - R - C(n - c - 1, k - 1) / C(n - 1, k - 1)) / sigma.
+
+    A sample is correct when its reward > `threshold`. k = 1 is GRPO with the population std. A group with
+    R in {0, 1} (no sample correct, or fewer than k wrong) gets 0. Every group needs at least k samples."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    idx = _check(rewards, group_index)
+    correct = (rewards > threshold).to(torch.float64)
+    n = _group_sum(torch.ones_like(correct), idx)
+    if bool((n < k).any()):
+        raise ValueError(f"pass@{k} advantages need groups of at least {k} samples; the smallest has {int(n.min())}")
+    c = _group_sum(correct, idx)
+    kk = torch.full_like(n, float(k))
+    all_fail = torch.where(n - c >= kk, torch.exp(_log_comb(n - c, kk) - _log_comb(n, kk)), 0.0)
+    mean = 1.0 - all_fail
+    sigma = (mean * (1.0 - mean)).clamp(min=0).sqrt()
+    # share of the k-subsets holding a given wrong sample that are all wrong: they lose the wrong one's credit
+    wrong_share = torch.where(n - c - 1 >= kk - 1,
+                              torch.exp(_log_comb(n - c - 1, kk - 1) - _log_comb(n - 1, kk - 1)), 0.0)
+    adv = torch.where(correct > 0, 1.0 - mean, 1.0 - mean - wrong_share) / sigma.clamp(min=1e-12)
+    adv = torch.where(sigma > 1e-12, adv, torch.zeros_like(adv))
+    return adv.to(rewards.dtype)

@@ -7,6 +7,9 @@
 - ``seq-mean-token-sum``: sum over each sequence's tokens, then mean over sequences.
 - ``seq-mean-token-sum-norm``: sum over all valid tokens divided by B × a constant length (Dr.GRPO,
   Liu et al. 2025): no length bias; the constant defaults to the padded length T.
+- ``token-sum``: the sum over all valid tokens, not normalised (e.g. Tinker's and some SFT losses'
+  convention): the gradient scales with the number of tokens in the step, so the learning rate does
+  too. The learner gives each micro-batch a share of 1, so the step's loss is the whole batch's sum.
 
 Sequences without any valid token are left out of sequence means (they add nothing and divide nothing);
 a batch without any valid token gives 0, never NaN. Masked positions are zeroed with `torch.where`, not
@@ -20,8 +23,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                              "token-sum")
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", norm_length: float | None = None) -> Tensor:
@@ -30,6 +34,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", norm_lengt
     masked = torch.where(mask.bool(), values, 0.0)
     if mode == "token-mean":
         return masked.sum() / m.sum().clamp(min=1)
+    if mode == "token-sum":
+        return masked.sum()
     if mode == "seq-mean-token-sum-norm":
         length = values.shape[-1] if norm_length is None else norm_length
         return masked.sum() / (values.shape[0] * length) if values.numel() else masked.sum()

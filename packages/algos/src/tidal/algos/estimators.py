@@ -130,3 +130,27 @@ class OAPLEstimator:
     def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
         g = _need(batch, "group_index", "oapl")
         return AdvantageOutputs(advantages=adv.to_tokens(oapl_advantages(batch.rewards, g, self.beta), batch.mask))
+
+
+class GPGEstimator:
+    """GPG (registered as "gpg"): r - group mean, no std, scaled by B / B_valid (`gpg_advantages`).
+    Pair with the `reinforce` loss, as the paper does."""
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        seq = adv.gpg_advantages(batch.rewards, _need(batch, "group_index", "gpg"))
+        return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))
+
+
+class PassKEstimator:
+    """Pass@k training's analytical advantages (registered as "passk", `passk_advantages`): rewards
+    above `threshold` count as correct; every group needs at least `k` samples."""
+
+    def __init__(self, k: int = 2, threshold: float = 0.5) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k, self.threshold = k, threshold
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", "passk")
+        seq = adv.passk_advantages(batch.rewards, g, k=self.k, threshold=self.threshold)
+        return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))

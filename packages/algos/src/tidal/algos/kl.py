@@ -4,7 +4,13 @@ of tokens sampled from pi (Schulman 2020, "Approximating KL Divergence"). With l
 - ``k1`` = -log r                         unbiased, high variance, can be negative
 - ``k2`` = (log r)^2 / 2                  biased, low variance; its gradient is the KL's gradient
 - ``k3`` = (r - 1) - log r                unbiased, low variance, always >= 0 (GRPO's choice)
-- ``low-var-k3``: k3 clamped to [-10, 10], as some trainers do to avoid blow-ups
+- ``low-var-k3``: k3 clamped to [-10, 10], as some trainers do to avoid blow-ups (verl's ``low_var_kl``,
+  which verl's ``k3`` also names: a verl ``k3`` is this, not the unclamped ``k3`` here)
+
+Straight-through variants ``k1+``, ``k3+``, ``low-var-k3+`` (verl's ``+`` suffix, e.g. ``low_var_kl+``):
+the value of k1 / k3 / low-var-k3, the gradient of k2, k2 - sg(k2) + sg(k), so that the KL term logs an
+unbiased KL estimate while its gradient is the KL's gradient (k1's and k3's gradients in expectation are
+not; k2's is). As a reward penalty (detached) a ``+`` variant is its base estimator.
 
 log r is first clamped to +-20 (`tidal.algos.ratio.LOG_RATIO_BOUND`): exp(20) ~ 4.9e8 is finite, and a
 -inf reference logprob (a token outside the reference's support) gives a finite estimate and a zero
@@ -21,11 +27,15 @@ from torch import Tensor
 
 from tidal.algos.ratio import LOG_RATIO_BOUND
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "low-var-k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low-var-k3", "k1+", "k3+", "low-var-k3+")
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token KL(pi || ref) estimate, [B, T]."""
+    if estimator in ("k1+", "k3+", "low-var-k3+"):
+        value = kl_estimate(logprobs, ref_logprobs, estimator[:-1])
+        k2 = kl_estimate(logprobs, ref_logprobs, "k2")
+        return k2 - k2.detach() + value.detach()  # straight through: k's value, k2's gradient
     log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k1":
         return -log_r

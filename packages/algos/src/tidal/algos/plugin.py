@@ -20,7 +20,7 @@ from tidal.core.plugins import declare, hookimpl
 LOSS_TRAITS = ("aggregation", "requires_advantage", "refuses_correction")
 
 
-def _loss_factory(qualified: str) -> Callable[..., Callable[[Any], Any]]:
+def _loss_factory(qualified: str, metric_only: tuple[str, ...] = ()) -> Callable[..., Callable[[Any], Any]]:
     # "name" is a function of tidal.algos.losses, "module:name" one of tidal.algos.<module>
     module, _, name = qualified.rpartition(":")
     module = module or "losses"
@@ -43,7 +43,8 @@ def _loss_factory(qualified: str) -> Callable[..., Callable[[Any], Any]]:
         return loss
 
     make.__doc__ = f"Build tidal.algos.{module}.{name} with fixed options."
-    return declare(make, signature=f"tidal.algos.{module}:{name}", skip=("inputs",), acts_with=LOSS_ACTS_WITH)
+    return declare(make, signature=f"tidal.algos.{module}:{name}", skip=("inputs",), acts_with=LOSS_ACTS_WITH,
+                   metric_only=metric_only)
 
 
 # where a loss option changes nothing, so that a recipe setting it there is refused (not ignored)
@@ -58,6 +59,7 @@ ESTIMATORS: dict[str, tuple[str, bool]] = {
     "grpo": ("GroupEstimator", True), "dr_grpo": ("GroupEstimator", True), "rloo": ("GroupEstimator", True),
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
     "grpo_process": ("ProcessEstimator", False), "oapl": ("OAPLEstimator", False),
+    "gpg": ("GPGEstimator", False), "passk": ("PassKEstimator", False),
 }
 
 
@@ -84,7 +86,7 @@ def _estimator_factory(name: str) -> Callable[..., Any]:
 def tidal_policy_losses() -> dict[str, Callable[..., Any]]:
     return {
         "ppo": _loss_factory("ppo_loss"),
-        "gspo": _loss_factory("gspo_loss"),
+        "gspo": _loss_factory("gspo_loss", metric_only=("clip_frac",)),  # which clip fraction is logged
         "cispo": _loss_factory("cispo_loss"),
         "reinforce": _loss_factory("reinforce_loss"),
         "distillation": _loss_factory("distillation_loss"),
@@ -92,6 +94,10 @@ def tidal_policy_losses() -> dict[str, Callable[..., Any]]:
         "oapl": _loss_factory("offpolicy:oapl_loss"),
         "m2po": _loss_factory("offpolicy:m2po_loss"),
         "topr": _loss_factory("offpolicy:topr_loss"),
+        "sapo": _loss_factory("sapo_loss"),
+        "gmpo": _loss_factory("gmpo_loss"),
+        "dppo": _loss_factory("dppo_loss"),
+        "kl_cov": _loss_factory("kl_cov_loss"),
     }
 
 
