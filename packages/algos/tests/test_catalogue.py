@@ -237,3 +237,22 @@ def test_gspo_clip_fraction_per_sequence_or_per_token():
     assert seq.loss.item() == tok.loss.item()
     with pytest.raises(ValueError, match="clip_frac"):
         gspo_loss(inp, clip_frac="batch")
+
+
+@pytest.mark.parametrize("name", ["sapo", "gmpo", "dppo", "kl_cov"])
+def test_bf16_inputs_match_fp32(name):
+    torch.manual_seed(1)
+    old = -torch.rand(8, 16) - 0.5
+    diff = 0.1 * (2 * torch.rand(8, 16) - 1)  # ratios in [0.9, 1.1]: no bound crossed by bf16 rounding
+    adv = torch.randn(8, 1).expand(8, 16).contiguous()
+    loss = registry.create("policy_loss", name)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        logp = (old + diff).to(dtype).requires_grad_()
+        out = loss(LossInputs(logprobs=logp, behaviour_logprobs=old.to(dtype), advantages=adv.to(dtype),
+                              mask=torch.ones(8, 16, dtype=torch.bool)))
+        out.loss.backward()
+        assert out.loss.dtype == dtype
+        results.append((out.loss.float(), logp.grad.float()))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=2e-3, rtol=5e-2)
