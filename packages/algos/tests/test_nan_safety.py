@@ -21,7 +21,7 @@ MASK = [[True, True, True, True], [True, True, False, False], [False, False, Fal
 
 def extreme(all_masked: bool = False) -> tuple[LossInputs, list[torch.Tensor]]:
     """Row 0: log-ratios +1000, -1000 and a reference 1000 nats either side; row 1: -inf behaviour and
-    reference logprobs, NaN advantages and weights past its 2 tokens; row 2: nothing valid."""
+    reference logprobs, NaN advantages, weights and value targets past its 2 tokens; row 2: nothing valid."""
     mask = torch.tensor(MASK) & (not all_masked)
     logp = torch.full((3, 4), -1.0, dtype=torch.float64)
     behaviour = logp + torch.tensor([[-1000.0, 1000.0, 0.5, -0.5], [0.1, -0.2, -INF, -INF], [-INF] * 4])
@@ -32,7 +32,8 @@ def extreme(all_masked: bool = False) -> tuple[LossInputs, list[torch.Tensor]]:
               torch.randn(3, 4, dtype=torch.float64).requires_grad_()]
     inp = LossInputs(logprobs=leaves[0], behaviour_logprobs=behaviour, advantages=adv, mask=mask,
                      ref_logprobs=ref, is_weights=weights, entropy=leaves[1], values=leaves[2],
-                     old_values=torch.zeros(3, 4, dtype=torch.float64), returns=torch.ones(3, 4, dtype=torch.float64))
+                     old_values=torch.tensor([[0.0] * 4, [0.0, 0.0, NAN, INF], [NAN] * 4], dtype=torch.float64),
+                     returns=torch.tensor([[1.0] * 4, [1.0, 1.0, NAN, -INF], [NAN] * 4], dtype=torch.float64))
     return inp, leaves
 
 

@@ -274,11 +274,12 @@ def value_loss(
     """PPO clipped value loss (Schulman et al. 2017; as in OpenAI baselines):
     L_t = 1/2 max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -c, c) - R_t)^2). `clip=None` disables clipping."""
     values = require(inputs, "values", "value_loss")
-    returns = require(inputs, "returns", "value_loss").detach()
+    # targets zeroed at masked positions (torch.where): a NaN there would reach the gradient through the square
+    returns = torch.where(inputs.mask.bool(), require(inputs, "returns", "value_loss").detach(), 0.0)
     err = (values - returns).square()
     metrics: dict[str, Tensor] = {}
     if clip is not None:
-        old = require(inputs, "old_values", "value_loss with clip").detach()
+        old = torch.where(inputs.mask.bool(), require(inputs, "old_values", "value_loss with clip").detach(), 0.0)
         clipped = old + (values - old).clamp(-clip, clip)
         err_clipped = (clipped - returns).square()
         metrics["value/clip_frac"] = masked_mean((err_clipped > err).detach().to(err.dtype), inputs.mask)
