@@ -392,8 +392,8 @@ def dppo_loss(
     inputs: LossInputs,
     *,
     divergence: str = "tv",
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: float | None = None,
+    delta_high: float | None = None,
     ratio_cap: float = 20.0,
     agg: str = "token-mean",
     kl_coef: float = 0.0,
@@ -413,10 +413,14 @@ def dppo_loss(
 
     A token is masked only when it is past the bound in the direction its advantage pushes it, as PPO's
     clip. Ported from verl's `dppo_tv` / `dppo_kl` (whose `clip_ratio_low/high` are these deltas, and
-    `clip_ratio_c` = 20 the cap); the paper's recommended deltas were not verified here.
+    `clip_ratio_c` = 20 the cap). A delta left None is the authors' example recipe's (verl
+    examples/dppo_trainer): 0.15 for tv, 0.05 for kl.
     """
     if divergence not in ("tv", "kl"):
         raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
+    default_delta = 0.15 if divergence == "tv" else 0.05
+    delta_low = default_delta if delta_low is None else delta_low
+    delta_high = default_delta if delta_high is None else delta_high
     log_ratio = _log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask)
     r = log_ratio.detach().exp()
     adv = _advantages(inputs)
