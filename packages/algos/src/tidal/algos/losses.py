@@ -319,8 +319,8 @@ def sapo_loss(
 
     Its gradient is 4 s (1 - s) r A grad log pi with s = sigmoid(tau (r - 1)): exactly the policy gradient
     at r = 1, fading smoothly (never cut to 0) as r leaves 1, faster for a larger tau. tau_neg > tau_pos
-    damps negative-advantage updates more, as the paper recommends (its defaults 1.0 / 1.05, as verl's
-    and Trinity-RFT's `sapo`); the paper aggregates seq-mean-token-mean.
+    damps negative-advantage updates more, as the paper recommends (defaults 1.0 / 1.05 as Trinity-RFT's
+    `sapo`; the gate as verl's); the paper and verl aggregate seq-mean-token-mean.
     """
     log_ratio = _log_ratio(inputs.logprobs, inputs.anchor_logprobs, inputs.mask)
     ratio = log_ratio.exp()
