@@ -19,9 +19,10 @@ NAN = torch.nan
 MASK = [[True, True, True, True], [True, True, False, False], [False, False, False, False]]
 
 
-def extreme(all_masked: bool = False) -> tuple[LossInputs, list[torch.Tensor]]:
+def extreme(all_masked: bool = False, weighted: bool = True) -> tuple[LossInputs, list[torch.Tensor]]:
     """Row 0: log-ratios +1000, -1000 and a reference 1000 nats either side; row 1: -inf behaviour and
-    reference logprobs, NaN advantages, weights and value targets past its 2 tokens; row 2: nothing valid."""
+    reference logprobs, NaN advantages, weights and value targets past its 2 tokens; row 2: nothing valid.
+    `weighted=False`: no IS weights (for a loss that refuses a correction, OAPL)."""
     mask = torch.tensor(MASK) & (not all_masked)
     logp = torch.full((3, 4), -1.0, dtype=torch.float64)
     behaviour = logp + torch.tensor([[-1000.0, 1000.0, 0.5, -0.5], [0.1, -0.2, -INF, -INF], [-INF] * 4])
@@ -31,7 +32,7 @@ def extreme(all_masked: bool = False) -> tuple[LossInputs, list[torch.Tensor]]:
     leaves = [logp.requires_grad_(), torch.rand(3, 4, dtype=torch.float64).requires_grad_(),
               torch.randn(3, 4, dtype=torch.float64).requires_grad_()]
     inp = LossInputs(logprobs=leaves[0], behaviour_logprobs=behaviour, advantages=adv, mask=mask,
-                     ref_logprobs=ref, is_weights=weights, entropy=leaves[1], values=leaves[2],
+                     ref_logprobs=ref, is_weights=weights if weighted else None, entropy=leaves[1], values=leaves[2],
                      old_values=torch.tensor([[0.0] * 4, [0.0, 0.0, NAN, INF], [NAN] * 4], dtype=torch.float64),
                      returns=torch.tensor([[1.0] * 4, [1.0, 1.0, NAN, -INF], [NAN] * 4], dtype=torch.float64))
     return inp, leaves
@@ -54,8 +55,9 @@ CASES = [(n, o) for n in LOSSES for o in variants(n)]
 
 @pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{o.get('kl_estimator', '')}" for n, o in CASES])
 def test_extreme_inputs_give_a_finite_loss_and_gradient(name, options):
-    inp, leaves = extreme()
-    out = registry.build("policy_loss", name, options)(inp)
+    loss = registry.build("policy_loss", name, options)
+    inp, leaves = extreme(weighted=not getattr(loss, "refuses_correction", False))
+    out = loss(inp)
     assert torch.isfinite(out.loss), (name, out.loss)
     for g in torch.autograd.grad(out.loss, leaves, allow_unused=True):
         assert g is None or torch.isfinite(g).all(), (name, g)
@@ -66,8 +68,9 @@ def test_extreme_inputs_give_a_finite_loss_and_gradient(name, options):
 
 @pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{o.get('kl_estimator', '')}" for n, o in CASES])
 def test_a_batch_without_valid_tokens_gives_zero(name, options):
-    inp, leaves = extreme(all_masked=True)
-    out = registry.build("policy_loss", name, options)(inp)
+    loss = registry.build("policy_loss", name, options)
+    inp, leaves = extreme(all_masked=True, weighted=not getattr(loss, "refuses_correction", False))
+    out = loss(inp)
     assert out.loss.item() == 0.0, name
     for g in torch.autograd.grad(out.loss, leaves, allow_unused=True):
         assert g is None or (g == 0).all(), (name, g)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tidal.algos.losses import _finish, _fraction, _ratio_metrics
+from tidal.algos.losses import _advantages, _finish, _fraction, _ratio_metrics
 from tidal.algos.ratio import log_ratio
 from tidal.algos.types import LossInputs, LossOutputs
 
@@ -48,7 +48,8 @@ def oapl_advantages(rewards: Tensor, group_index: Tensor, beta: float = 1.0) -> 
 
 
 def _seq_sum(x: Tensor, m: Tensor) -> Tensor:
-    return (x * m).sum(-1)
+    """Sum over each sequence's masked tokens (`torch.where`: a NaN or inf elsewhere stays out)."""
+    return torch.where(m > 0, x, 0.0).sum(-1)
 
 
 def oapl_loss(
@@ -82,7 +83,7 @@ def oapl_loss(
     tokens = m.sum(-1)
     has = tokens > 0
     seq_lr = _seq_sum(lr, m)  # log pi_theta(y) - log pi_lag(y)
-    adv = _seq_sum(inputs.advantages.detach(), m) / tokens.clamp(min=1)
+    adv = _seq_sum(_advantages(inputs), m) / tokens.clamp(min=1)
     residual = beta * seq_lr - adv
     # spread each sequence's squared residual evenly over its tokens, so that the shared tail's
     # "seq-mean-token-sum" gives exactly mean_i residual_i^2 (and adds KL / entropy the same way)
@@ -157,7 +158,7 @@ def m2po_loss(
     mask = inputs.mask.bool()
     lr = log_ratio(inputs.logprobs, inputs.anchor_logprobs, mask)
     ratio = lr.exp()
-    adv = inputs.advantages.detach()
+    adv = _advantages(inputs)
     m2 = lr.detach().square()
     r = ratio.detach()
     candidates = mask & ((adv > 0) & (r > 1) | (adv < 0) & (r < 1)) if trust_region_only else mask
@@ -199,7 +200,7 @@ def topr_loss(
     mask = inputs.mask
     m = inputs.float_mask
     lr = log_ratio(inputs.logprobs, inputs.anchor_logprobs, mask).detach()
-    adv = inputs.advantages.detach()
+    adv = _advantages(inputs)
     if level == "sequence":
         seq_adv = _seq_sum(adv, m) / m.sum(-1).clamp(min=1)
         log_rho = _seq_sum(lr, m)[:, None].expand_as(lr)
