@@ -224,8 +224,10 @@ def samples(vocab: int) -> list[Sample]:
     return out
 
 
-def step_grad(models, loss: str, options: dict[str, Any], *, micro: int = 4096, batch=None) -> torch.Tensor:
-    """The gradient one Trainer step hands the optimizer, with the recipe's loss `{name, options}`."""
+def step_grad(models, loss: str, options: dict[str, Any], *, micro: int = 4096, batch=None,
+              metrics: dict[str, float] | None = None) -> torch.Tensor:
+    """The gradient one Trainer step hands the optimizer, with the recipe's loss `{name, options}` (and
+    the step's metrics into `metrics`, when given)."""
     policy, reference = models
     be = SingleBackend(str(policy), BackendConfig(optim=OptimConfig(lr=1e-3)))
     # a loss that states the advantage it needs (OAPL) is trained with it; every other with the default
@@ -242,7 +244,9 @@ def step_grad(models, loss: str, options: dict[str, Any], *, micro: int = 4096, 
     grads: list[torch.Tensor] = []
     trainer.before_update = lambda: grads.append(
         torch.cat([p.grad.flatten() for p in be.model.parameters() if p.grad is not None]).clone())
-    trainer.step(batch if batch is not None else samples(be.model.config.vocab_size))
+    out = trainer.step(batch if batch is not None else samples(be.model.config.vocab_size))
+    if metrics is not None:
+        metrics.update(out)
     return grads[0]
 
 
@@ -276,6 +280,20 @@ def test_the_step_does_not_depend_on_micro_batching(models, agg):
     options = {"agg": agg, "entropy_coef": 0.05, "kl_coef": 0.1}
     one, many = step_grad(models, "ppo", options, micro=4096), step_grad(models, "ppo", options, micro=20)
     assert (one - many).abs().max() <= 1e-5 * one.abs().max(), agg
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum"])
+def test_the_step_metrics_do_not_depend_on_micro_batching(models, agg):
+    """The loss's token averages (ratio, clip fractions, approximate KL) are the batch's however it is
+    packed; under token-sum too, where the loss itself adds up over micro-batches. (Under the sequence
+    aggregations they are weighed by each micro-batch's sequences, as the loss is: near, not equal.)"""
+    one: dict[str, float] = {}
+    many: dict[str, float] = {}
+    step_grad(models, "ppo", {"agg": agg}, micro=4096, metrics=one)
+    step_grad(models, "ppo", {"agg": agg}, micro=20, metrics=many)
+    assert many["train/micro_batches"] > 1
+    for key in ("ratio/mean", "kl/approx", "clip/high", "clip/low", "loss/total"):
+        assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (agg, key)
 
 
 @pytest.mark.parametrize("loss", ["oapl", "topr"])

@@ -485,8 +485,13 @@ class Trainer:
         # sequence parallelism the SP ranks' gradients sum to their micro-batch's, then the same holds)
         self.backend.backward(loss * share * world, last=last)
         sums["loss/total"] += float(loss.detach()) * share * dp
+        # a token-sum loss adds up over micro-batches (share 1), and so do the terms it aggregates (loss/*,
+        # kl/ref, entropy); its other metrics (ratio/mean, clip fractions) are token averages: weighed by
+        # the micro-batch's tokens, as under token-mean
+        per_token = float(inputs["mask"].sum()) / max(g_tokens, 1) if self.agg == "token-sum" else share
         for name, v in loss_metrics.items():
-            sums[name] += float(v) * share * dp
+            summed = name.startswith(("loss/", "kl/ref", "entropy"))
+            sums[name] += float(v) * (share if summed else per_token) * dp
         sums["train/entropy"] += float((inputs["entropy"].detach() * inputs["mask"]).sum()) / max(g_tokens, 1) * dp
 
     def _totals(self, samples: Sequence[Sample]) -> StepTotals:
