@@ -53,3 +53,75 @@ def test_other_losses_keep_their_agg_default(loss, agg):
 
 def test_an_explicit_agg_wins():
     assert _default_agg(build("topr", agg="token-mean").loss) == "token-mean"
+
+
+# ------------------------------------------------- lag_logprobs = "learner": the anchor recomputed
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    from tidal.rollout.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("lagged") / "policy", seed=3)
+
+
+def lagged_batch(vocab: int, version: int):
+    """Two groups of four whose sampler logprobs are far from the tiny model's (a sampler-vs-learner
+    mismatch of ~1 nat per token), all sampled by `version`."""
+    import numpy as np
+
+    from tidal.integration.learner.data import Sample
+
+    rng = np.random.default_rng(2)
+    return [Sample(id=str(i), group_id=str(i // 4), prompt=rng.integers(3, vocab, 4).astype(np.int32),
+                   completion=rng.integers(3, vocab, 5).astype(np.int32),
+                   logprobs=(-np.log(vocab) + rng.uniform(-2, 2, 5)).astype(np.float32),
+                   versions=np.full(5, version, np.int32), reward=float(i % 2), loss_mask=np.ones(5, bool))
+            for i in range(8)]
+
+
+def lagged_trainer(policy, lag_logprobs: str, loss: str = "oapl"):
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import BackendConfig, OptimConfig
+
+    be = SingleBackend(str(policy), BackendConfig(optim=OptimConfig(lr=1e-2)))
+    advantage = "oapl" if loss == "oapl" else "grpo"
+    cfg = TrainConfig(loss=PluginRef(name=loss), advantage=PluginRef(name=advantage), lag_logprobs=lag_logprobs,
+                      lag_snapshots=1)
+    return be, Trainer(be, cfg)
+
+
+def test_the_learner_recomputes_the_anchor_with_the_weights_it_published(policy):
+    """With lag_logprobs = "learner", a batch of the published version anchors exactly to the current
+    weights (ratio 1, whatever the sampler recorded); after two steps unpublished it anchors to the
+    published ones (ratio != 1); a version no longer kept falls back to the sampler's, counted."""
+    be, trainer = lagged_trainer(policy, "learner")
+    vocab = be.model.config.vocab_size
+    m = trainer.step(lagged_batch(vocab, 0))  # version 0: the starting weights, kept at construction
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and m["staleness/lag_logprobs_from_sampler"] == 0.0
+    trainer.published(1)
+    m = trainer.step(lagged_batch(vocab, 1))
+    assert m["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    m = trainer.step(lagged_batch(vocab, 1))  # the weights moved since version 1 was published
+    assert abs(m["ratio/mean"] - 1.0) > 1e-4 and m["staleness/lag_logprobs_from_sampler"] == 0.0
+    assert sorted(trainer.lagged) == [1]  # lag_snapshots = 1: version 0's copy is gone
+    m = trainer.step(lagged_batch(vocab, 0))
+    assert m["staleness/lag_logprobs_from_sampler"] == pytest.approx(1.0)
+
+
+def test_the_sampler_anchor_is_the_default(policy):
+    be, trainer = lagged_trainer(policy, "sampler")
+    m = trainer.step(lagged_batch(be.model.config.vocab_size, 0))
+    assert abs(m["ratio/mean"] - 1.0) > 1e-2 and not trainer.lagged
+    assert "staleness/lag_logprobs_from_sampler" not in m
+
+
+def test_lagged_logprobs_with_a_proximal_correction_is_refused(policy):
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import BackendConfig
+
+    be = SingleBackend(str(policy), BackendConfig())
+    with pytest.raises(ValueError, match="proximal policy: choose one"):
+        Trainer(be, TrainConfig(correction=PluginRef(name="decoupled_ppo"), lag_logprobs="learner"))

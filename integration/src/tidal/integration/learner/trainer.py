@@ -16,6 +16,7 @@ ranks of an SP group and its per-token values gathered, so the loss is the same 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -152,6 +153,33 @@ class Trainer:
         self._warned: set[str] = set()
         self.correction = objective.correction
         self.skipped_steps = 0  # steps whose loss or gradient was not finite: dropped (`step`)
+        # lag_logprobs = "learner": version -> a frozen copy of the weights published as it (`published`)
+        self.lagged: dict[int, torch.nn.Module] = {}
+        if cfg.lag_logprobs == "learner":
+            self._check_lagged(objective)
+            self.published(0)  # the starting weights: what every generator holds before the first publish
+
+    def _check_lagged(self, objective: Objective) -> None:
+        """lag_logprobs = "learner" keeps whole copies of the policy in this process: one process, no
+        sequence parallelism, and no correction that sets the anchor itself (decoupled PPO's proximal)."""
+        if getattr(self.backend, "reduces_grads", False) or self.backend.world_size > 1 or self.sp is not None:
+            raise ValueError("train.lag_logprobs = \"learner\" keeps a copy of the published weights in one "
+                             "process: it needs the single backend without sequence parallelism (use \"sampler\")")
+        if getattr(objective.correction, "needs_proximal", False):
+            raise ValueError(f"train.lag_logprobs = \"learner\" anchors the ratio to the published weights, but "
+                             f"correction {self.cfg.correction.name if self.cfg.correction else ''!r} anchors it to "
+                             f"the proximal policy: choose one")
+        if self.cfg.lag_snapshots < 1:
+            raise ValueError(f"train.lag_snapshots must be >= 1, got {self.cfg.lag_snapshots}")
+
+    def published(self, version: int) -> None:
+        """The weights of `version` were published: keep a frozen copy (lag_logprobs = "learner"; the
+        newest `lag_snapshots`) to recompute the logprobs of the tokens it samples."""
+        if self.cfg.lag_logprobs != "learner":
+            return
+        self.lagged[version] = copy.deepcopy(self.backend._module()).eval().requires_grad_(False)
+        for old in sorted(self.lagged)[: -self.cfg.lag_snapshots]:
+            del self.lagged[old]
 
     @property
     def fallback(self) -> SamplingParams:
@@ -365,6 +393,8 @@ class Trainer:
                                        g_tokens=totals.tokens, dp=dp)
         if self.reference is not None:
             self._add_reference(inputs, micro, local, shard, lp)
+        if self.lagged:
+            self._add_lagged(inputs, micro, local, [samples[i] for i in micro.index], sums, totals.tokens)
         if self.correction is not None:
             self._add_correction(inputs, sums, n_micros)
         loss, out = self._loss(inputs, micro, values, returns, old_values, dev, totals)
@@ -431,6 +461,27 @@ class Trainer:
             ref_lp = torch.where(ref_outside, lp.detach(), ref_lp)
         inputs["ref_logprobs"] = micro.padded(ref_lp)
         inputs["mask"] = inputs["mask"] & ~micro.padded(ref_outside, False).bool()
+
+    def _add_lagged(self, inputs: dict[str, Any], micro: Any, local: Any, ss: list[Sample],
+                    sums: dict[str, float], g_tokens: float) -> None:
+        """`old_logprobs`, the anchor: each token's logprob under the weights published as the version that
+        sampled it, recomputed here; the sampler's where that version is no longer (or not) kept, or where
+        the token is outside the lagged policy's processed support."""
+        dev = inputs["logprobs"].device
+        versions = torch.from_numpy(np.concatenate([s.versions for s in ss])).to(dev)
+        anchor = torch.from_numpy(np.concatenate([s.logprobs for s in ss])).to(dev)
+        recomputed = torch.zeros_like(versions, dtype=torch.bool)
+        with torch.no_grad():
+            for v in sorted(set(versions.tolist()) & set(self.lagged)):
+                logits = self.lagged[v](input_ids=local.input_ids, position_ids=local.position_ids, use_cache=False,
+                                        logits_to_keep=local.pred, **self.backend.layout_kw(local.layout)).logits
+                lagged, _ = token_logprobs(logits, local)
+                take = (versions == v) & torch.isfinite(lagged)
+                anchor = torch.where(take, lagged, anchor)
+                recomputed |= take
+        trained = torch.from_numpy(np.concatenate([s.loss_mask for s in ss])).to(dev).bool()
+        sums["staleness/lag_logprobs_from_sampler"] += float((trained & ~recomputed).sum()) / max(g_tokens, 1)
+        inputs["old_logprobs"] = micro.padded(anchor)
 
     def _add_correction(self, inputs: dict[str, Any], sums: dict[str, float], n_micros: int) -> None:
         """The staleness correction's importance weights and mask (and the proximal logprobs it asks for)."""

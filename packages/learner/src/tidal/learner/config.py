@@ -67,6 +67,13 @@ class TrainConfig(ConfigStruct):
     # a group's samples share their prompt in the packed row (computed once, not G times); needs the
     # backend's attention to be tidal_varlen (attn "auto" on CPU), ignored otherwise
     share_prompts: bool = True
+    # the policy a loss's ratio (or OAPL's regression) is anchored to for a token sampled by an older
+    # version: "sampler", the logprobs the sampler recorded; "learner", recomputed by the learner with the
+    # very weights it published as that version (kept in memory from then: the newest `lag_snapshots`;
+    # older tokens fall back to the sampler's, counted in staleness/lag_logprobs_from_sampler), as OAPL's
+    # paper does: the anchor then carries no sampler-vs-learner numerical mismatch. One process, no SP
+    lag_logprobs: Literal["sampler", "learner"] = "sampler"
+    lag_snapshots: int = 2  # with lag_logprobs = "learner": published versions kept (each a model copy)
     value_coef: float = 0.5  # PPO mode (advantage "gae"): weight of the critic's value loss
     value_clip: float = 0.2  # PPO value clipping; 0 disables it
 

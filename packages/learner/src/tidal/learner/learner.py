@@ -64,6 +64,8 @@ class Trainer(Protocol):
 
     def step(self, work: Any) -> dict[str, float]: ...
 
+    # optional: `published(version)`, called after the weights of `version` were handed to the publisher
+
 
 class SequenceShare(Protocol):
     """Sequence parallelism as the learner sees it: the SP group's rank 0 (`leader`) gets the batch and
@@ -240,6 +242,9 @@ class Learner:
                 pass
             return
         self.publisher.send_weights(weights, self.version, self._background)
+        published = getattr(self.trainer, "published", None)
+        if published is not None:  # a trainer that anchors to the weights it published (lag_logprobs)
+            published(self.version)
 
     def wait_published(self) -> None:
         """Block until the weights being sent in the background are packed and announced (before the
