@@ -134,9 +134,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         curve = [{"version": v, "samples": max(p["samples"] for r in done for p in r["curve"] if p["version"] == v),
                   "acc": sum(p["acc"] for r in done for p in r["curve"] if p["version"] == v) / len(done)}
                  for v in sorted(common)]
-        out.append({"objective": key[0], "lag": key[1], "seeds": len(done),
-                    "final_acc": sum(r["final_acc"] for r in done) / len(done),
-                    "finals": [r["final_acc"] for r in done], "curve": curve,
+        finals = [r["final_acc"] for r in done]
+        mean = sum(finals) / len(finals)
+        # the standard error of that mean over seeds: what a gap between two rows must beat to mean much
+        sem = (sum((x - mean) ** 2 for x in finals) / (len(finals) - 1) / len(finals)) ** 0.5 if len(finals) > 1 else None
+        out.append({"objective": key[0], "lag": key[1], "seeds": len(done), "final_acc": mean, "sem": sem,
+                    "finals": finals, "curve": curve,
                     "lag_mean": sum(r["lag_mean"] for r in done) / len(done), "lag_max": max(r["lag_max"] for r in done),
                     "skipped_steps": sum(r["skipped_steps"] for r in done),
                     "wall_s": sum(r["wall_s"] for r in done) / len(done)})
@@ -155,8 +158,8 @@ def goal(summary: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: list[dict[str, Any]]) -> None:
     base = {r["objective"]: r["final_acc"] for r in summary if r["lag"] == 1 and r["final_acc"] is not None}
-    print(f"\n{'objective':<9} {'L':>3} {'seeds':>5} {'final acc':>9} {'vs L=1':>7} {'per seed':<22} {'lag mean':>8} "
-          f"{'lag max':>7} {'skipped':>7} {'wall s':>6}")
+    print(f"\n{'objective':<9} {'L':>3} {'seeds':>5} {'final acc':>9} {'± sem':>6} {'vs L=1':>7} {'per seed':<22} "
+          f"{'lag mean':>8} {'lag max':>7} {'skipped':>7} {'wall s':>6}")
     for r in summary:
         acc = r["final_acc"]
         if acc is None:
@@ -164,7 +167,8 @@ def table(summary: list[dict[str, Any]]) -> None:
             continue
         gap = f"{100 * (acc - base[r['objective']]):+.1f}" if r["objective"] in base else "-"
         seeds = " ".join(f"{100 * x:.1f}" for x in r["finals"])
-        print(f"{r['objective']:<9} {r['lag']:>3} {r['seeds']:>5} {f'{100 * acc:.1f}%':>9} {gap:>7} {seeds:<22} "
+        sem = "-" if r["sem"] is None else f"{100 * r['sem']:.1f}"
+        print(f"{r['objective']:<9} {r['lag']:>3} {r['seeds']:>5} {f'{100 * acc:.1f}%':>9} {sem:>6} {gap:>7} {seeds:<22} "
               f"{r['lag_mean']:>8.1f} {r['lag_max']:>7.0f} {r['skipped_steps']:>7.0f} {r['wall_s']:>6.0f}")
 
 
