@@ -138,3 +138,15 @@ def test_sampling_stop_strings_are_appended_so_an_older_peer_still_decodes():
     with_stop = msgspec.msgpack.encode(SamplingParams(temperature=0.5, stop=["Answer:"]))
     assert msgspec.msgpack.decode(with_stop, type=SamplingParams).stop == ["Answer:"]
     assert msgspec.msgpack.decode(with_stop, type=OldSamplingParams).temperature == 0.5
+
+
+def test_kv_versions_round_trip_and_are_none_from_a_producer_that_does_not_record_them():
+    # protocol 1.5: the field is appended with a default, so a 1.4 producer's trajectory (no field) decodes
+    codec = Codec()
+    kv = np.array([2, 2, -1, 3], np.int32)
+    with_kv = msgspec.structs.replace(make_trajectory(0, completion_len=4), kv_versions=Array.from_numpy(kv))
+    back = codec.decode([bytes(f) for f in codec.encode(with_kv)])
+    assert isinstance(back, Trajectory) and back.kv_versions is not None
+    assert back.kv_versions.numpy().tolist() == kv.tolist()
+    plain = codec.decode([bytes(f) for f in codec.encode(make_trajectory(1, completion_len=4))])
+    assert isinstance(plain, Trajectory) and plain.kv_versions is None

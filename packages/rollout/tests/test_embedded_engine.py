@@ -105,6 +105,17 @@ def test_seeded_requests_are_reproducible_whatever_else_runs(tiny_model):
     assert all(alone[k] == together[k] for k in alone)
 
 
+def assert_kv_versions(mode, versions, kv_versions):
+    """Per token, the oldest version in the KV cache it attended to: in "continue" mode the prompt's KV
+    (written at version 0) stays under the tokens sampled after the update; recompute and retry rebuild it."""
+    assert kv_versions is not None and len(kv_versions) == len(versions)
+    if mode == "continue":
+        assert set(kv_versions) == {0}
+        assert 1 in versions  # tokens sampled by version 1 over version 0's KV
+    else:
+        assert kv_versions == versions
+
+
 @pytest.mark.parametrize("mode", ["continue", "recompute", "retry", "drop"])
 def test_in_flight_update_in_each_partial_rollout_mode(tiny_model, mode):
     model = reference(tiny_model)
@@ -125,10 +136,12 @@ def test_in_flight_update_in_each_partial_rollout_mode(tiny_model, mode):
         after = {r.request_id: r for r in eng.generate(later, timeout=60)}
     assert max_diff(new_model, later, after) <= 1e-5  # requests after the update: exactly the new weights
     assert all(r.versions == [1] * len(r.versions) for r in after.values())
+    assert all(r.kv_versions == r.versions for r in after.values())  # no update in flight: KV as new as the token
     for rq in reqs:
         res = results[rq.request_id]
         v = res.versions
         assert v == sorted(v)
+        assert_kv_versions(mode, v, res.kv_versions)
         if mode == "drop":
             assert res.finish_reason == "abort" and set(v) == {0}
             continue

@@ -77,6 +77,8 @@ def _check_sample(run, engine, tok):
         assert all(m == 1 for m in seg.mask[start:action_end])
         ends.append(action_end)
     assert seg.step_ends == ends  # each step's reward where its action's tokens end
+    # no update in flight: each turn's KV (the history rebuilt for its request) is as new as its tokens
+    assert seg.kv_versions == seg.versions
     for i, m in enumerate(seg.mask):
         if m == 0:
             assert seg.versions[i] == NO_VERSION and seg.logprobs[i] == 0.0
@@ -138,6 +140,7 @@ def test_episodes_in_environment_processes_and_their_trajectories(engine, tok, t
             assert t.group_size == 4 and t.reward == run.outcome
             assert t.completion_ids.numpy().tolist() == seg.ids
             assert t.loss_mask.numpy().tolist() == seg.mask
+            assert t.kv_versions is not None and t.kv_versions.numpy().tolist() == seg.kv_versions
             assert t.step_ends.numpy().tolist() == seg.step_ends
             assert t.step_rewards.numpy().tolist() == seg.step_rewards
             assert t.metadata["tidal.episode.turns"] == "3"
@@ -247,3 +250,15 @@ def test_a_bpe_model_with_its_own_chat_template_extends_turn_by_turn(chatml_mode
             whole = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True, tokenize=False)
             assert tok.decode([*seg.prompt, *seg.ids])[: len(whole)] == whole
     assert unsplit >= 4  # a sample splits only when the model sampled a special token mid-turn
+
+
+def test_a_segments_kv_versions_skip_observations_and_are_unknown_once_an_engine_could_not_tell():
+    from tidal.rollout.episodes.multiturn import Segment
+
+    seg = Segment(prompt=[1, 2])
+    seg.add([5, 6], [-0.1, -0.2], [3, 4], [3, 3])  # sampled over version 3's KV (continue mode)
+    seg.add([7])  # the environment's answer
+    assert seg.versions == [3, 4, NO_VERSION] and seg.kv_versions == [3, 3, NO_VERSION]
+    seg.add([8], [-0.3], [4], None)  # a turn from an engine that does not record KV versions
+    seg.add([9])
+    assert seg.kv_versions is None and seg.versions == [3, 4, NO_VERSION, 4, NO_VERSION]

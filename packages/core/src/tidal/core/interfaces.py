@@ -40,6 +40,9 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     finish_reason: str  # "stop", "length", "abort"
     sampling_mask: Any = None  # per-token kept-vocabulary bitmask, when requested
     routing: Any = None  # per-token MoE expert ids per layer, when requested
+    # per token, the oldest policy version in the KV cache it attended to (Trajectory.kv_versions);
+    # None = the engine cannot tell
+    kv_versions: list[int] | None = None
 
 
 @runtime_checkable

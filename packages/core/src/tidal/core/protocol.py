@@ -18,9 +18,10 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 4  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+PROTOCOL_MINOR = 5  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
 #                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol;
-#                     4: EpisodeOpen/EpisodeStep/EpisodeClose/EpisodeReply (environment processes)
+#                     4: EpisodeOpen/EpisodeStep/EpisodeClose/EpisodeReply (environment processes);
+#                     5: Trajectory.kv_versions
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -228,6 +229,11 @@ class Trajectory(_Msg):
     # how its tokens were sampled (temperature, top-k, top-p): the learner recomputes each token's
     # logprob under exactly this processing; None = unknown (a producer older than protocol 1.2)
     sampling: SamplingParams | None = None
+    # int32 [completion_len]: per token, the oldest policy version that wrote the KV cache it attended to
+    # when it was sampled (<= versions; older under in-flight updates with partial_mode "continue"), so the
+    # learner can see KV staleness beside sampling staleness; NO_VERSION where not sampled. None = the
+    # producer did not record it (older than protocol 1.5, or an engine that cannot tell)
+    kv_versions: Array | None = None
 
 
 class TrajectoryGroup(_Msg):

@@ -88,6 +88,7 @@ def make_trajectory(
             loss_mask=A(np.ones(n, np.uint8)),
             routing=A(rng.integers(0, 8, (n, 2, 2), dtype=np.uint8)),
             sampling_mask=A(rng.integers(0, 255, (n, 4), dtype=np.uint8)),
+            kv_versions=A(np.full(n, 2, np.int32)),
             metadata={"answer": "42"},
         )
     return Trajectory(

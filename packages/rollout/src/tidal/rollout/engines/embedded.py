@@ -28,6 +28,7 @@ into the model (the pause), and every token sampled afterwards carries the new v
 sequences in flight is the partial-rollout mode:
 
 - ``continue``: keep going on the KV cache built by the old weights (mixed versions, as PipelineRL);
+  each token's `kv_versions` entry keeps the version that built the cache, older than its `versions` one;
 - ``recompute``: keep the tokens, rebuild their KV cache with the new weights, then continue;
 - ``retry``: throw the partial completion away and start again from the prompt with the new weights;
 - ``drop``: finish them at once with finish reason ``"abort"`` (the caller discards them).
@@ -425,11 +426,14 @@ class EmbeddedEngine:
         finished = []
         version = self._version
         for i, s in enumerate(batch):
+            if s.computed == 0:  # this step wrote its whole KV cache (a follower's is its leader's, same step)
+                s.kv_floor = version
             s.computed = len(s.tokens)
             tok = tokens_l[i]
             s.tokens.append(tok)
             s.logprobs.append(chosen[i])
             s.versions.append(version)
+            s.kv_versions.append(s.kv_floor)
             p = params[i]
             if masks is not None and p.return_sampling_mask:
                 s.masks.append(masks[i])
@@ -468,6 +472,7 @@ class EmbeddedEngine:
             completion_ids=seq.completion,
             logprobs=seq.logprobs,
             versions=seq.versions,
+            kv_versions=seq.kv_versions,
             finish_reason=reason,
             sampling_mask=np.stack(seq.masks) if seq.masks else None,
             routing=routing,
@@ -560,4 +565,4 @@ class EmbeddedEngine:
             elif mode == "retry":
                 seq.tokens = seq.tokens[: seq.prompt_len]
                 seq.computed = 0
-                seq.logprobs, seq.versions, seq.masks, seq.routing = [], [], [], []
+                seq.logprobs, seq.versions, seq.kv_versions, seq.masks, seq.routing = [], [], [], [], []

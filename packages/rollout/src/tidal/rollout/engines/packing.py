@@ -28,6 +28,11 @@ class _Seq:
     row: int = -1  # cache row while running
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # the version whose weights (re)built this sequence's KV cache from its first token: set when it is fed
+    # from position 0 (joined, recompute, retry) and kept across updates in "continue" mode, where the old
+    # keys/values stay; every token sampled attends to them, so it is each token's oldest KV version
+    kv_floor: int = -1
+    kv_versions: list[int] = field(default_factory=list)  # kv_floor of each sampled token
     masks: list[np.ndarray] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)

@@ -8,7 +8,9 @@ Wraps vLLM's `AsyncLLM` (V1) behind the same face as the embedded engine: `submi
 - prefix caching off and async scheduling off, so a weight update cannot be mixed with cached blocks
   or a step scheduled ahead with the old weights;
 - optional fp32 lm_head (`fp32_lm_head=True`), done by the worker extension;
-- per-token policy versions from vLLM's own weight-version spans (`update_weight_version`);
+- per-token policy versions from vLLM's own weight-version spans (`update_weight_version`), and per
+  token the version the request's attempt started under as its KV version (`kv_versions`; older than the
+  sampling version only when ``continue`` carries a request across an update);
 - on request, sampling masks (`return_sampling_mask=True`, which vLLM serves from its model runner V2,
   i.e. on GPU) and MoE routing (`return_routing=True`, vLLM's routed-experts output);
 - stop strings (`SamplingParams.stop`) through vLLM's own detokenizer, which needs the model folder's
@@ -105,6 +107,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)  # kept from earlier attempts (recompute mode)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_versions: list[int] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
     attempt: int = 0
@@ -226,6 +229,10 @@ class VLLMEngine:
     async def _run(self, pend: _Pending) -> None:
         rid = pend.req.request_id
         attempt = pend.attempt
+        # prefix caching is off, so this attempt's KV cache is written from its first token by weights no
+        # older than these; in "continue" mode later tokens attend to it across updates. A lower bound: an
+        # update between submission and prefill (or a preemption that recomputes) makes the KV newer
+        kv_floor = self._version
         final = None
         try:
             async for out in self.llm.generate({"prompt_token_ids": pend.prompt}, self._sampling(pend),
@@ -241,14 +248,15 @@ class VLLMEngine:
             return
         assert final is not None, f"vLLM's generate of {rid} ended without an output"
         comp = final.outputs[0]
-        self._absorb(pend, comp, len(pend.prompt))
+        self._absorb(pend, comp, len(pend.prompt), kv_floor)
         reason = comp.finish_reason or "abort"
         if reason == "abort" and pend.resubmit:
             return
         self._deliver(pend, {"stop": "stop", "length": "length"}.get(reason, "abort"))
 
-    def _absorb(self, pend: _Pending, comp: Any, prompt_len: int) -> None:
-        """Append one attempt's tokens, logprobs, versions, masks and routes to the pending request."""
+    def _absorb(self, pend: _Pending, comp: Any, prompt_len: int, kv_floor: int) -> None:
+        """Append one attempt's tokens, logprobs, versions (and `kv_floor`, the version that wrote its KV
+        cache, as each token's KV version), masks and routes to the pending request."""
         ids = list(comp.token_ids)
         pend.tokens.extend(ids)
         pend.logprobs.extend(lp[t].logprob for lp, t in zip(comp.logprobs or [], ids, strict=False))
@@ -258,6 +266,7 @@ class VLLMEngine:
             for i in range(span.start, min(span.end, len(ids))):
                 versions[i] = int(span.version)
         pend.versions.extend(versions)
+        pend.kv_versions.extend(min(kv_floor, v) for v in versions)
         mask = getattr(comp, "sampling_mask", None)
         if mask is not None:
             pend.masks.extend(list(m) for m in mask.token_ids)
@@ -278,7 +287,7 @@ class VLLMEngine:
             mask = np.packbits(dense, axis=-1)
         res = GenerationResult(
             request_id=pend.req.request_id, completion_ids=pend.tokens, logprobs=pend.logprobs,
-            versions=pend.versions, finish_reason=reason, sampling_mask=mask,
+            versions=pend.versions, kv_versions=pend.kv_versions, finish_reason=reason, sampling_mask=mask,
             routing=np.stack(pend.routing) if (p.return_routing and pend.routing) else None,
         )
         if error:
@@ -349,6 +358,7 @@ class VLLMEngine:
                     for pend in in_flight:
                         if mode == "retry":
                             pend.tokens, pend.logprobs, pend.versions, pend.masks, pend.routing = [], [], [], [], []
+                            pend.kv_versions = []
                         pend.prompt = list(pend.req.prompt_ids) + pend.tokens
                         pend.attempt += 1
                         pend.resubmit = False

@@ -99,21 +99,31 @@ class Segment:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # per token the oldest version in the KV cache it attended to (each turn is a fresh request, so the
+    # engine rebuilt the history's KV for it and reports it); None once a turn's engine could not tell
+    kv_versions: list[int] | None = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
     step_ends: list[int] = field(default_factory=list)
     finish: str = ""
 
-    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
-        """Append sampled tokens (with their logprobs and versions) or, without them, rendered ones."""
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, versions: Sequence[int] | None = None,
+            kv_versions: Sequence[int] | None = None) -> None:
+        """Append sampled tokens (with their logprobs, versions and KV versions) or, without them, rendered ones."""
         self.ids.extend(ids)
         if logprobs is None:
             self.logprobs.extend([0.0] * len(ids))
             self.versions.extend([NO_VERSION] * len(ids))
+            if self.kv_versions is not None:
+                self.kv_versions.extend([NO_VERSION] * len(ids))
             self.mask.extend([0] * len(ids))
         else:
             self.logprobs.extend(logprobs)
             self.versions.extend(versions or [])
+            if kv_versions is None:
+                self.kv_versions = None
+            elif self.kv_versions is not None:
+                self.kv_versions.extend(kv_versions)
             self.mask.extend([1] * len(ids))
 
 
@@ -253,7 +263,7 @@ class MultiTurn:
         if res.finish_reason == "abort":
             self._fail(run, "abort", "a turn was aborted (partial_mode=drop drops groups caught by a weight update)")
         seg = run.segments[-1]
-        seg.add(res.completion_ids, res.logprobs, res.versions)
+        seg.add(res.completion_ids, res.logprobs, res.versions, res.kv_versions)
         seg.finish = res.finish_reason
         run.last_action = list(res.completion_ids)
         run.turn_versions.append(max(res.versions, default=NO_VERSION))
@@ -450,6 +460,7 @@ def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: st
         id=segment_id(run.id, k), group_id=a.group_id, sample_index=run.index, task=a.task,
         prompt_ids=_arr(seg.prompt, np.int32), completion_ids=_arr(seg.ids, np.int32),
         logprobs=_arr(seg.logprobs, np.float32), versions=_arr(seg.versions, np.int32),
+        kv_versions=None if seg.kv_versions is None else _arr(seg.kv_versions, np.int32),
         reward=float(run.outcome or 0.0), finish_reason=seg.finish or "stop",
         step_rewards=_arr(seg.step_rewards, np.float32), step_ends=_arr(seg.step_ends, np.int32),
         loss_mask=_arr(seg.mask, np.uint8),

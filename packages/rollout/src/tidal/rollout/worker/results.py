@@ -74,6 +74,7 @@ def trajectory_of(a: Assignment, index: int, res: GenerationResult, reward: floa
         completion_ids=Array.from_numpy(np.asarray(res.completion_ids, np.int32)),
         logprobs=Array.from_numpy(np.asarray(res.logprobs, np.float32)),
         versions=Array.from_numpy(np.asarray(res.versions, np.int32)),
+        kv_versions=None if res.kv_versions is None else Array.from_numpy(np.asarray(res.kv_versions, np.int32)),
         reward=reward, finish_reason=res.finish_reason,
         sampling_mask=None if res.sampling_mask is None else Array.from_numpy(np.ascontiguousarray(res.sampling_mask)),
         routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
