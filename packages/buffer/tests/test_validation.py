@@ -135,3 +135,22 @@ def test_a_group_check_finds_the_bad_member_and_its_reason(reason):
     members[5] = _forged(reason, 5)
     got = check_all_values(members, VOCAB, 3 + 64, 1e4)
     assert got is not None and got[:2] == (5, reason), got
+
+
+@pytest.mark.parametrize("as_sample", [False, True], ids=["trajectory", "sample"])
+def test_kv_versions_pass_through_and_a_misshapen_one_is_refused(as_sample):
+    from tidal.buffer.store import decode_body
+    from tidal.buffer.validate import validate
+
+    def read(t):
+        return decode_samples(body_of(encode_trajectory(t))) if as_sample else t
+
+    t = make_trajectory(0, rich=True)  # with kv_versions (protocol 1.5)
+    held = read(t)
+    assert validate(held) is None and check_values(held, VOCAB, 3 + 64, 1e4) is None
+    assert held.kv_versions.numpy().tolist() == t.kv_versions.numpy().tolist()
+    assert decode_body(body_of(encode_trajectory(t))).kv_versions == t.kv_versions  # served as it came
+    n = t.completion_ids.shape[0]
+    for bad in (np.zeros(n - 1, np.int32), np.zeros(n, np.int64)):
+        t.kv_versions = Array.from_numpy(bad)
+        assert "kv_versions" in (validate(read(t)) or "")

@@ -19,7 +19,7 @@ from tidal.core.arrays import ITEMSIZE
 from tidal.core.protocol import Trajectory, TrajectoryGroup
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs", "versions", "step_rewards", "step_ends", "loss_mask",
-           "routing", "sampling_mask")
+           "routing", "sampling_mask", "kv_versions")
 
 
 def validate(t: Trajectory | Any) -> str | None:
@@ -33,6 +33,9 @@ def validate(t: Trajectory | Any) -> str | None:
         return f"{name} has shape {a.shape}, completion_ids has ({n},)"
     if t.loss_mask is not None and t.loss_mask.shape != (n,):
         return f"loss_mask has shape {t.loss_mask.shape}, completion_ids has ({n},)"
+    kv = t.kv_versions
+    if kv is not None and (kv.shape != shape or kv.dtype != "int32"):  # the learner reads it beside versions
+        return f"kv_versions has shape {kv.shape} and dtype {kv.dtype}; it must be int32 ({n},) as versions"
     if not t.id or not t.group_id:
         return "id and group_id must be non-empty"
     if type(t.versions) in ARRAY_READS:  # a Sample: its arrays' byte counts are checked here (an Array's by itself)
@@ -43,7 +46,7 @@ def validate(t: Trajectory | Any) -> str | None:
                 or len(lp.data) != size[lp.dtype] * n or len(v.data) != size[v.dtype] * n):
             return _bad_bytes(t, _ARRAYS[:4])
         if (t.step_rewards is not None or t.step_ends is not None or t.loss_mask is not None or t.routing is not None
-                or t.sampling_mask is not None):
+                or t.sampling_mask is not None or kv is not None):
             return _bad_bytes(t, _ARRAYS[4:])
     return None
 
