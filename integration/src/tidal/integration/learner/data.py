@@ -40,6 +40,9 @@ class Sample:
     routing: np.ndarray | None = None  # int [T, moe layers, k] experts the sampler used for each token
     step_rewards: np.ndarray | None = None  # float32 [S] process rewards of a multi-turn sample's steps
     step_ends: np.ndarray | None = None  # int32 [S] completion index (exclusive) where each step ended
+    # int32 [T] per token the oldest policy version in the KV cache it attended to (NO_VERSION: not
+    # sampled); None = its producer did not record it
+    kv_versions: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -56,7 +59,8 @@ class Sample:
                    kept=None if t.sampling_mask is None else t.sampling_mask.numpy(),
                    routing=None if t.routing is None else t.routing.numpy(),
                    step_rewards=None if t.step_rewards is None else t.step_rewards.numpy(),
-                   step_ends=None if t.step_ends is None else t.step_ends.numpy())
+                   step_ends=None if t.step_ends is None else t.step_ends.numpy(),
+                   kv_versions=None if t.kv_versions is None else t.kv_versions.numpy())
 
 
 @dataclass

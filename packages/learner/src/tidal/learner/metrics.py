@@ -25,6 +25,7 @@ def step_metrics(metrics: dict[str, float], timing: dict[str, float], ready_to_s
         "staleness/lag_max": float(lags.max()) if len(lags) else 0.0,
         "reward/mean": float(np.mean([t.reward for t in trajectories])) if trajectories else 0.0,
     }
+    out.update(kv_lag_metrics(trajectories, version))
     if ready_to_step is not None:
         out["train/ready_to_step_ms"] = 1e3 * max(0.0, ready_to_step)
     by_task: dict[str, list[float]] = {}
@@ -33,3 +34,29 @@ def step_metrics(metrics: dict[str, float], timing: dict[str, float], ready_to_s
     if len(by_task) > 1:
         out.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
     return out, lags
+
+
+def kv_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """The lag of the KV cache each sampled token attended to (its `kv_versions` entry, against `version` as
+    `lag_mean`), and the share of those tokens whose KV is older than the version that sampled them (partial
+    mode "continue" across an update). Only trajectories whose producer recorded kv_versions count; none
+    such: no metrics, rather than zeros that would read as fresh KV."""
+    kv, sampler = [], []
+    for t in trajectories:
+        if t.kv_versions is None:
+            continue
+        v, k = t.versions.numpy(), t.kv_versions.numpy()
+        sampled = v > NO_VERSION
+        kv.append(k[sampled])
+        sampler.append(v[sampled])
+    if not kv:
+        return {}
+    k_all, v_all = np.concatenate(kv), np.concatenate(sampler)
+    if not len(k_all):
+        return {}
+    lags = version - 1 - k_all
+    return {
+        "staleness/kv_lag_mean": float(lags.mean()),
+        "staleness/kv_lag_max": float(lags.max()),
+        "staleness/kv_older_than_sampler_frac": float((k_all < v_all).mean()),
+    }
