@@ -11,6 +11,7 @@ import torch
 from tidal.staleness import (
     CorrectionInputs,
     DecoupledPPO,
+    KVLagMask,
     MaskedIS,
     OffPolicySequenceMask,
     SequenceTIS,
@@ -78,6 +79,29 @@ def test_decoupled_ppo_weight_is_proximal_over_behaviour():
     torch.testing.assert_close(w(DecoupledPPO(cap=1.5)(inp)), t([[1.5, 0.5]], dtype=torch.float64))
 
 
+def test_kv_lag_mask_drops_tokens_whose_kv_cache_is_too_old():
+    inp = inp_from_ratios([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]], mask=[[1, 1, 1, 1], [1, 1, 0, 0]],
+                          kv_lag=t([[0, 2, 3, 5], [1, 4, 9, 9]]))
+    c = KVLagMask(max_kv_lag=2)(inp)
+    assert c.mask.tolist() == [[True, True, False, False], [True, False, False, False]]
+    torch.testing.assert_close(c.weights, c.mask.float())
+    assert c.metrics["is/kv_lag_masked_frac"].item() == pytest.approx(3 / 6)  # of the real tokens
+    assert KVLagMask(max_kv_lag=9)(inp).mask.tolist() == inp.mask.tolist()
+    with pytest.raises(ValueError, match="max_kv_lag"):
+        KVLagMask(max_kv_lag=-1)
+
+
+def test_kv_lag_mask_without_kv_lag_is_the_identity_and_says_so_once(caplog):
+    inp = inp_from_ratios([[1.0, 2.0, 0.5]], mask=[[1, 1, 0]])
+    policy = KVLagMask(max_kv_lag=0)
+    with caplog.at_level("WARNING", logger="tidal.staleness"):
+        for _ in range(3):
+            c = policy(inp)
+            assert c.mask.tolist() == [[True, True, False]] and c.weights.tolist() == [[1.0, 1.0, 0.0]]
+            assert not c.metrics
+    assert sum("kv_versions" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_combine_multiplies_weights_and_ands_masks():
     inp = inp_from_ratios([[0.4, 1.5, 3.0]])
     c = combine(inp, [TokenTIS(cap=2.0), MaskedIS(low=0.5, high=2.5)])
@@ -88,7 +112,7 @@ def test_combine_multiplies_weights_and_ands_masks():
 @pytest.mark.parametrize(
     "policy",
     [TokenTIS(1.5), SequenceTIS(1.5), MaskedIS(0.9, 1.1), MaskedIS(0.9, 1.1, "sequence"),
-     OffPolicySequenceMask(1e-6), DecoupledPPO(1.2)],
+     OffPolicySequenceMask(1e-6), DecoupledPPO(1.2), KVLagMask(2)],
     ids=lambda p: type(p).__name__,
 )
 def test_every_correction_is_identity_when_behaviour_equals_learner(policy):
@@ -96,7 +120,8 @@ def test_every_correction_is_identity_when_behaviour_equals_learner(policy):
     lp = -torch.rand(4, 6)
     mask = torch.rand(4, 6) > 0.2
     inp = CorrectionInputs(learner_logprobs=lp, behaviour_logprobs=lp.clone(), mask=mask,
-                           advantages=-torch.ones(4), proximal_logprobs=lp.clone())
+                           advantages=-torch.ones(4), proximal_logprobs=lp.clone(),
+                           kv_lag=torch.ones(4, 6, dtype=torch.long))  # KV as fresh as the tokens
     c = policy(inp)
     assert torch.equal(c.mask, mask)
     torch.testing.assert_close(c.weights, mask.to(c.weights.dtype))

@@ -17,7 +17,7 @@ def test_all_policies_registered():
     reg = Registry()
     assert reg.names("admission") == ["version_rejection"]
     assert set(reg.names("correction")) == {"tis", "seq_tis", "masked_is", "off_policy_seq_mask", "decoupled_ppo",
-                                            "icepop"}
+                                            "icepop", "kv_lag_mask"}
     assert isinstance(reg.create("admission", "version_rejection", max_lag=2), AdmissionPolicy)
     assert all(isinstance(reg.create("correction", n), CorrectionPolicy) for n in reg.names("correction"))
 

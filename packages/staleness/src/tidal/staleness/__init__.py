@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "SequenceTIS": "correction",
     "MaskedIS": "correction",
     "IcePop": "correction",
+    "KVLagMask": "correction",
     "OffPolicySequenceMask": "correction",
     "DecoupledPPO": "correction",
     "combine": "correction",

@@ -38,6 +38,10 @@ class IcePopConfig(ConfigStruct):
     high: float = 5.0  # ... or above this; inside [low, high] a token keeps the ratio as its weight
 
 
+class KVLagMaskConfig(ConfigStruct):
+    max_kv_lag: int = 4  # mask tokens whose KV cache is more than this many versions behind the learner
+
+
 class OffPolicySequenceMaskConfig(ConfigStruct):
     delta: float = 1e-3  # mask a negative-advantage sequence whose mean mismatch KL exceeds this
 

@@ -14,12 +14,15 @@ this package does not import it.)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from tidal.staleness import config as C
+
+log = logging.getLogger("tidal.staleness")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,10 +32,13 @@ class CorrectionInputs:
     mask: Tensor  # [B, T] bool: real completion tokens
     advantages: Tensor | None = None  # [B, T] or [B]; needed by OffPolicySequenceMask
     proximal_logprobs: Tensor | None = None  # [B, T] decoupled PPO's proximal policy
+    # [B, T] int: the learner's version minus the oldest version in the KV cache each token attended to
+    # when sampled (Trajectory.kv_versions); None = no producer recorded it. Read by KVLagMask
+    kv_lag: Tensor | None = None
 
     def __post_init__(self) -> None:
         ref = self.learner_logprobs
-        for name in ("behaviour_logprobs", "mask", "proximal_logprobs"):
+        for name in ("behaviour_logprobs", "mask", "proximal_logprobs", "kv_lag"):
             v = getattr(self, name)
             if v is not None and v.shape != ref.shape:
                 raise ValueError(f"CorrectionInputs.{name} has shape {tuple(v.shape)}, learner_logprobs {tuple(ref.shape)}")
@@ -205,6 +211,34 @@ class DecoupledPPO:
         return Correction(weights=w * inp.mask, mask=inp.mask.bool(), metrics=metrics)
 
 
+class KVLagMask:
+    """Mask tokens sampled over a stale KV cache: a token whose KV cache (the oldest entry it attended to,
+    `CorrectionInputs.kv_lag`) is more than `max_kv_lag` versions behind the learner leaves the loss. With
+    in-flight updates in partial mode "continue" a token sampled by a recent version may still attend to
+    keys/values written by much older weights (the prompt's and the earliest tokens'), a mismatch the
+    token's own version (and so version rejection) does not show. Without kv_lag (no producer recorded
+    `Trajectory.kv_versions`) it changes nothing, and says so once."""
+
+    def __init__(self, max_kv_lag: int = 4) -> None:
+        if max_kv_lag < 0:
+            raise ValueError(f"max_kv_lag must be >= 0, got {max_kv_lag}")
+        self.max_kv_lag = max_kv_lag
+        self._said_missing = False
+
+    def __call__(self, inp: CorrectionInputs) -> Correction:
+        mask = inp.mask.bool()
+        if inp.kv_lag is None:
+            if not self._said_missing:
+                self._said_missing = True
+                log.warning("correction kv_lag_mask: the samples carry no kv_versions (their engine did not "
+                            "record them): nothing is masked")
+            return Correction(weights=mask.to(torch.float32), mask=mask)
+        stale = inp.kv_lag > self.max_kv_lag
+        out = mask & ~stale
+        return Correction(weights=out.to(torch.float32), mask=out,
+                          metrics={"is/kv_lag_masked_frac": _frac(stale, mask)})
+
+
 def combine(inp: CorrectionInputs, policies: list) -> Correction:
     """Apply several policies: weights multiply, masks AND, metrics merge."""
     weights = inp.mask.to(torch.float32).clone()
@@ -225,4 +259,5 @@ FACTORIES = {
     "off_policy_seq_mask": (OffPolicySequenceMask, C.OffPolicySequenceMaskConfig),
     "decoupled_ppo": (DecoupledPPO, C.DecoupledPPOConfig),
     "icepop": (IcePop, C.IcePopConfig),
+    "kv_lag_mask": (KVLagMask, C.KVLagMaskConfig),
 }

@@ -16,7 +16,7 @@ ADMISSIONS = {"version_rejection": "rejection:VersionRejection"}
 CORRECTIONS = {
     "tis": "correction:TokenTIS", "seq_tis": "correction:SequenceTIS", "masked_is": "correction:MaskedIS",
     "off_policy_seq_mask": "correction:OffPolicySequenceMask", "decoupled_ppo": "correction:DecoupledPPO",
-    "icepop": "correction:IcePop",
+    "icepop": "correction:IcePop", "kv_lag_mask": "correction:KVLagMask",
 }
 
 
