@@ -128,8 +128,11 @@ def correction_probe(correction: Callable[[CorrectionInputs], Any]) -> torch.Ten
     """The weights and mask a correction puts on the batch's tokens."""
     b = _batch()
     proximal = b["logprobs"] - 0.3 if getattr(correction, "needs_proximal", False) else None
+    # KV lags of 0..9 versions: any max_kv_lag in that range masks some tokens and keeps others
+    kv_lag = torch.arange(B * T).reshape(B, T) % 10
     out = correction(CorrectionInputs(learner_logprobs=b["logprobs"], behaviour_logprobs=b["behaviour"],
-                                      mask=b["mask"], advantages=b["advantages"], proximal_logprobs=proximal))
+                                      mask=b["mask"], advantages=b["advantages"], proximal_logprobs=proximal,
+                                      kv_lag=kv_lag))
     return torch.cat([(out.weights * out.mask).flatten(), out.mask.float().flatten()])
 
 

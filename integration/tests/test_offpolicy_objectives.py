@@ -8,7 +8,8 @@ import pytest
 
 from tidal.core.config import PluginRef
 from tidal.core.errors import ConfigError
-from tidal.integration.learner.trainer import Objective, _default_agg
+from tidal.integration.learner.objective import Objective
+from tidal.integration.learner.trainer import _default_agg
 from tidal.learner.config import TrainConfig
 
 

@@ -22,13 +22,14 @@ from tidal.core.plugins import registry
 from tidal.core.protocol import Batch
 from tidal.integration.learner.backends import has_sinks, pick_attention
 from tidal.integration.learner.data import Sample
+from tidal.integration.learner.objective import Objective
 from tidal.integration.learner.parallel import (
     check_parallel,
     ep_backend_options,
     model_config,
     setup_sequence_parallel,
 )
-from tidal.integration.learner.trainer import Objective, Trainer
+from tidal.integration.learner.trainer import Trainer
 from tidal.learner.config import BackendConfig, LearnerConfig, ParallelConfig
 from tidal.learner.learner import Learner
 

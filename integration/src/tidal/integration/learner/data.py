@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.core.protocol import SamplingParams, Trajectory
+from tidal.core.protocol import NO_VERSION, SamplingParams, Trajectory
 from tidal.rollout.engines.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
 from tidal.seqpar.layout import ShardLayout
 from tidal.seqpar.varlen import Item, VarlenLayout
@@ -233,6 +233,18 @@ def _micro(samples: Sequence[Sample], units: list[list[int]], device: torch.devi
                  targets=torch.from_numpy(targets).to(device), rows=torch.from_numpy(rows).to(device),
                  cols=torch.from_numpy(cols).to(device), width=max(sizes, default=0),
                  processing=Processing.of(samples, index, sizes, fallback, device))
+
+
+def kv_lags(micro: Micro, ss: Sequence[Sample], version: int, dev: torch.device | str) -> torch.Tensor | None:
+    """[rows, width] `version` (the learner's) minus the oldest version in the KV cache each token of the
+    micro-batch's samples `ss` attended to (`Sample.kv_versions`); 0 where not sampled. None when none of
+    them carries kv_versions. A sample without them (another engine's) counts its sampling version: its
+    KV is at least that old."""
+    if all(s.kv_versions is None for s in ss):
+        return None
+    kv = np.concatenate([s.versions if s.kv_versions is None else s.kv_versions for s in ss]).astype(np.int64)
+    flat = torch.from_numpy(np.where(kv > NO_VERSION, version - kv, 0)).to(dev)
+    return micro.padded(flat, 0)
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:

@@ -32,57 +32,16 @@ import torch.distributed as dist
 
 from tidal.algos.estimators import AdvantageInputs
 from tidal.algos.types import LossInputs
-from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.data import Micro, Sample, pack, pad_rows, token_logprobs
+from tidal.integration.learner.data import Micro, Sample, kv_lags, pack, pad_rows, token_logprobs
+from tidal.integration.learner.objective import Objective
 from tidal.integration.learner.parallel import SequenceParallel, Shard
 from tidal.learner.config import TrainConfig
 from tidal.moe_fsdp.replay import replay_routing, router_routes, routing_mismatch, used_routes
 from tidal.staleness.correction import CorrectionInputs
 
 log = logging.getLogger("tidal.learner")
-
-
-@dataclass(frozen=True, slots=True)
-class Objective:
-    """The train plugins of a `TrainConfig`, built once: the policy loss, the advantage estimator and the
-    staleness correction, and what they say of themselves (tidal.core.interfaces)."""
-
-    loss: Any
-    estimator: Any
-    correction: Any | None
-
-    @classmethod
-    def build(cls, cfg: TrainConfig) -> Objective:
-        loss = registry.build("policy_loss", cfg.loss.name, cfg.loss.options, field="train.loss")
-        # pairings a loss states of itself (tidal.algos.plugin.LOSS_TRAITS), refused before any model loads
-        need = getattr(loss, "requires_advantage", None)
-        if need is not None and cfg.advantage.name != need:
-            raise ConfigError(f"train.loss.name = {cfg.loss.name!r} needs train.advantage.name = {need!r} (its "
-                              f"objective is built on that advantage), got {cfg.advantage.name!r}: set "
-                              f"train.advantage.name = {need!r}", field="train.advantage.name")
-        refuses = getattr(loss, "refuses_correction", None)
-        if refuses and cfg.correction:
-            raise ConfigError(f"train.loss.name = {cfg.loss.name!r} takes no staleness correction ({refuses}), got "
-                              f"train.correction.name = {cfg.correction.name!r}: remove train.correction",
-                              field="train.correction")
-        return cls(
-            loss=loss,
-            estimator=registry.build("advantage_estimator", cfg.advantage.name, cfg.advantage.options,
-                                     field="train.advantage"),
-            correction=registry.build("correction", cfg.correction.name, cfg.correction.options,
-                                      field="train.correction") if cfg.correction else None)
-
-    @property
-    def reads_reference(self) -> bool:
-        """The loss reads reference logprobs (a KL penalty to it, or distillation from it)."""
-        return bool(getattr(self.loss, "reads_reference", False))
-
-    @property
-    def needs_values(self) -> bool:
-        """The advantage estimator reads a critic's values (GAE: PPO mode)."""
-        return bool(getattr(self.estimator, "needs_values", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +111,9 @@ class Trainer:
             "policy_loss", "value", clip=cfg.value_clip if cfg.value_clip > 0 else None, agg=self.agg)
         self._warned: set[str] = set()
         self.correction = objective.correction
+        # the policy version this step trains from (the learner's, `at_version`): a token's KV lag is
+        # measured against it, as the buffer measures a token's lag
+        self.version = 0
         self.skipped_steps = 0  # steps whose loss or gradient was not finite: dropped (`step`)
         # lag_logprobs = "learner": version -> a frozen copy of the weights published as it (`published`)
         self.lagged: dict[int, torch.nn.Module] = {}
@@ -180,6 +142,10 @@ class Trainer:
         self.lagged[version] = copy.deepcopy(self.backend._module()).eval().requires_grad_(False)
         for old in sorted(self.lagged)[: -self.cfg.lag_snapshots]:
             del self.lagged[old]
+
+    def at_version(self, version: int) -> None:
+        """The learner holds policy `version` (called before each step)."""
+        self.version = version
 
     @property
     def fallback(self) -> SamplingParams:
@@ -396,7 +362,7 @@ class Trainer:
         if self.lagged:
             self._add_lagged(inputs, micro, local, [samples[i] for i in micro.index], sums, totals.tokens)
         if self.correction is not None:
-            self._add_correction(inputs, sums, n_micros)
+            self._add_correction(inputs, micro, [samples[i] for i in micro.index], sums, n_micros)
         loss, out = self._loss(inputs, micro, values, returns, old_values, dev, totals)
         self._backward(loss, out.metrics, inputs, sums, totals=totals, dp=dp, world=world, last=last)
 
@@ -483,7 +449,8 @@ class Trainer:
         sums["staleness/lag_logprobs_from_sampler"] += float((trained & ~recomputed).sum()) / max(g_tokens, 1)
         inputs["old_logprobs"] = micro.padded(anchor)
 
-    def _add_correction(self, inputs: dict[str, Any], sums: dict[str, float], n_micros: int) -> None:
+    def _add_correction(self, inputs: dict[str, Any], micro: Any, ss: list[Sample], sums: dict[str, float],
+                        n_micros: int) -> None:
         """The staleness correction's importance weights and mask (and the proximal logprobs it asks for)."""
         assert self.correction is not None
         proximal = None
@@ -494,7 +461,8 @@ class Trainer:
             inputs["old_logprobs"] = proximal
         corr = self.correction(CorrectionInputs(
             learner_logprobs=inputs["logprobs"].detach(), behaviour_logprobs=inputs["behaviour_logprobs"],
-            mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal))
+            mask=inputs["mask"], advantages=inputs["advantages"], proximal_logprobs=proximal,
+            kv_lag=kv_lags(micro, ss, self.version, inputs["mask"].device)))
         inputs["is_weights"] = corr.weights
         inputs["mask"] = inputs["mask"] & corr.mask
         for name, v in corr.metrics.items():

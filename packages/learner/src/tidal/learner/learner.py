@@ -64,7 +64,8 @@ class Trainer(Protocol):
 
     def step(self, work: Any) -> dict[str, float]: ...
 
-    # optional: `published(version)`, called after the weights of `version` were handed to the publisher
+    # optional: `published(version)`, called after the weights of `version` were handed to the publisher;
+    # `at_version(version)`, called before each step with the policy version the step trains from
 
 
 class SequenceShare(Protocol):

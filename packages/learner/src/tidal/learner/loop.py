@@ -65,6 +65,9 @@ def train_one(learner: Learner) -> dict[str, float] | None:
         batch_id, work = learner.sp.share((batch_id, work))
     if cfg.max_steps == 0 or learner.step + 1 < cfg.max_steps:
         learner.prefetch(learner.version + 1)  # the buffer admits the next batch against the version this step makes
+    at_version = getattr(learner.trainer, "at_version", None)
+    if at_version is not None:  # a trainer that measures lags against the learner's version (KV lag)
+        at_version(learner.version)
     metrics = learner.trainer.step(work)
     if metrics.get("train/skipped_nonfinite"):
         ids = [t.id for t in batch.trajectories] if batch is not None else []
