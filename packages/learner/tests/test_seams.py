@@ -67,7 +67,10 @@ class Toy:
 
 class Reinforce:
     def __init__(self, backend: Toy) -> None:
-        self.backend, self.before_update, self.seen = backend, None, []
+        self.backend, self.before_update, self.seen, self.versions = backend, None, [], []
+
+    def at_version(self, version: int) -> None:  # optional: the loop says the version each step trains from
+        self.versions.append(version)
 
     def step(self, work: tuple[str, list[Trajectory]]) -> dict[str, float]:
         batch_id, trajectories = work
@@ -102,6 +105,7 @@ def test_a_replay_resumed_from_its_checkpoint_trains_each_recorded_batch_once(tm
     assert again.version == 2  # from the checkpoint
     assert loop.run(again) == 0  # the recording ends: the learner stops as if asked to
     assert t2.seen == ["b2", "b3"] and again.version == 4
+    assert t1.versions == [0, 1] and t2.versions == [2, 3]  # resumed: the versions go on from the checkpoint
     assert again.checkpointer.load() == {"step": 4, "version": 4, "trained": ["b0", "b1", "b2", "b3"],
                                          "samples_trained": 16}
 
