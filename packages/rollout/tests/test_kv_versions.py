@@ -12,8 +12,8 @@ import numpy as np
 from tidal.core.arrays import Array
 from tidal.core.interfaces import GenerationRequest, GenerationResult
 from tidal.core.protocol import Assignment
-from tidal.rollout.worker.results import trajectory_of
 from tidal.rollout.engines.vllm_engine import VLLMEngine, _Pending
+from tidal.rollout.worker.results import trajectory_of
 
 
 def _completion(ids, spans):
