@@ -21,8 +21,8 @@ from tidal.core.protocol import ACK_BATCH, Ack, Batch, BatchRequest, Control, Er
 from tidal.core.security import Curve
 
 # The largest Batch share a learner rank takes (ZeroMQ drops a larger frame unread): generous, finite. A
-# share of 256 samples of 32k tokens, ids + logprobs + versions (12 bytes a token), is about 100 MiB; MoE
-# routing or sampling masks can add several times that.
+# share of 256 samples of 32k tokens, ids + logprobs + versions + kv_versions (16 bytes a token), is about
+# 130 MiB; MoE routing or sampling masks can add several times that.
 MAX_BATCH_BYTES = 4 * 1024**3
 
 log = logging.getLogger("tidal.buffer.client")
