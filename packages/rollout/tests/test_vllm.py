@@ -122,9 +122,12 @@ def test_vllm_takes_a_weight_update_in_flight_through_weight_sync(engine, tiny):
     print(f"in-flight update: {len(mixed)} of {len(long)} completions span versions 0 -> 1; "
           f"pause {engine.stats['last_update_pause_s'] * 1e3:.1f} ms")
     assert len(mixed) == len(long), "every request should have been in flight across the update"
+    # continue mode: the tokens after the update still attend to the KV cache version 0 wrote
+    assert all(r.kv_versions == [0] * len(r.versions) for r in results.values())
     after = _requests("c", 6)
     res2 = {r.request_id: r for r in engine.generate(after, timeout=300)}
     assert all(r.versions == [1] * len(r.completion_ids) for r in res2.values())
+    assert all(r.kv_versions == r.versions for r in res2.values())
     worst, kl = _mismatch(new, after, res2)
     print(f"after the update, vLLM vs forward pass of the new weights: max |dlogp| {worst:.2e}, KL {kl:.2e}")
     assert abs(kl) <= 1e-3 and worst < 1e-2
@@ -161,6 +164,9 @@ def test_vllm_recompute_and_drop_modes(engine, tiny):
             assert res.finish_reason == "length" and len(res.completion_ids) == 200
             k = res.versions.index(version)
             assert k > 0, "the request should have been in flight at the update"
+            # the resubmitted prefix's KV is rebuilt by the new weights
+            assert res.kv_versions is not None and res.kv_versions[k:] == res.versions[k:]
+            assert all(kv <= v for kv, v in zip(res.kv_versions, res.versions, strict=True))
             tf = teacher_forced_logprobs(model, rq.prompt_ids, res.completion_ids, rq.sampling)
             assert (tf[k:] - torch.tensor(res.logprobs[k:])).abs().max().item() < 1e-4
     engine.partial_mode = "continue"
