@@ -137,3 +137,17 @@ def test_publishing_every_l_steps_needs_a_depth_gate_that_lets_generation_run_l_
         load_recipe(None, [f'model="{tmp_path}"', "learner.weights.every=4", "max_staleness=3",
                            'buffer.admission={ name = "version_rejection", options = { max_lag = 2 } }'])
     assert e.value.field == "buffer.admission.options.max_lag" and ">= 3" in str(e.value)
+
+
+def test_an_objective_pairing_is_refused_before_any_role_starts_and_none_unsets_a_correction(tmp_path):
+    """OAPL with the recipe's correction is refused by `tidal run`'s check, naming the recipe's field; the
+    override `learner.train.correction=none` removes the correction the recipe set."""
+    oapl = [f'model="{tmp_path}"', 'learner.train.loss={ name = "oapl" }', 'learner.train.advantage={ name = "oapl" }']
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [*oapl, 'learner.train.correction={ name = "tis" }'])
+    assert e.value.field == "learner.train.correction" and "remove learner.train.correction" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [f'model="{tmp_path}"', 'learner.train.loss={ name = "oapl" }'])
+    assert e.value.field == "learner.train.advantage.name"
+    cfg = load_recipe(None, [*oapl, 'learner.train.correction={ name = "tis" }', "learner.train.correction=none"])
+    assert cfg.learner.train.correction is None

@@ -76,6 +76,8 @@ def test_override_values_use_toml_syntax():
     assert parse_override("a=[1, 2]") == (["a"], [1, 2])
     assert parse_override("engine=vllm") == (["engine"], "vllm")
     assert apply_overrides({"a": {"b": 1}}, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}
+    assert parse_override("a.b=none") == (["a", "b"], None)  # unsets an optional field
+    assert parse_override('a.b="none"') == (["a", "b"], "none")
 
 
 def test_json_configs_load_the_same_way_and_a_non_object_is_named(tmp_path):

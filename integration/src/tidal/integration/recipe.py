@@ -35,7 +35,7 @@ from tidal.core.plugin_failure import build_failure
 from tidal.core.plugin_options import fit
 from tidal.core.plugins import registry
 from tidal.integration.old_spellings import refuse_old_spellings
-from tidal.learner.config import LearnerConfig
+from tidal.learner.config import LearnerConfig, TrainConfig
 from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.worker.config import WorkerConfig
 
@@ -334,6 +334,18 @@ def check_env(cfg: RunConfig, i: int, env) -> None:
                           f"in a recipe of its own", field=f"sampling.{asks[0]}")
 
 
+def _check_objective(train: TrainConfig) -> None:
+    """The pairings a loss states of itself (OAPL needs its advantage and takes no correction), refused here
+    as the learner would refuse them, before any role starts. Builds the loss: imports torch."""
+    from tidal.integration.learner.objective import Objective
+
+    try:
+        Objective.build(train)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("train.", "learner.train."),
+                          field=f"learner.{e.field}" if e.field else None) from None
+
+
 def check_plugins(cfg: RunConfig) -> None:
     """Every plugin the recipe names exists and its options fit the options it declares
     (`tidal.core.plugin_options`): checked in the driver, before any role starts, so that a misspelt
@@ -356,6 +368,7 @@ def check_plugins(cfg: RunConfig) -> None:
     for kind, ref, field in refs:
         if ref is not None:
             registry.check(kind, ref.name, ref.options, field=field)
+    _check_objective(t)
     # the backend's options are typed (BackendConfig, checked when decoded); its name is checked here
     registry.check("train_backend", cfg.learner.backend.name, {}, field="learner.backend")
     sender = cfg.learner.weights.transport

@@ -45,7 +45,9 @@ _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"learner.lr=1e-6"`` -> (["learner", "lr"], 1e-6). Values use TOML syntax; bare words are strings."""
+    """``"learner.lr=1e-6"`` -> (["learner", "lr"], 1e-6). Values use TOML syntax; bare words are strings,
+    except the bare word ``none``: no value (None), which unsets an optional field the recipe set
+    (``learner.train.correction=none``; TOML has no null, the string is ``'"none"'``)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or not re.fullmatch(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*", key):
@@ -54,7 +56,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: `engine.type=vllm`
+        value = None if raw == "none" else raw  # a bare word: `engine.type=vllm`
     return key.split("."), value
 
 
