@@ -34,6 +34,7 @@ from tidal.core.errors import ConfigError
 from tidal.core.plugin_failure import build_failure
 from tidal.core.plugin_options import fit
 from tidal.core.plugins import registry
+from tidal.integration.learner.objective import Objective
 from tidal.integration.old_spellings import refuse_old_spellings
 from tidal.learner.config import LearnerConfig, TrainConfig
 from tidal.rollout.episodes.process import register_plugins
@@ -337,8 +338,6 @@ def check_env(cfg: RunConfig, i: int, env) -> None:
 def _check_objective(train: TrainConfig) -> None:
     """The pairings a loss states of itself (OAPL needs its advantage and takes no correction), refused here
     as the learner would refuse them, before any role starts. Builds the loss: imports torch."""
-    from tidal.integration.learner.objective import Objective
-
     try:
         Objective.build(train)
     except ConfigError as e:
