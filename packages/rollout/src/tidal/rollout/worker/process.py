@@ -141,6 +141,7 @@ class RolloutWorker:
         self._requested = 0  # assignments asked for and not yet received
         self._rejections_seen = 0
         self._stop = threading.Event()
+        self._stopping = False  # set before _stop is: a signal's `stop` then leaves the Event alone
         # the loop waits on its sockets; finished generations and applied weights wake it at once
         self._waker = Waker()
         self._results = ResultForwarder(self.engine, self._waker)
@@ -259,7 +260,7 @@ class RolloutWorker:
         elif isinstance(msg, Control):
             if msg.command == "stop":
                 log.info("%s: stop requested (%s)", self.cfg.name, msg.reason or "no reason given")
-                self._stop.set()
+                self.stop()
             elif msg.command == "pause":
                 self.engine.pause()
             elif msg.command == "resume":
@@ -528,7 +529,7 @@ class RolloutWorker:
         self._close()
 
     def _shutdown(self) -> None:
-        self._stop.set()
+        self.stop()
         self.weights.stop()  # no new version while in-flight trajectories are delivered
         # Started by a driver that is now gone (killed: its death signal brought this stop): every peer is
         # going down at once, so nothing waits for acknowledgements that cannot come.
@@ -560,6 +561,12 @@ class RolloutWorker:
         self._waker.close()
 
     def stop(self) -> None:
+        """End the loop. Called from SIGTERM / SIGINT handlers, which run in the main thread between two
+        bytecodes: a second signal arriving while an earlier stop is inside `Event.set()` (holding its
+        lock) would block on that lock forever, so a stop already under way returns at once."""
+        if self._stopping or self._stop.is_set():
+            return
+        self._stopping = True
         self._stop.set()
 
 
