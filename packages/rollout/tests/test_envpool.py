@@ -416,7 +416,9 @@ def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_t
                                            r"\(envpool_plugins\.py:\d+\)"):
         pool.start()
     assert time.monotonic() - t0 < 10, "a configuration refused is not restarted"
-    assert "envpool_plugins.py" in (tmp_path / "env-0.log").read_text(), "the traceback is in the log"
+    # in the log of whichever of the two processes failed first (the pool stops at the first refusal)
+    logs = [p.read_text() for p in sorted(tmp_path.glob("env-*.log"))]
+    assert any("envpool_plugins.py" in text for text in logs), "the traceback is in the log"
 
 
 def test_the_example_guess_number_env_plays_in_the_pool(make_pool):

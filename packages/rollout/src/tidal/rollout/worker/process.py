@@ -141,7 +141,7 @@ class RolloutWorker:
         self._requested = 0  # assignments asked for and not yet received
         self._rejections_seen = 0
         self._stop = threading.Event()
-        self._stopping = False  # set before _stop is: a signal's `stop` then leaves the Event alone
+        self._stopping = False  # set first: a signal handler's stop() must not re-enter a held Event.set() lock
         # the loop waits on its sockets; finished generations and applied weights wake it at once
         self._waker = Waker()
         self._results = ResultForwarder(self.engine, self._waker)
@@ -561,13 +561,9 @@ class RolloutWorker:
         self._waker.close()
 
     def stop(self) -> None:
-        """End the loop. Called from SIGTERM / SIGINT handlers, which run in the main thread between two
-        bytecodes: a second signal arriving while an earlier stop is inside `Event.set()` (holding its
-        lock) would block on that lock forever, so a stop already under way returns at once."""
-        if self._stopping or self._stop.is_set():
-            return
-        self._stopping = True
-        self._stop.set()
+        if not (self._stopping or self._stop.is_set()):  # re-entrant from signal handlers: see _stopping
+            self._stopping = True
+            self._stop.set()
 
 
 def iter_requests(assignment: Assignment) -> Iterator[GenerationRequest]:
