@@ -29,20 +29,6 @@ t = torch.tensor
 F64 = torch.float64
 
 
-def inputs(log_ratio, adv, logp=None, mask=None, **kw):
-    """LossInputs whose log(pi / pi_anchor) is exactly `log_ratio` (logprobs default -1)."""
-    lr = t(log_ratio, dtype=F64)
-    lp = torch.full_like(lr, -1.0) if logp is None else t(logp, dtype=F64)
-    mask = torch.ones_like(lr, dtype=torch.bool) if mask is None else t(mask).bool()
-    return LossInputs(logprobs=lp.clone().requires_grad_(), behaviour_logprobs=lp - lr,
-                      advantages=t(adv, dtype=F64), mask=mask, **kw)
-
-
-def grad(out, inp):
-    out.loss.backward()
-    return inp.logprobs.grad
-
-
 def sig(x):
     return 1 / (1 + math.exp(-x))
 
@@ -55,7 +41,7 @@ def test_registered_by_name():
 # ------------------------------------------------------------------------------------------ SAPO
 
 
-def test_sapo_is_the_policy_gradient_at_ratio_one():
+def test_sapo_is_the_policy_gradient_at_ratio_one(inputs, grad):
     inp = inputs([[0.0, 0.0]], [[1.0, -2.0]])
     out = sapo_loss(inp)
     # f(1) = sigmoid(0) 4 / tau = 2 / tau; seq-mean-token-mean over one row
@@ -63,7 +49,7 @@ def test_sapo_is_the_policy_gradient_at_ratio_one():
     torch.testing.assert_close(grad(out, inp), t([[-1.0, 2.0]], dtype=F64) / 2)  # 4 s (1 - s) r = 1
 
 
-def test_sapo_gate_fades_the_gradient_with_its_own_temperature_per_sign():
+def test_sapo_gate_fades_the_gradient_with_its_own_temperature_per_sign(inputs, grad):
     inp = inputs([[math.log(1.5), math.log(1.5)]], [[1.0, -1.0]])
     out = sapo_loss(inp, tau_pos=1.0, tau_neg=2.0)
     s_pos, s_neg = sig(0.5), sig(1.0)
@@ -76,7 +62,7 @@ def test_sapo_gate_fades_the_gradient_with_its_own_temperature_per_sign():
 # ------------------------------------------------------------------------------------------ GMPO
 
 
-def test_gmpo_is_the_geometric_mean_with_a_log_space_clip():
+def test_gmpo_is_the_geometric_mean_with_a_log_space_clip(inputs, grad):
     inp = inputs([[0.1, 0.6]], [[1.0, 1.0]])
     out = gmpo_loss(inp)  # clip at +-0.4 in log space: 0.6 -> 0.4
     assert out.loss.item() == pytest.approx(-math.exp(0.25))
@@ -84,7 +70,7 @@ def test_gmpo_is_the_geometric_mean_with_a_log_space_clip():
     assert out.metrics["clip/high"].item() == pytest.approx(0.5)
 
 
-def test_gmpo_clips_pessimistically_for_negative_advantages():
+def test_gmpo_clips_pessimistically_for_negative_advantages(inputs, grad):
     inp = inputs([[-0.6, 0.1], [-0.6, 0.1]], [[-1.0, -1.0], [1.0, 1.0]])
     out = gmpo_loss(inp)
     # A < 0: -0.6 clipped to -0.4 (no gradient); A > 0: -0.6 stays (the clip only binds above)
@@ -102,7 +88,7 @@ def dppo_inputs(p, p_old, adv):
                       mask=torch.ones_like(lp, dtype=torch.bool))
 
 
-def test_dppo_tv_masks_only_past_the_bound_in_the_advantage_direction():
+def test_dppo_tv_masks_only_past_the_bound_in_the_advantage_direction(grad):
     # p_old 0.5 -> 0.8 (TV 0.3 > 0.2): masked for A > 0, kept for A < 0; 0.5 -> 0.6 kept;
     # a rare token 1e-5 -> 1e-3 (ratio 100, TV ~1e-3) kept, its weight capped at 20
     inp = dppo_inputs([0.8, 0.8, 0.6, 1e-3], [0.5, 0.5, 0.5, 1e-5], [1.0, -1.0, 1.0, 1.0])
@@ -112,7 +98,7 @@ def test_dppo_tv_masks_only_past_the_bound_in_the_advantage_direction():
     assert out.metrics["clip/ratio_cap"].item() == pytest.approx(0.25)
 
 
-def test_dppo_binary_kl():
+def test_dppo_binary_kl(grad):
     # KL_bin(0.5 || 0.8) = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.2231
     inp = dppo_inputs([0.8], [0.5], [1.0])
     assert grad(dppo_loss(inp, divergence="kl"), inp).item() == 0.0
@@ -127,7 +113,7 @@ def test_dppo_binary_kl():
 # ------------------------------------------------------------------------------------------ KL-Cov
 
 
-def test_kl_cov_penalises_the_top_covariance_tokens_only():
+def test_kl_cov_penalises_the_top_covariance_tokens_only(inputs, grad):
     lr = [[0.1, -0.2, 0.3, 0.05]]
     # Cov terms (logp - (-1.625)) (A - 0.5): 0.3125, 0.5625, 1.6875, 0.6875: token 2 is the top quarter
     inp = inputs(lr, [[1.0, -1.0, 2.0, 0.0]], logp=[[-1.0, -2.0, -0.5, -3.0]])
@@ -221,14 +207,14 @@ def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(ba
     torch.testing.assert_close(lps[0].grad, lps[2].grad)
 
 
-def test_approx_kl_is_logged_as_k3_and_k1():
+def test_approx_kl_is_logged_as_k3_and_k1(inputs):
     lr = [[0.2, -0.1]]
     m = ppo_loss(inputs(lr, [[1.0, 1.0]])).metrics
     assert m["kl/approx"].item() == pytest.approx(sum(math.expm1(x) - x for x in lr[0]) / 2)
     assert m["kl/approx_k1"].item() == pytest.approx(-sum(lr[0]) / 2)
 
 
-def test_gspo_clip_fraction_per_sequence_or_per_token():
+def test_gspo_clip_fraction_per_sequence_or_per_token(inputs):
     # row 0 (3 tokens) clipped high, row 1 (1 token) not: 1/2 of sequences, 3/4 of tokens
     inp = inputs([[0.1, 0.1, 0.1], [0.0, 0.0, 0.0]], [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], mask=[[1, 1, 1], [1, 0, 0]])
     seq, tok = gspo_loss(inp), gspo_loss(inp, clip_frac="token")

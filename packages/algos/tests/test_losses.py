@@ -21,24 +21,10 @@ from tidal.algos import (
 t = torch.tensor
 
 
-def inputs(logp_minus_old, adv, mask=None, old=None, dtype=torch.float64, **kw):
-    """LossInputs whose ratio log(pi/pi_old) is exactly `logp_minus_old`."""
-    diff = t(logp_minus_old, dtype=dtype)
-    old = torch.full_like(diff, -1.0) if old is None else t(old, dtype=dtype)
-    logp = (old + diff).detach().requires_grad_()
-    mask = torch.ones_like(diff, dtype=torch.bool) if mask is None else t(mask).bool()
-    return LossInputs(logprobs=logp, behaviour_logprobs=old, advantages=t(adv, dtype=dtype), mask=mask, **kw)
-
-
-def grad(out, inp):
-    out.loss.backward()
-    return inp.logprobs.grad
-
-
 # ------------------------------------------------------------------------------------------ PPO
 
 
-def test_ppo_ratio_one_is_the_policy_gradient():
+def test_ppo_ratio_one_is_the_policy_gradient(inputs, grad):
     inp = inputs([[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]])
     out = ppo_loss(inp)
     assert out.loss.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
@@ -47,7 +33,7 @@ def test_ppo_ratio_one_is_the_policy_gradient():
     assert out.metrics["clip/high"].item() == 0 and out.metrics["clip/low"].item() == 0
 
 
-def test_ppo_clipped_tokens_have_zero_gradient():
+def test_ppo_clipped_tokens_have_zero_gradient(inputs, grad):
     # tokens: (A>0, r=1.5) clipped at 1.2; (A<0, r=0.5) clipped at 0.8;
     #         (A>0, r=0.5) unclipped; (A<0, r=1.5) unclipped
     lr = [[math.log(1.5), math.log(0.5), math.log(0.5), math.log(1.5)]]
@@ -61,14 +47,14 @@ def test_ppo_clipped_tokens_have_zero_gradient():
     assert out.metrics["clip/low"].item() == pytest.approx(0.25)
 
 
-def test_ppo_clip_higher_is_asymmetric():
+def test_ppo_clip_higher_is_asymmetric(inputs):
     lr = [[math.log(1.25), math.log(0.75)]]
     out = ppo_loss(inputs(lr, [[1.0, -1.0]]), clip_low=0.2, clip_high=0.28)
     # r=1.25 < 1.28: not clipped; r=0.75 < 0.8 with A<0: clipped at 0.8
     assert out.loss.item() == pytest.approx((-1.25 + 0.8) / 2)
 
 
-def test_ppo_dual_clip_bounds_negative_advantage_loss():
+def test_ppo_dual_clip_bounds_negative_advantage_loss(inputs, grad):
     inp = inputs([[math.log(5.0), math.log(2.0)]], [[-1.0, -1.0]])
     out = ppo_loss(inp, dual_clip=3.0)
     # r=5: min(5, 3) = 3, gradient 0; r=2: loss 2, gradient -A r / N = 2/2
@@ -91,7 +77,7 @@ def test_ppo_uses_old_logprobs_as_anchor_and_applies_is_weights():
     assert out.loss.item() == pytest.approx(-1.25)
 
 
-def test_kl_and_entropy_terms():
+def test_kl_and_entropy_terms(inputs):
     inp = inputs([[0.0, 0.0]], [[0.0, 0.0]], ref_logprobs=t([[-1.0 - math.log(2), -1.0]], dtype=torch.float64),
                  entropy=t([[1.0, 3.0]], dtype=torch.float64))
     out = ppo_loss(inp, kl_coef=0.5, kl_estimator="k3", entropy_coef=0.1)
@@ -134,7 +120,7 @@ def test_gspo_matches_the_sequence_level_formula_value_and_gradient():
     torch.testing.assert_close(g, g_ref)
 
 
-def test_gspo_clipped_sequence_has_zero_gradient():
+def test_gspo_clipped_sequence_has_zero_gradient(inputs, grad):
     inp = inputs([[0.1, 0.3]], [[1.0, 1.0]])  # s = exp(0.2) > 1 + 4e-4 with A > 0
     out = gspo_loss(inp)
     assert out.loss.item() == pytest.approx(-(1 + 4e-4))
@@ -145,7 +131,7 @@ def test_gspo_clipped_sequence_has_zero_gradient():
 # ------------------------------------------------------------------------------------------ CISPO, REINFORCE, distillation
 
 
-def test_cispo_keeps_gradient_with_clipped_weight():
+def test_cispo_keeps_gradient_with_clipped_weight(inputs, grad):
     old = [[-1.0, -2.0]]
     inp = inputs([[math.log(2.0), math.log(0.5)]], [[1.0, -1.0]], old=old)
     out = cispo_loss(inp, clip_high=0.28)
@@ -157,20 +143,20 @@ def test_cispo_keeps_gradient_with_clipped_weight():
     assert out.metrics["clip/high"].item() == 0.5
 
 
-def test_cispo_lower_bound_when_set():
+def test_cispo_lower_bound_when_set(inputs, grad):
     inp = inputs([[math.log(0.5)]], [[1.0]])
     out = cispo_loss(inp, clip_low=0.2)
     torch.testing.assert_close(grad(out, inp), t([[-0.8]], dtype=torch.float64))
 
 
-def test_reinforce_is_minus_advantage_times_logprob():
+def test_reinforce_is_minus_advantage_times_logprob(inputs, grad):
     inp = inputs([[0.0, 0.0]], [[2.0, -1.0]], old=[[-0.5, -1.5]])
     out = reinforce_loss(inp)
     assert out.loss.item() == pytest.approx(-(2.0 * -0.5 + -1.0 * -1.5) / 2)
     torch.testing.assert_close(grad(out, inp), t([[-1.0, 0.5]], dtype=torch.float64))
 
 
-def test_distillation_advantage_is_teacher_minus_student():
+def test_distillation_advantage_is_teacher_minus_student(inputs, grad):
     inp = inputs([[0.0, 0.0]], [[0.0, 0.0]], old=[[-1.0, -2.0]], ref_logprobs=t([[-0.5, -3.0]], dtype=torch.float64))
     out = distillation_loss(inp)
     # A = teacher - student = [0.5, -1.0]; loss = -mean(A logp)
@@ -179,7 +165,7 @@ def test_distillation_advantage_is_teacher_minus_student():
     assert out.metrics["kl/teacher_reverse"].item() == pytest.approx((-0.5 + 1.0) / 2)
 
 
-def test_distillation_weights_scale_the_teacher_term_and_add_the_reward_gradient():
+def test_distillation_weights_scale_the_teacher_term_and_add_the_reward_gradient(inputs, grad):
     """reward_weight = 0 ignores the reward advantages; reward_weight = w adds exactly w times
     REINFORCE's gradient of them; teacher_weight scales the distillation term alone."""
     teacher = t([[-0.5, -3.0, -1.0]], dtype=torch.float64)
@@ -246,7 +232,7 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_fully_masked_batch_gives_zero_loss_and_gradient(name):
+def test_fully_masked_batch_gives_zero_loss_and_gradient(name, inputs, grad):
     inp = inputs([[0.3, -0.2]], [[1.0, 1.0]], mask=[[0, 0]], ref_logprobs=-torch.ones(1, 2, dtype=torch.float64))
     out = LOSSES[name](inp)
     assert out.loss.item() == 0.0 and all(torch.isfinite(v).all() for v in out.metrics.values())
@@ -254,7 +240,7 @@ def test_fully_masked_batch_gives_zero_loss_and_gradient(name):
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_masked_sequence_gets_no_gradient(name):
+def test_masked_sequence_gets_no_gradient(name, inputs, grad):
     inp = inputs([[0.01, 0.02], [0.3, -0.2]], [[1.0, 1.0], [-1.0, -1.0]], mask=[[1, 1], [0, 0]],
                  ref_logprobs=-torch.ones(2, 2, dtype=torch.float64))
     g = grad(LOSSES[name](inp), inp)
@@ -262,7 +248,7 @@ def test_masked_sequence_gets_no_gradient(name):
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_length_one_sequences(name):
+def test_length_one_sequences(name, inputs, grad):
     inp = inputs([[0.1], [-0.1]], [[1.0], [-1.0]], ref_logprobs=-torch.ones(2, 1, dtype=torch.float64))
     out = LOSSES[name](inp)
     assert torch.isfinite(out.loss) and torch.isfinite(grad(out, inp)).all()

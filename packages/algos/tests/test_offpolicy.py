@@ -26,20 +26,6 @@ t = torch.tensor
 F64 = torch.float64
 
 
-def inputs(logp_minus_old, adv, mask=None, old=None, **kw):
-    """LossInputs whose token log-ratio log(pi / pi_old) is exactly `logp_minus_old` (float64)."""
-    diff = t(logp_minus_old, dtype=F64)
-    old = torch.full_like(diff, -1.0) if old is None else t(old, dtype=F64)
-    logp = (old + diff).detach().requires_grad_()
-    mask = torch.ones_like(diff, dtype=torch.bool) if mask is None else t(mask).bool()
-    return LossInputs(logprobs=logp, behaviour_logprobs=old, advantages=t(adv, dtype=F64), mask=mask, **kw)
-
-
-def grad(out, inp):
-    out.loss.backward()
-    return inp.logprobs.grad
-
-
 # ------------------------------------------------------------------------------------------ OAPL
 
 
@@ -79,7 +65,7 @@ def test_oapl_estimator_broadcasts_to_tokens():
         OAPLEstimator(beta=-1.0)
 
 
-def test_oapl_loss_value_gradient_and_metrics_by_hand():
+def test_oapl_loss_value_gradient_and_metrics_by_hand(inputs, grad):
     inp = inputs([[0.2, -0.4], [1.0, 7.0]], [[0.3, 0.3], [-0.1, 0.0]], mask=[[1, 1], [1, 0]])
     out = oapl_loss(inp, beta=0.5)
     # seq 0: s = 0.2 - 0.4 = -0.2, A = 0.3, residual = 0.5 * -0.2 - 0.3 = -0.4, squared 0.16
@@ -91,7 +77,7 @@ def test_oapl_loss_value_gradient_and_metrics_by_hand():
     assert out.metrics["oapl/residual_mean"].item() == pytest.approx((-0.4 + 0.6) / 2)
 
 
-def test_oapl_anchor_is_old_logprobs_when_given_and_is_weights_are_refused():
+def test_oapl_anchor_is_old_logprobs_when_given_and_is_weights_are_refused(inputs):
     inp = inputs([[0.5]], [[0.0]], old_logprobs=t([[-0.5]], dtype=F64))  # logp = -0.5: log-ratio 0 vs old
     assert oapl_loss(inp, beta=1.0).loss.item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="no is_weights"):
@@ -117,7 +103,7 @@ def test_oapl_gradcheck_float64():
 # ------------------------------------------------------------------------------------------ M2PO
 
 
-def test_m2po_masks_the_largest_second_moments_until_tau_by_hand():
+def test_m2po_masks_the_largest_second_moments_until_tau_by_hand(inputs, grad):
     inp = inputs([[0.1, 0.2, 0.3, -0.1]], [[1.0, 1.0, 1.0, 1.0]])
     out = m2po_loss(inp, tau=0.04)
     # trust-region tokens (A > 0, r > 1): the first three, (log r)^2 = 0.01, 0.04, 0.09: mean 0.14 / 3 =
@@ -132,7 +118,7 @@ def test_m2po_masks_the_largest_second_moments_until_tau_by_hand():
     torch.testing.assert_close(grad(out, inp), t([[-r[0] / 4, -r[1] / 4, 0.0, -r[3] / 4]], dtype=F64))
 
 
-def test_m2po_over_all_tokens_and_tau_zero():
+def test_m2po_over_all_tokens_and_tau_zero(inputs):
     # all four tokens as candidates: (0.01 + 0.04 + 0.09 + 0.01) / 4 = 0.0375 <= 0.04: nothing masked
     out = m2po_loss(inputs([[0.1, 0.2, 0.3, -0.1]], [[1.0] * 4]), tau=0.04, trust_region_only=False)
     assert out.metrics["m2po/masked_frac"].item() == 0.0
@@ -175,7 +161,7 @@ def test_m2po_gradcheck_float64():
 # ------------------------------------------------------------------------------------------ TOPR
 
 
-def test_topr_sequence_level_by_hand():
+def test_topr_sequence_level_by_hand(inputs, grad):
     inp = inputs([[0.5, 0.5], [-0.3, -0.4], [0.3, 0.4]], [[1.0, 1.0], [-1.0, -1.0], [-1.0, -1.0]])
     out = topr_loss(inp)
     # logp = -1 + log-ratio. seq 0 positive: weight 1, per token -1 * -0.5 = 0.5, mean 0.5
@@ -189,7 +175,7 @@ def test_topr_sequence_level_by_hand():
     assert out.metrics["topr/truncated_frac"].item() == pytest.approx(2 / 6)
 
 
-def test_topr_token_level_by_hand():
+def test_topr_token_level_by_hand(inputs, grad):
     inp = inputs([[-0.3, 0.4, 0.2]], [[-1.0, -1.0, 2.0]])
     out = topr_loss(inp, level="token", agg="token-mean")
     # token 0: A < 0, r = e^-0.3 -> weight 0.740818; token 1: A < 0, r > 1 -> 1; token 2: A > 0 -> 1
