@@ -293,7 +293,8 @@ def test_a_group_is_submitted_at_once_and_its_prompt_prefilled_once(tiny):
     """The worker hands the engine a group's G requests in one submission, so they join one step and the
     embedded engine feeds their shared prompt once; seeds are still the per-sample ones."""
     from tidal.rollout.engines.embedded import EmbeddedEngine
-    from tidal.rollout.worker.process import RolloutWorker, WorkerConfig, sample_seed
+    from tidal.rollout.worker.process import RolloutWorker, WorkerConfig
+    from tidal.rollout.worker.results import sample_seed
 
     prompt = [5, 6, 7, 8, 9, 10]
     cfg = WorkerConfig(name="submit-test", controller=free_endpoint(), buffer_ingest=free_endpoint(),

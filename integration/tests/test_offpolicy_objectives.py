@@ -126,3 +126,61 @@ def test_lagged_logprobs_with_a_proximal_correction_is_refused(policy):
     be = SingleBackend(str(policy), BackendConfig())
     with pytest.raises(ValueError, match="proximal policy: choose one"):
         Trainer(be, TrainConfig(correction=PluginRef(name="decoupled_ppo"), lag_logprobs="learner"))
+
+
+# ------------------------------------------------- ReMax: the greedy member is read, never trained
+
+
+def remax_batch(vocab: int):
+    """Two groups of four; the last member of each is the greedy baseline, as the rollout worker sends it
+    (loss_mask 0, sampled at temperature 0, BASELINE_KEY in its metadata alone)."""
+    import numpy as np
+
+    from tidal.core.arrays import Array
+    from tidal.core.protocol import BASELINE_KEY, SamplingParams, Trajectory
+    from tidal.integration.learner.data import Sample
+
+    rng = np.random.default_rng(5)
+    out = []
+    for i in range(8):
+        greedy = i % 4 == 3
+        t = Trajectory(id=f"s{i}", group_id=f"g{i // 4}", sample_index=i % 4, task="toy",
+                       prompt_ids=Array.from_numpy(rng.integers(3, vocab, 4).astype(np.int32)),
+                       completion_ids=Array.from_numpy(rng.integers(3, vocab, 5).astype(np.int32)),
+                       logprobs=Array.from_numpy(np.full(5, -np.log(vocab), np.float32)),
+                       versions=Array.from_numpy(np.zeros(5, np.int32)),
+                       reward=[1.0, 0.0, 0.0, 0.5][i % 4] + i // 4 * 0.25, finish_reason="length",
+                       loss_mask=Array.from_numpy(np.zeros(5, np.uint8)) if greedy else None,
+                       metadata={BASELINE_KEY: "greedy"} if greedy else {},
+                       sampling=SamplingParams(temperature=0.0 if greedy else 1.0))
+        out.append(Sample.from_trajectory(t))
+    return out
+
+
+def test_remax_reads_the_greedy_members_reward_and_trains_the_others(policy):
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import BackendConfig
+
+    be = SingleBackend(str(policy), BackendConfig())
+    trainer = Trainer(be, TrainConfig(loss=PluginRef(name="reinforce"), advantage=PluginRef(name="remax")))
+    batch = remax_batch(be.model.config.vocab_size)
+    assert [s.baseline for s in batch] == [False, False, False, True] * 2
+    prepared = trainer.prepare(batch)
+    assert [s.id for s in prepared.samples] == ["s0", "s1", "s2", "s4", "s5", "s6"]  # greedy members left out
+    # A = r - r_greedy of the group: group 0 (0.5) 0.5, -0.5, -0.5; group 1 (0.75) the same
+    assert [round(float(a[0]), 6) for a in prepared.advantages] == [0.5, -0.5, -0.5] * 2
+    m = trainer.step(prepared)  # a greedy member would be refused by the sampling check: it never gets there
+    assert m["train/sequences"] == 6.0
+
+
+def test_greedy_members_with_another_advantage_are_refused(policy):
+    from tidal.integration.learner.backends import SingleBackend
+    from tidal.integration.learner.trainer import Trainer
+    from tidal.learner.config import BackendConfig
+
+    be = SingleBackend(str(policy), BackendConfig())
+    trainer = Trainer(be, TrainConfig(advantage=PluginRef(name="grpo")))
+    with pytest.raises(ValueError, match=r"greedy baseline members .*which advantage 'grpo' does not read.*"
+                                         r"learner.train.advantage = \{ name = \"remax\" \}"):
+        trainer.prepare(remax_batch(be.model.config.vocab_size))

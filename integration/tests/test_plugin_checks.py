@@ -82,8 +82,8 @@ UNKNOWN = [
 ]
 
 
-def _refused(model: Path, run_dir: Path, override: str, capsys) -> str:
-    rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{run_dir}"', override])
+def _refused(model: Path, run_dir: Path, override: str, capsys, *more: str) -> str:
+    rc = main(["run", str(RECIPE), f'model="{model}"', f'run_dir="{run_dir}"', override, *more])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert not run_dir.exists(), "a refused recipe must not start anything (its run folder exists)"
@@ -100,6 +100,20 @@ def test_a_misspelt_option_is_refused_before_any_process_starts(model, tmp_path,
 @pytest.mark.parametrize(("kind", "override", "says"), UNKNOWN, ids=[u[0] for u in UNKNOWN])
 def test_an_unknown_plugin_name_is_refused_listing_the_registered_ones(model, tmp_path, capsys, kind, override, says):
     err = _refused(model, tmp_path / "run", override, capsys)
+    for text in says:
+        assert text in err, f"{text!r} not in: {err}"
+
+
+REMAX = "learner.train.advantage={name='remax'}"
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("group_size=1", ["`group_size` = 1 with advantage 'remax'", "one greedy baseline", "at least 2"]),
+    ("domains=[{env={name='multiply'}}]", ["domains[0] ('multiply') is multi-turn", "no greedy baseline member",
+                                           "choose another learner.train.advantage"]),
+], ids=["group of one", "multi-turn domain"])
+def test_remax_without_room_for_its_greedy_member_is_refused(model, tmp_path, capsys, override, says):
+    err = _refused(model, tmp_path / "run", REMAX, capsys, override)
     for text in says:
         assert text in err, f"{text!r} not in: {err}"
 

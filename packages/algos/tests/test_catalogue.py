@@ -21,7 +21,10 @@ from tidal.algos import (
     kl_estimate,
     passk_advantages,
     ppo_loss,
+    reinforce_loss,
+    remax_advantages,
     sapo_loss,
+    to_tokens,
 )
 from tidal.core.plugins import registry
 
@@ -35,7 +38,7 @@ def sig(x):
 
 def test_registered_by_name():
     assert set(registry.names("policy_loss")) >= {"sapo", "gmpo", "dppo", "kl_cov"}
-    assert set(registry.names("advantage_estimator")) >= {"gpg", "passk"}
+    assert set(registry.names("advantage_estimator")) >= {"gpg", "passk", "remax"}
 
 
 # ------------------------------------------------------------------------------------------ SAPO
@@ -146,6 +149,61 @@ def test_gradcheck_float64(name):
 
     lp = (old + 0.3 * torch.randn(2, 5, dtype=F64)).requires_grad_()
     assert torch.autograd.gradcheck(f, (lp,))
+
+
+# ------------------------------------------------------------------------------------------ ReMax
+
+
+def test_remax_is_reward_minus_the_greedy_members_reward():
+    rewards = t([1.0, 0.0, 0.5, 1.0, 0.0, 0.25], dtype=F64)
+    groups = t([0, 0, 0, 1, 1, 1])
+    baseline = t([False, False, True, True, False, False])  # the greedy member may sit anywhere in its group
+    # group 0: baseline 0.5 -> 0.5, -0.5, (0); group 1: baseline 1.0 -> (0), -1.0, -0.75
+    assert remax_advantages(rewards, groups, baseline).tolist() == [0.5, -0.5, 0.0, 0.0, -1.0, -0.75]
+    out = registry.create("advantage_estimator", "remax")(
+        AdvantageInputs(rewards=rewards, mask=torch.ones(6, 2, dtype=torch.bool), group_index=groups, baseline=baseline))
+    assert out.advantages[:, 0].tolist() == [0.5, -0.5, 0.0, 0.0, -1.0, -0.75]
+    assert registry.create("advantage_estimator", "remax").greedy_baseline
+
+
+def test_remax_refuses_a_group_without_exactly_one_greedy_member():
+    groups = t([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="group 1 has 0"):
+        remax_advantages(t([1.0, 0.0, 1.0, 0.0]), groups, t([True, False, False, False]))
+    with pytest.raises(ValueError, match="group 0 has 2"):
+        remax_advantages(t([1.0, 0.0, 1.0, 0.0]), groups, t([True, True, False, True]))
+    with pytest.raises(ValueError, match="needs AdvantageInputs.baseline"):
+        registry.create("advantage_estimator", "remax")(AdvantageInputs(
+            rewards=t([1.0, 0.0]), mask=torch.ones(2, 1, dtype=torch.bool), group_index=t([0, 0])))
+
+
+def test_remax_learns_with_its_greedy_baseline():
+    """A tabular policy over V = 8 tokens at each of 3 positions, reward = the share of positions matching a
+    target; each step 8 groups of 7 samples plus the greedy (argmax) member, whose reward is the baseline;
+    REINFORCE on the 56 sampled completions, one Adam step."""
+    torch.manual_seed(0)
+    V, T, G, n_groups = 8, 3, 8, 8
+    target, pos = t([1, 5, 2]), torch.arange(T)
+    logits = torch.zeros(T, V)
+    logits[:, 0] = 1.0  # the greedy completion starts wrong everywhere
+    logits.requires_grad_()
+    opt = torch.optim.Adam([logits], lr=0.1)
+    group = torch.arange(n_groups * G) // G
+    is_greedy = torch.arange(n_groups * G) % G == G - 1
+    start = logits.detach().softmax(-1)[pos, target].mean().item()
+    for _ in range(64):
+        y = torch.distributions.Categorical(logits=logits.detach()).sample((n_groups * G,))
+        y[is_greedy] = logits.detach().argmax(-1)
+        r = (y == target).float().mean(-1)
+        mask = (~is_greedy)[:, None].expand(-1, T)  # the greedy member is not trained
+        adv = to_tokens(remax_advantages(r, group, is_greedy), mask)
+        lp = logits.log_softmax(-1)[pos, y]
+        opt.zero_grad()
+        reinforce_loss(LossInputs(logprobs=lp, behaviour_logprobs=lp.detach(), advantages=adv, mask=mask)).loss.backward()
+        opt.step()
+    end = logits.detach().softmax(-1)[pos, target].mean().item()
+    assert start < 0.15 and end > 0.8, (start, end)
+    assert (logits.detach().argmax(-1) == target).all()  # the greedy completion, the baseline, is now right
 
 
 # ------------------------------------------------------------------------------------------ GPG and pass@k

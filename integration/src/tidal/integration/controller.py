@@ -25,12 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.algos.plugin import GREEDY_BASELINE
 from tidal.core.arrays import Array
 from tidal.core.channels import SubChannel, make_hello, poll, router, sub
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
     ACK_ASSIGNMENT,
+    BASELINE_KEY,
     TOPIC_METRICS,
     TOPIC_WEIGHTS,
     Ack,
@@ -351,8 +353,11 @@ class Controller(Evaluations):
         gid = group_id(d.name, self.next_group)
         self.next_group += 1
         self.numbering.record(Numbering(next_group=self.next_group, tasks=dict(self.tasks_drawn)))
+        metadata = dict(task.metadata)
+        if self.cfg.learner.train.advantage.name in GREEDY_BASELINE:  # ReMax: the last member decoded greedily
+            metadata[BASELINE_KEY] = "greedy"
         return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
-                          answer=task.answer, sampling=self.train_sampling, metadata=dict(task.metadata),
+                          answer=task.answer, sampling=self.train_sampling, metadata=metadata,
                           prompt=task.prompt, domain=task.domain)
 
     def _encode(self, text: str, d: Domain) -> Array | None:

@@ -27,6 +27,7 @@ from typing import Literal
 
 import msgspec
 
+from tidal.algos.plugin import GREEDY_BASELINE
 from tidal.buffer.config import BufferConfig
 from tidal.core.config import ConfigStruct, PluginRef, apply_overrides, convert, read_config
 from tidal.core.episodes import is_episodic
@@ -204,6 +205,10 @@ def check(cfg: RunConfig) -> None:
                              ("max_staleness", cfg.max_staleness, 0)):
         if value < low:
             raise ConfigError(f"`{name}` must be at least {low}, got {value}", field=name)
+    if cfg.learner.train.advantage.name in GREEDY_BASELINE and cfg.group_size < 2:
+        raise ConfigError(f"`group_size` = {cfg.group_size} with advantage {cfg.learner.train.advantage.name!r}: each "
+                          f"group is G - 1 sampled completions and one greedy baseline, so G must be at least 2",
+                          field="group_size")
     _check_domains(cfg)
     if cfg.sampling.temperature <= 0:
         raise ConfigError(f"sampling.temperature must be > 0 for training samples, got {cfg.sampling.temperature:g}: "
@@ -319,11 +324,16 @@ def preflight_env(cfg: RunConfig, i: int):
 
 def check_env(cfg: RunConfig, i: int, env) -> None:
     """Multi-turn domains score with their episodes' own verifier (a domain `reward` plugin would be
-    ignored) and record no routing and no sampling masks yet (a sample's observation tokens are never
-    sampled, so they have neither): a recipe asking for any of these with such a domain is refused."""
+    ignored), record no routing and no sampling masks yet (a sample's observation tokens are never
+    sampled, so they have neither) and have no greedy baseline member (ReMax's advantage): a recipe asking
+    for any of these with such a domain is refused."""
     d = cfg.domains[i]
     if not is_episodic(env):
         return
+    if cfg.learner.train.advantage.name in GREEDY_BASELINE:
+        raise ConfigError(f"domains[{i}] ({d.env.name!r}) is multi-turn, and its episodes have no greedy baseline "
+                          f"member, which advantage {cfg.learner.train.advantage.name!r} needs: choose another "
+                          f"learner.train.advantage (rloo, grpo, ...)", field="learner.train.advantage")
     asks = [f for f in ("return_routing", "return_sampling_mask") if getattr(cfg.sampling, f)]
     if d.reward is not None:
         raise ConfigError(f"domains[{i}] ({d.env.name!r}) is multi-turn: its episodes' outcome is the reward, so "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.core.protocol import NO_VERSION, SamplingParams, Trajectory
+from tidal.core.protocol import BASELINE_KEY, NO_VERSION, SamplingParams, Trajectory
 from tidal.rollout.engines.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
 from tidal.seqpar.layout import ShardLayout
 from tidal.seqpar.varlen import Item, VarlenLayout
@@ -43,6 +43,7 @@ class Sample:
     # int32 [T] per token the oldest policy version in the KV cache it attended to (NO_VERSION: not
     # sampled); None = its producer did not record it
     kv_versions: np.ndarray | None = None
+    baseline: bool = False  # its group's greedy baseline member (ReMax): scored, never trained
 
     @property
     def length(self) -> int:
@@ -60,7 +61,8 @@ class Sample:
                    routing=None if t.routing is None else t.routing.numpy(),
                    step_rewards=None if t.step_rewards is None else t.step_rewards.numpy(),
                    step_ends=None if t.step_ends is None else t.step_ends.numpy(),
-                   kv_versions=None if t.kv_versions is None else t.kv_versions.numpy())
+                   kv_versions=None if t.kv_versions is None else t.kv_versions.numpy(),
+                   baseline=t.metadata.get(BASELINE_KEY) == "greedy")
 
 
 @dataclass

@@ -209,10 +209,21 @@ class Trainer:
         v = pad_rows([x.float().cpu() for x in values], width) if values is not None else None
         step_rewards, step_ends = self._steps(samples)
         out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index, values=v,
-                                             step_rewards=step_rewards, step_ends=step_ends))
+                                             step_rewards=step_rewards, step_ends=step_ends,
+                                             baseline=self._baseline(samples)))
         adv = [out.advantages[i, : len(s.completion)] for i, s in enumerate(samples)]
         ret = [out.returns[i, : len(s.completion)] for i, s in enumerate(samples)] if out.returns is not None else None
         return adv, ret
+
+    def _baseline(self, samples: Sequence[Sample]) -> torch.Tensor | None:
+        """[B] bool, the groups' greedy baseline members, for an estimator that reads them (ReMax's)."""
+        if getattr(self.estimator, "greedy_baseline", False):
+            return torch.tensor([s.baseline for s in samples], dtype=torch.bool)
+        if any(s.baseline for s in samples):
+            raise ValueError(f"the batch holds greedy baseline members (ReMax's), which advantage "
+                             f"{self.cfg.advantage.name!r} does not read: its groups were generated for advantage "
+                             f"\"remax\"; set learner.train.advantage = {{ name = \"remax\" }}")
+        return None
 
     def _steps(self, samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Process rewards [B, S] and their end positions [B, S] (-1: no step) for an estimator that reads
@@ -280,13 +291,18 @@ class Trainer:
         return Micro(row, torch.arange(2, device=self.backend.device)[None], [], [])
 
     def prepare(self, samples: Sequence[Sample]) -> Prepared:
-        """What a step does before its first forward and without the parameters: check the sampling,
-        pack the micro-batches, and (an estimator without a critic) the advantages. No collectives, so the
-        learner runs it for the next batch on another thread while this step trains."""
+        """What a step does before its first forward and without the parameters: (an estimator without a
+        critic) the advantages, then leave out greedy baseline members, check the sampling and pack the
+        micro-batches. No collectives: the learner runs it for the next batch while this step trains."""
+        adv, returns = self.advantages(samples) if samples and not self.critic else (None, None)
+        if any(s.baseline for s in samples):  # greedy baseline members: their rewards were read, never trained
+            keep = [i for i, s in enumerate(samples) if not s.baseline]
+            samples = [samples[i] for i in keep]
+            adv = None if adv is None else [adv[i] for i in keep]
+            returns = None if returns is None else [returns[i] for i in keep]
         self._check_sampling(samples)
         micros = pack(samples, self.cfg.micro_batch_tokens, self.backend.device, share_prefix=self.share_prefix,
                       fallback=self.fallback)
-        adv, returns = self.advantages(samples) if samples and not self.critic else (None, None)
         return Prepared(list(samples), micros, adv, returns)
 
     def step(self, samples: Sequence[Sample] | Prepared) -> dict[str, float]:

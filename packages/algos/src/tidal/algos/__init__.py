@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "gpg_advantages": "advantages",
     "kl_cov_loss": "losses",
     "passk_advantages": "advantages",
+    "remax_advantages": "advantages",
     "sapo_loss": "losses",
 }
 

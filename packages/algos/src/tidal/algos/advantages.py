@@ -245,3 +245,29 @@ def passk_advantages(rewards: Tensor, group_index: Tensor, *, k: int, threshold:
     adv = torch.where(correct > 0, 1.0 - mean, 1.0 - mean - wrong_share) / sigma.clamp(min=1e-12)
     adv = torch.where(sigma > 1e-12, adv, torch.zeros_like(adv))
     return adv.to(rewards.dtype)
+
+
+def remax_advantages(rewards: Tensor, group_index: Tensor, baseline: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for
+    Aligning Large Language Models", arXiv 2310.10505, Algorithm 1): REINFORCE whose baseline is the reward
+    of the greedy (argmax) completion of the same prompt, A_i = r_i - r_greedy(g_i), no normalisation.
+
+    `baseline` [B] bool marks the greedy member of each group (exactly one per group, never trained: its
+    own advantage is 0). Returns [B] in the rewards' dtype. A group without its greedy member, or with
+    two, is an error naming the group index (the rollout did not produce it: see `tidal.core.protocol.
+    BASELINE_KEY`)."""
+    idx = _check(rewards, group_index)
+    if baseline.shape != rewards.shape:
+        raise ValueError(f"baseline must be [B] like rewards; got {tuple(baseline.shape)} and {tuple(rewards.shape)}")
+    if rewards.numel() == 0:
+        return rewards.clone()
+    b = baseline.to(torch.bool)
+    count = _group_sum(b.to(torch.float64), idx)
+    if bool((count != 1).any()):
+        g = int(idx[count != 1][0])
+        raise ValueError(f"ReMax needs exactly one greedy baseline member per group; group {g} has "
+                         f"{int(count[idx == g][0])} (was the group generated with the greedy member? the controller "
+                         f"asks for it when the advantage is \"remax\")")
+    r = rewards.to(torch.float64)
+    greedy = _group_sum(torch.where(b, r, 0.0), idx)  # the one baseline reward of each sample's group
+    return torch.where(b, 0.0, r - greedy).to(rewards.dtype)

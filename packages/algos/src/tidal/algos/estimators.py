@@ -25,6 +25,7 @@ class AdvantageInputs:
     token_penalty: Tensor | None = None  # [B, T] per-token penalty (e.g. beta * KL), subtracted
     step_rewards: Tensor | None = None  # [B, S] process rewards
     step_ends: Tensor | None = None  # [B, S] end (exclusive) token of each step, -1 = unused
+    baseline: Tensor | None = None  # [B] bool: the greedy member of its group, not trained (ReMax's baseline)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,4 +154,19 @@ class PassKEstimator:
     def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
         g = _need(batch, "group_index", "passk")
         seq = adv.passk_advantages(batch.rewards, g, k=self.k, threshold=self.threshold)
+        return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))
+
+
+class ReMaxEstimator:
+    """ReMax (registered as "remax", `remax_advantages`): A_i = r_i - r of its group's greedy completion,
+    broadcast to tokens. Each group carries one greedy member that is scored but never trained: the
+    learner hands the members to this estimator (`greedy_baseline`) and trains on the others. With
+    `group_size = G` a group is G - 1 sampled completions and the greedy one. Pair with `reinforce` (the
+    paper's objective) or a clipped loss."""
+
+    greedy_baseline = True  # the rollout adds a greedy member to each group; the learner trains the others
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        g = _need(batch, "group_index", "remax")
+        seq = adv.remax_advantages(batch.rewards, g, _need(batch, "baseline", "remax"))
         return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))

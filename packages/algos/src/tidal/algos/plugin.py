@@ -59,8 +59,12 @@ ESTIMATORS: dict[str, tuple[str, bool]] = {
     "grpo": ("GroupEstimator", True), "dr_grpo": ("GroupEstimator", True), "rloo": ("GroupEstimator", True),
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
     "grpo_process": ("ProcessEstimator", False), "oapl": ("OAPLEstimator", False),
-    "gpg": ("GPGEstimator", False), "passk": ("PassKEstimator", False),
+    "gpg": ("GPGEstimator", False), "passk": ("PassKEstimator", False), "remax": ("ReMaxEstimator", False),
 }
+
+# estimators whose groups carry a greedy member as their baseline (ReMax): read without torch by the
+# controller (it asks the rollout for that member) and the recipe check
+GREEDY_BASELINE = ("remax",)
 
 
 # group estimators whose baseline has no options (GroupEstimator's eps and unbiased_std are GRPO's std's)

@@ -18,10 +18,10 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 5  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+PROTOCOL_MINOR = 6  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
 #                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol;
 #                     4: EpisodeOpen/EpisodeStep/EpisodeClose/EpisodeReply (environment processes);
-#                     5: Trajectory.kv_versions
+#                     5: Trajectory.kv_versions; 6: BASELINE_KEY (a greedy member asked by metadata)
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -53,6 +53,12 @@ ACK_CONTROL: AckKind = "control"  # a `Control` command carried out (ids: the co
 # environment's text inside a multi-turn sample): such a token also has logprob 0 and loss_mask 0, and
 # staleness admission, lag metrics, IS weights, KL and entropy skip it.
 NO_VERSION = -1
+
+# Assignment.metadata key asking for a greedy baseline member (value "greedy"; ReMax's advantage): the last
+# of its num_samples is decoded greedily (temperature 0). That member's Trajectory alone keeps the key in
+# its metadata, has loss_mask 0 everywhere and is scored like the others; the learner reads its reward as
+# its group's baseline and trains on the other members only.
+BASELINE_KEY = "tidal.baseline"
 
 
 def group_id(domain: str, n: int) -> str:
@@ -436,6 +442,7 @@ __all__ = [
     "ACK_GROUP",
     "ACK_TRAJECTORY",
     "ACK_WEIGHTS",
+    "BASELINE_KEY",
     "MESSAGE_TYPES",
     "NO_VERSION",
     "PROTOCOL_MAJOR",

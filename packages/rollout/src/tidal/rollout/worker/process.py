@@ -34,23 +34,20 @@ import signal
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
-
-import msgspec
 
 from tidal.core.channels import Waker, dealer, make_hello, poll, sub
 from tidal.core.config import load_config
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ChannelTimeout, ProtocolError
-from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
+from tidal.core.interfaces import GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
     ACK_ASSIGNMENT,
+    BASELINE_KEY,
     Ack,
     Assignment,
     Control,
@@ -72,7 +69,7 @@ from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.applier import WeightApplier
 from tidal.rollout.worker.config import WorkerConfig
-from tidal.rollout.worker.results import ResultForwarder, trajectory_of
+from tidal.rollout.worker.results import ResultForwarder, iter_requests, trajectory_of
 from tidal.rollout.worker.scoring import Domains, SampleError
 from tidal.rollout.worker.transcripts import TranscriptWriter, episode_record, single_record
 
@@ -102,13 +99,6 @@ class _Group:
     eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
     episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
     left_out: list[str] = field(default_factory=list)  # why each failed episode was left out (survivors)
-
-
-def sample_seed(group_id: str, index: int, base: int | None) -> int:
-    """The seed of one sample: from the assignment's seed when given, else from the group id."""
-    if base is not None:
-        return base + index
-    return zlib.crc32(trajectory_id(group_id, index).encode()) & 0x7FFFFFFF
 
 
 class RolloutWorker:
@@ -280,6 +270,10 @@ class RolloutWorker:
             group.episodic = is_episodic(self.domains.env(a.task))
         except Exception as e:  # a bad env plugin or options: this group is dropped, counted, logged once
             self._drop(group, "env_error", f"environment of domain {a.task!r} could not be built", e)
+            return
+        if group.episodic and BASELINE_KEY in a.metadata:  # `tidal run`'s check refuses this up front
+            self._drop(group, "env_error", f"domain {a.task!r} is multi-turn: its episodes have no greedy baseline "
+                       f"member (ReMax's); choose another advantage estimator for it")
             return
         if group.episodic:
             self._multiturn().start(a, task)
@@ -564,15 +558,6 @@ class RolloutWorker:
         if not (self._stopping or self._stop.is_set()):  # re-entrant from signal handlers: see _stopping
             self._stopping = True
             self._stop.set()
-
-
-def iter_requests(assignment: Assignment) -> Iterator[GenerationRequest]:
-    """The G generation requests of an assignment, as the worker submits them (for other drivers)."""
-    prompt = [int(x) for x in assignment.prompt_ids.numpy()]
-    for i in range(assignment.num_samples):
-        sampling = msgspec.structs.replace(assignment.sampling,
-                                           seed=sample_seed(assignment.group_id, i, assignment.sampling.seed))
-        yield GenerationRequest(request_id=trajectory_id(assignment.group_id, i), prompt_ids=prompt, sampling=sampling)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from tidal.core.arrays import Array
 from tidal.core.channels import Waker
-from tidal.core.interfaces import GenerationResult
-from tidal.core.protocol import Assignment, Trajectory, trajectory_id
+from tidal.core.interfaces import GenerationRequest, GenerationResult
+from tidal.core.protocol import BASELINE_KEY, Assignment, SamplingParams, Trajectory, trajectory_id
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,45 @@ class ResultForwarder:
             self._thread.join(timeout=self.wait_s + 5)
 
 
+def sample_seed(group_id: str, index: int, base: int | None) -> int:
+    """The seed of one sample: from the assignment's seed when given, else from the group id."""
+    if base is not None:
+        return base + index
+    return zlib.crc32(trajectory_id(group_id, index).encode()) & 0x7FFFFFFF
+
+
+def is_baseline(a: Assignment, index: int) -> bool:
+    """Whether sample `index` is its group's greedy baseline member (ReMax: `BASELINE_KEY`, the last one)."""
+    return a.metadata.get(BASELINE_KEY) == "greedy" and index == a.num_samples - 1
+
+
+def member_sampling(a: Assignment, index: int) -> SamplingParams:
+    """How sample `index` of `a` is drawn: the assignment's sampling with its own seed, or greedy decoding
+    (temperature 0, no top-k / top-p) for the greedy baseline member."""
+    sampling = msgspec.structs.replace(a.sampling, seed=sample_seed(a.group_id, index, a.sampling.seed))
+    return _greedy(sampling) if is_baseline(a, index) else sampling
+
+
+def _greedy(sampling: SamplingParams) -> SamplingParams:
+    return msgspec.structs.replace(sampling, temperature=0.0, top_k=-1, top_p=1.0)
+
+
+def iter_requests(assignment: Assignment) -> Iterator[GenerationRequest]:
+    """The G generation requests of an assignment, as the worker submits them (for other drivers)."""
+    prompt = [int(x) for x in assignment.prompt_ids.numpy()]
+    for i in range(assignment.num_samples):
+        yield GenerationRequest(request_id=trajectory_id(assignment.group_id, i), prompt_ids=prompt,
+                                sampling=member_sampling(assignment, i))
+
+
 def trajectory_of(a: Assignment, index: int, res: GenerationResult, reward: float, source: str) -> Trajectory:
-    """Sample `index` of assignment `a`, generated as `res` and scored `reward`, as the buffer takes it."""
+    """Sample `index` of assignment `a`, generated as `res` and scored `reward`, as the buffer takes it. A
+    greedy baseline member is never trained (loss_mask 0) and alone keeps `BASELINE_KEY` in its metadata."""
+    n = len(res.completion_ids)
+    baseline = is_baseline(a, index)
+    metadata = dict(a.metadata)
+    if not baseline:
+        metadata.pop(BASELINE_KEY, None)
     return Trajectory(
         id=trajectory_id(a.group_id, index), group_id=a.group_id, sample_index=index, task=a.task,
         prompt_ids=a.prompt_ids,
@@ -78,6 +118,8 @@ def trajectory_of(a: Assignment, index: int, res: GenerationResult, reward: floa
         reward=reward, finish_reason=res.finish_reason,
         sampling_mask=None if res.sampling_mask is None else Array.from_numpy(np.ascontiguousarray(res.sampling_mask)),
         routing=None if res.routing is None else Array.from_numpy(np.ascontiguousarray(res.routing, dtype=np.int16)),
-        metadata=dict(a.metadata), source=source, group_size=a.num_samples,
-        sampling=a.sampling,  # the learner recomputes logprobs under the same processing
+        loss_mask=Array.from_numpy(np.zeros(n, np.uint8)) if baseline else None,
+        metadata=metadata, source=source, group_size=a.num_samples,
+        # the learner recomputes logprobs under the same processing
+        sampling=_greedy(a.sampling) if baseline else a.sampling,
     )
