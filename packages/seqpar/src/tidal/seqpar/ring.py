@@ -13,6 +13,8 @@ out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink}). Its gradient is −Σ_rows e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,17 @@ from tidal.seqpar.layout import ShardLayout
 
 def _tiles(idx: torch.Tensor, size: int) -> list[tuple[slice, torch.Tensor]]:
     return [(slice(i, i + size), idx[i:i + size]) for i in range(0, idx.numel(), size)]
+
+
+def _live_tiles(layout: ShardLayout, segs: torch.Tensor, src: int, q_tiles: list[tuple[slice, torch.Tensor]],
+                tile: int) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """(query tile, key tile of ring rank `src`'s block, their mask) for every pair whose mask is not all
+    False: the tiles forward and backward both visit."""
+    for ks, kidx in _tiles(layout.ring_indices(src).to(segs.device), tile):
+        for qs, qidx in q_tiles:
+            mask = block_mask(segs, qidx, kidx, layout.causal)
+            if bool(mask.any()):
+                yield qs, ks, mask
 
 
 class _Ring(torch.autograd.Function):
@@ -37,14 +50,9 @@ class _Ring(torch.autograd.Function):
         kv = [k, v]
         for step in range(size):
             pending = ring_shift(kv, group, tag=1) if step < size - 1 else None
-            src = (rank - step) % size
-            for ks, kidx in _tiles(layout.ring_indices(src).to(q.device), tile):
-                for qs, qidx in q_tiles:
-                    mask = block_mask(segs, qidx, kidx, layout.causal)
-                    if not bool(mask.any()):
-                        continue
-                    o_b, l_b = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], mask, scale)
-                    out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
+            for qs, ks, mask in _live_tiles(layout, segs, (rank - step) % size, q_tiles, tile):
+                o_b, l_b = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], mask, scale)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
             if pending is not None:
                 kv = pending.wait()
         if sinks is not None:
@@ -68,17 +76,12 @@ class _Ring(torch.autograd.Function):
         dkv = [torch.zeros(k.shape, dtype=torch.float32, device=q.device) for _ in range(2)]
         for step in range(size):
             pending = ring_shift(kv, group, tag=1) if step < size - 1 else None
-            src = (rank - step) % size
-            for ks, kidx in _tiles(layout.ring_indices(src).to(q.device), tile):
-                for qs, qidx in q_tiles:
-                    mask = block_mask(segs, qidx, kidx, layout.causal)
-                    if not bool(mask.any()):
-                        continue
-                    dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], mask, scale,
-                                                      lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
-                    dq[:, :, qs] += dq_b
-                    dkv[0][:, :, ks] += dk_b
-                    dkv[1][:, :, ks] += dv_b
+            for qs, ks, mask in _live_tiles(layout, segs, (rank - step) % size, q_tiles, tile):
+                dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], mask, scale,
+                                                  lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
             if size > 1:
                 # the dK/dV accumulator travels with its K/V block; after the last step one more shift
                 # brings every block's accumulator home
