@@ -111,7 +111,8 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
         shutil.rmtree(run_dir)
     (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode({"recipe": to_dict(cfg), **warm})))
     train = cfg.learner.train
-    print(f"[3/4] {cfg.mode} RL (loss {train.loss.name}, advantage {train.advantage.name}): {cfg.workers} rollout worker{'s' if cfg.workers != 1 else ''}, buffer, learner, controller "
+    print(f"[3/4] {cfg.mode} RL (loss {train.loss.name}, advantage {train.advantage.name}): "
+          f"{cfg.workers} rollout worker{'s' if cfg.workers != 1 else ''}, buffer, learner, controller "
           f"({cfg.budget.versions} versions or {cfg.budget.minutes:g} min); logs in {Path(cfg.run_dir) / 'logs'}",
           flush=True)
     result = run(cfg)
