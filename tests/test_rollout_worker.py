@@ -335,7 +335,7 @@ def test_a_group_trained_on_its_survivors_is_settled_with_its_left_out_samples(s
                    prompt="judge me", sampling=SamplingParams(temperature=1.0, max_tokens=4))
     system.ctl.assign(a)
     system.start_worker(**{"episodes.plugins": '["envpool_plugins"]', "episodes.processes": "1",
-                           "episodes.on_error": '"survivors"', "envs": '[{name="flaky", options={fail=[1]}}]',
+                           "episodes.on_error": '"survivors"', "domains": '[{env={name="flaky", options={fail=[1]}}}]',
                            "episodes.log_dir": f'"{system.tmp}"'})
     wait_for(lambda: "flaky-0" in system.ctl.acks, 120, "the group settled")
     ack = system.ctl.acks["flaky-0"]

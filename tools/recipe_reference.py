@@ -20,6 +20,7 @@ import textwrap
 import tokenize
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
@@ -40,7 +41,7 @@ A field typed `PluginRef` chooses a plugin by name and passes it options:
 `{ name = "grpo", options = { eps = 1e-6 } }`. `tidal plugins KIND` lists the names, and each plugin's
 options are in docs/plugins.md or its own documentation. Every plugin choice has this shape; the train
 backend's (`learner.backend`, a `BackendChoice`) has typed options, listed below. A list of them
-(`rollout.weight_transport`, `rollout.envs`) names each plugin once.
+(`rollout.weight_transport`) names each plugin once.
 """
 
 
@@ -144,13 +145,15 @@ def nested(typ: object) -> tuple[type, str] | None:
     return None
 
 
-def sections(cls: type, path: str = "") -> list[tuple[str, type]]:
-    """(dotted path, struct) for `cls` and every section below it, depth first in field order."""
+def sections(cls: type, path: str = "", skip: Collection[str] = ()) -> list[tuple[str, type]]:
+    """(dotted path, struct) for `cls` and every section below it, depth first in field order; not below
+    the fields in `skip` (those the run sets: `rollout.domains` is the top-level `[[domains]]`)."""
     out = [(path, cls)]
     for f in msgspec.structs.fields(cls):
         sub = nested(f.type)
-        if sub is not None:
-            out += sections(sub[0], f"{path}.{f.name}{sub[1]}" if path else f"{f.name}{sub[1]}")
+        dotted = f"{path}.{f.name}" if path else f.name
+        if sub is not None and dotted not in skip:
+            out += sections(sub[0], dotted + sub[1], skip)
     return out
 
 
@@ -166,7 +169,7 @@ def render() -> str:
 
     filled = set_by_run()
     parts = [HEADER]
-    for path, cls in sections(RunConfig):
+    for path, cls in sections(RunConfig, skip=filled):
         title = f"`{path}`" if path else "Top level"
         if path.endswith("[]"):
             title = f"`[[{path[:-2]}]]`"
@@ -178,7 +181,7 @@ def render() -> str:
         for f in msgspec.structs.fields(cls):
             sub = nested(f.type)
             dotted = f"{path}.{f.name}" if path else f.name
-            if sub is not None:
+            if sub is not None and dotted not in filled:
                 shown = f"[[{dotted}]]" if sub[1] == "[]" else dotted + sub[1]
                 line = f"- `{f.name}`: `{annotation(cls, f.name)}`, the section `{shown}` below"
             else:

@@ -30,9 +30,14 @@ OLD_IN_A_FILE = [
     ('[[domains]]\nenv = "arithmetic"\noptions = { level = 2 }\n', "domains[0].options",
      ["domains[0].options is gone", 'domains[0].env = { name = "arithmetic", options = { ... } }']),
     ("[rollout.envs]\ncountdown = { max_number = 50 }\n", "rollout.envs",
-     ['rollout.envs = [{ name = "countdown", options = { ... } }]']),
-    ('[rollout.domains.extra]\nenv = "reverse"\n', "rollout.domains.extra.env",
-     ['rollout.domains.extra.env = { name = "reverse", options = { ... } }']),
+     ["rollout.envs is gone", '[[domains]] with env = { name = "countdown", options = { ... } }']),
+    ('[rollout]\nenvs = [{ name = "reverse", options = { max_len = 8 } }]\n', "rollout.envs",
+     ["rollout.envs is gone", '[[domains]] with env = { name = "reverse", options = { ... } }']),
+    ('[rollout.domains.extra]\nenv = "reverse"\n', "rollout.domains",
+     ["rollout.domains as a table", '[[domains]] with name = "extra", env = { name = "reverse", options = { ... } }']),
+    ('[rollout.domains.extra]\nenv = { name = "reverse" }\nreward = { name = "exact_match" }\n', "rollout.domains",
+     ["rollout.domains as a table", '[[domains]] with name = "extra", env = { name = "reverse", options = { ... } }',
+      "reward = { ... }"]),
 ]
 
 # (old dotted override, the field named, what the message must show)
@@ -47,7 +52,13 @@ OLD_OVERRIDES = [
      ["learner.weights.options is gone", 'learner.weights.transport = { name = "zmq", options = { ... } }']),
     ("rollout.weight_transport.zmq.timeout=5", "rollout.weight_transport",
      ['rollout.weight_transport = [{ name = "zmq", options = { ... } }]']),
-    ("rollout.envs.countdown.max_number=50", "rollout.envs", ['rollout.envs = [{ name = "countdown", options = { ... } }]']),
+    ("rollout.envs.countdown.max_number=50", "rollout.envs",
+     ["rollout.envs is gone", '[[domains]] with env = { name = "countdown", options = { ... } }']),
+    ('rollout.envs=[{name="countdown"}]', "rollout.envs",
+     ["rollout.envs is gone", '[[domains]] with env = { name = "countdown", options = { ... } }',
+      'domains=\'[{env={name="...", options={...}}}]\'']),
+    ('rollout.domains.extra.env.name="reverse"', "rollout.domains",
+     ['[[domains]] with name = "extra", env = { name = "reverse", options = { ... } }']),
     ('domains=[{env="countdown"}]', "domains[0].env", ['domains[0].env = { name = "countdown", options = { ... } }']),
     ('domains=[{env={name="arithmetic"}, options={level=2}}]', "domains[0].options",
      ["domains[0].options is gone", 'domains[0].env = { name = "arithmetic", options = { ... } }']),
@@ -94,7 +105,7 @@ def test_the_new_forms_reach_the_roles_and_their_options_stay_typed(tmp_path):
     assert by["learner"]["weights"]["transport"] == {"name": "zmq", "options": {"bucket_bytes": 1048576}}
     assert by["rollout-0"]["weight_transport"] == [{"name": "zmq", "options": {"timeout": 30.0}},
                                                    {"name": "shm", "options": {}}]
-    assert by["rollout-0"]["domains"]["arithmetic"]["env"] == {"name": "arithmetic", "options": {"level": 2}}
+    assert [d["env"] for d in by["rollout-0"]["domains"]] == [{"name": "arithmetic", "options": {"level": 2}}]
     with pytest.raises(ConfigError) as e:  # a misspelt backend option is still refused by field
         load_recipe(None, [f'model="{tmp_path}"', 'learner.backend.options.dtyp="bfloat16"'])
     assert e.value.field == "learner.backend.options.dtyp" and "did you mean 'dtype'" in str(e.value)
@@ -115,3 +126,51 @@ def test_the_learner_process_alone_refuses_an_old_spelling_naming_the_new_form(t
                           "backend_options.optim.lr=1e-3"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "learner.backend_options is gone" in out.stderr and "learner.backend.options" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override", ['rollout.domains=[{env={name="countdown"}}]',
+                                      'rollout.domains=[{name="extra", env={name="arithmetic"}}]'])
+def test_rollout_domains_in_the_new_form_are_refused_unless_they_are_the_top_level_domains(tmp_path, override):
+    """The run fills each worker's `rollout.domains` from the top-level `[[domains]]`: a recipe that sets
+    other ones is refused, pointing there, never silently overridden."""
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [f'model="{tmp_path}"', override, "launch.check_envs=false"])
+    assert e.value.field == "rollout.domains"
+    assert "the run sets it (from the top-level `[[domains]]`)" in str(e.value), str(e.value)
+    assert "list each domain under the top-level `[[domains]]`" in str(e.value)
+    same = load_recipe(None, [f'model="{tmp_path}"', 'rollout.domains=[{env={name="arithmetic"}}]',
+                              "launch.check_envs=false"])
+    assert same.rollout.domains == same.domains  # what the run would set anyway
+
+
+# config.json of a run folder, as `tidal run` wrote it from recipes/arithmetic.toml at these commits: before
+# the one plugin shape (81bcd36) and before the one domain struct (f8d692d)
+EARLIER = {"run_config_81bcd36.json": 6, "run_config_f8d692d.json": 2}
+
+
+@pytest.mark.parametrize("name", sorted(EARLIER))
+def test_a_run_folder_written_by_an_earlier_tidal_is_read_with_its_spellings_carried_over(name, caplog, tmp_path):
+    from pathlib import Path
+
+    import msgspec
+
+    from tidal.core.config import Domain, PluginRef
+    from tidal.integration.recipe import read_recipe
+
+    path = Path(__file__).parent / "recipes" / name
+    with pytest.raises(ConfigError, match="is gone"):  # as a recipe someone typed: refused with the new form
+        read_recipe(path)
+    raw = json.loads(path.read_text())
+    with caplog.at_level("WARNING", logger="tidal.recipe"):
+        cfg = read_recipe(path, run_folder=True)  # `tidal run --resume` reads it so
+    carried = [r.getMessage() for r in caplog.records if "written by an earlier Tidal" in r.getMessage()]
+    assert len(carried) == EARLIER[name], carried
+    assert cfg.domains == [Domain(env=PluginRef(name="arithmetic", options={"level": 5}))]
+    learner = raw["learner"]
+    old_optim = (learner["backend_options"] if "backend_options" in learner else learner["backend"]["options"])["optim"]
+    assert cfg.learner.backend.name == "single" and cfg.learner.backend.options.optim.lr == old_optim["lr"]
+    assert cfg.learner.weights.transport.name == "zmq" and cfg.rollout.domains == []
+    # what the resumed run writes back to config.json is the new form: read again, nothing is carried over
+    again = tmp_path / "config.json"
+    again.write_bytes(msgspec.json.encode(cfg))
+    assert read_recipe(again) == cfg

@@ -275,9 +275,9 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
     """One Tidal run; `eval_every` overrides --eval-every, `tag` names a second run of the same mode."""
     import msgspec
 
-    from tidal.core.config import PluginRef
+    from tidal.core.config import Domain, PluginRef
     from tidal.integration.demo import demo_config
-    from tidal.integration.recipe import DomainConfig, check
+    from tidal.integration.recipe import check
     from tidal.integration.run import run
 
     run_dir = out / f"tidal-{name}-{mode}{tag}"
@@ -289,7 +289,7 @@ def run_tidal(mode: str, model_path: Path, out: Path, name: str, w: dict, a: arg
         f"learner.backend.options.optim.lr={a.lr}", f"launch.threads={threads}",
         "monitor.progress=off", "monitor.tensorboard=false", *a.set])
     cfg = msgspec.structs.replace(
-        cfg, model=str(model_path), domains=[DomainConfig(env=PluginRef(name=w["domain"]["env"], options=dict(w["domain"]["options"])))],
+        cfg, model=str(model_path), domains=[Domain(env=PluginRef(name=w["domain"]["env"], options=dict(w["domain"]["options"])))],
         sampling=msgspec.structs.replace(cfg.sampling, max_tokens=w["max_tokens"]))
     check(cfg)
     if run_dir.exists():

@@ -8,7 +8,15 @@ import msgspec
 import pytest
 
 from tidal.core import ConfigError
-from tidal.core.config import ConfigStruct, apply_overrides, load_config, parse_override
+from tidal.core.config import (
+    ConfigStruct,
+    Domain,
+    PluginRef,
+    apply_overrides,
+    domains_by_key,
+    load_config,
+    parse_override,
+)
 
 
 class Learner(ConfigStruct):
@@ -90,3 +98,20 @@ def test_json_configs_load_the_same_way_and_a_non_object_is_named(tmp_path):
     p.write_text("{oops")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(p, Run)
+
+
+class Domains(ConfigStruct):
+    domains: list[Domain] = []
+
+
+def test_a_domain_is_keyed_by_its_name_else_its_env_and_a_key_listed_twice_is_refused():
+    cfg = load_config(None, Domains, ['domains=[{env={name="arithmetic", options={level=2}}}, '
+                                      '{name="hard", env={name="arithmetic"}, reward={name="exact_match"}}]'])
+    assert [d.key for d in cfg.domains] == ["arithmetic", "hard"]
+    assert cfg.domains[0].env == PluginRef(name="arithmetic", options={"level": 2}) and cfg.domains[0].weight == 1.0
+    assert list(domains_by_key(cfg.domains)) == ["arithmetic", "hard"]
+    assert Domain().env.name == "arithmetic" and Domain().reward is None
+    with pytest.raises(ConfigError) as e:
+        domains_by_key([*cfg.domains, Domain(name="hard", env=PluginRef(name="countdown"))])
+    assert e.value.field == "domains[2].name"
+    assert "domains[2] and domains[1] are both named 'hard'" in str(e.value) and 'name = "countdown-2"' in str(e.value)

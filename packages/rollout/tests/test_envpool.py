@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tidal.core.config import Domain, PluginRef
+from tidal.core.errors import ConfigError
 from tidal.core.interfaces import Task
 from tidal.core.protocol import EpisodeReply
 from tidal.rollout.envs.tasks import Arithmetic
@@ -27,13 +29,18 @@ EXAMPLE_SRC = HERE.parents[2] / "examples" / "tidal-env-guess" / "src"
 PYTHONPATH = os.pathsep.join([str(HERE), str(EXAMPLE_SRC)])
 
 
+def dom(key: str, env: str, options: dict | None = None) -> Domain:
+    """Domain `key` served by env plugin `env` with `options`."""
+    return Domain(name=key, env=PluginRef(name=env, options=options or {}))
+
+
 @pytest.fixture
 def make_pool(tmp_path):
     pools: list[EnvPool] = []
 
-    def make(specs, wait: bool = True, **kw) -> EnvPool:
+    def make(domains: list[Domain], wait: bool = True, **kw) -> EnvPool:
         kw.setdefault("plugins", ["envpool_plugins"])
-        pool = EnvPool(specs, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
+        pool = EnvPool(domains, log_dir=tmp_path / f"logs{len(pools)}", environ={"PYTHONPATH": PYTHONPATH}, **kw)
         pools.append(pool)
         pool.start(wait=wait)
         return pool
@@ -72,7 +79,7 @@ def gone(pid: int) -> bool:
 
 
 def test_an_episodic_env_answers_each_step_in_order_with_rewards_and_its_outcome_when_done(make_pool):
-    pool = make_pool({"count": {"env": "counting", "options": {"turns": 3}}}, processes=2)
+    pool = make_pool([dom("count", "counting", {"turns": 3})], processes=2)
     for i in range(4):
         pool.open(f"e{i}", "count", Task(prompt=f"p{i}"))
     opened = {r.episode_id: r for r in wait_for(pool, 4)}
@@ -100,7 +107,7 @@ def test_an_episodic_env_answers_each_step_in_order_with_rewards_and_its_outcome
 
 
 def test_an_episode_still_going_at_max_turns_is_ended_there_with_its_outcome(make_pool):
-    pool = make_pool({"count": {"env": "counting", "options": {"turns": 3, "max_turns": 2}}})
+    pool = make_pool([dom("count", "counting", {"turns": 3, "max_turns": 2})])
     pool.open("e", "count", Task(prompt="p"))
     assert one(pool).max_turns == 2
     pool.step("e", 1, "1")
@@ -111,7 +118,7 @@ def test_an_episode_still_going_at_max_turns_is_ended_there_with_its_outcome(mak
 
 
 def test_a_single_turn_env_is_one_action_scored_by_its_score(make_pool):
-    pool = make_pool({"arith": {"env": "arithmetic", "options": {"level": 2}}}, plugins=[])
+    pool = make_pool([dom("arith", "arithmetic", {"level": 2})], plugins=[])
     tasks = list(itertools.islice(Arithmetic(level=2).tasks("train", seed=3), 2))
     for i, task in enumerate(tasks):
         pool.open(f"a{i}", "arith", task)
@@ -128,7 +135,7 @@ def test_a_single_turn_env_is_one_action_scored_by_its_score(make_pool):
 
 
 def test_a_process_killed_mid_episode_fails_its_episodes_with_env_died_and_comes_back(make_pool):
-    pool = make_pool({"count": {"env": "counting"}}, processes=2)
+    pool = make_pool([dom("count", "counting")], processes=2)
     for i in range(4):
         pool.open(f"e{i}", "count", Task(prompt="p"))
     pids = {r.episode_id: pid_of(r) for r in wait_for(pool, 4)}
@@ -167,7 +174,7 @@ def reaped(pool: EnvPool, pid: int, timeout: float = 5.0) -> bool:
 
 
 def test_a_hanging_step_is_cut_at_step_timeout_with_its_stack_logged_and_bystanders_get_env_restarted(make_pool):
-    pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
+    pool = make_pool([dom("sleepy", "sleepy"), dom("count", "counting")], processes=1, step_timeout_s=1.0)
     pool.open("stuck", "sleepy", Task(prompt="p"))
     pool.open("bystander", "count", Task(prompt="p"))
     pid = pid_of(next(r for r in wait_for(pool, 2) if r.episode_id == "bystander"))
@@ -195,7 +202,7 @@ def test_a_hanging_step_is_cut_at_step_timeout_with_its_stack_logged_and_bystand
 def test_a_step_that_hangs_after_its_episode_was_closed_is_still_the_one_blamed(make_pool):
     """A dropped group's episodes are closed while their steps may be in flight; the process still serves
     those steps first, so one that hangs is the stuck one: the open queued behind it is a bystander."""
-    pool = make_pool({"sleepy": {"env": "sleepy"}, "count": {"env": "counting"}}, processes=1, step_timeout_s=1.0)
+    pool = make_pool([dom("sleepy", "sleepy"), dom("count", "counting")], processes=1, step_timeout_s=1.0)
     pool.open("dropped", "sleepy", Task(prompt="p"))
     wait_for(pool, 1)
     pool.step("dropped", 1, "x")
@@ -210,7 +217,7 @@ def test_a_step_that_hangs_after_its_episode_was_closed_is_still_the_one_blamed(
 
 
 def test_a_hanging_open_is_cut_at_step_timeout_like_a_step(make_pool):
-    pool = make_pool({"sleepy": {"env": "sleepy_open"}, "count": {"env": "counting"}}, processes=1,
+    pool = make_pool([dom("sleepy", "sleepy_open"), dom("count", "counting")], processes=1,
                      step_timeout_s=1.0)
     pool.open("bystander", "count", Task(prompt="p"))
     pid = pid_of(one(pool))
@@ -226,7 +233,7 @@ def test_a_hanging_open_is_cut_at_step_timeout_like_a_step(make_pool):
 
 
 def test_a_process_whose_environment_never_builds_fails_start_at_start_timeout_with_its_stack(tmp_path):
-    pool = EnvPool({"slow": {"env": "slow_build"}}, log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH},
+    pool = EnvPool([dom("slow", "slow_build")], log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH},
                    plugins=["envpool_plugins"], start_timeout_s=1.5)
     t0 = time.monotonic()
     with pytest.raises(EnvPoolError, match=r"env-0 .* did not say Hello within 1.5 s \(start_timeout_s\)"):
@@ -237,7 +244,7 @@ def test_a_process_whose_environment_never_builds_fails_start_at_start_timeout_w
 
 
 def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
-    pool = make_pool({"count": {"env": "counting", "options": {"delay_s": 0.3}}}, processes=1, step_timeout_s=1.0)
+    pool = make_pool([dom("count", "counting", {"delay_s": 0.3})], processes=1, step_timeout_s=1.0)
     for i in range(5):
         pool.open(f"e{i}", "count", Task(prompt="p"))
     wait_for(pool, 5)
@@ -251,14 +258,14 @@ def test_time_queued_behind_other_episodes_steps_is_not_a_timeout(make_pool):
 
 
 def test_a_pool_started_without_waiting_serves_the_episodes_opened_before_hello(make_pool):
-    pool = make_pool({"count": {"env": "counting"}}, wait=False, processes=2)
+    pool = make_pool([dom("count", "counting")], wait=False, processes=2)
     for i in range(3):
         pool.open(f"e{i}", "count", Task(prompt="p"))
     assert all(not r.error_kind for r in wait_for(pool, 3))
 
 
 def test_a_process_silent_past_start_timeout_is_restarted_and_then_ends_a_pool_that_did_not_wait(make_pool):
-    pool = make_pool({"slow": {"env": "slow_build"}}, wait=False, start_timeout_s=1.0, max_failures_in_a_row=2)
+    pool = make_pool([dom("slow", "slow_build")], wait=False, start_timeout_s=1.0, max_failures_in_a_row=2)
     pool.open("e0", "slow", Task(prompt="p"))
     r = one(pool, timeout=5)
     assert r.error_kind == "env_restarted" and "did not say Hello within 1 s (start_timeout_s)" in r.error
@@ -270,7 +277,7 @@ def test_a_process_silent_past_start_timeout_is_restarted_and_then_ends_a_pool_t
 
 def test_an_oversized_observation_arrives_truncated_with_a_marker_and_counted(make_pool):
     mb5 = 5 * 1024 * 1024
-    pool = make_pool({"f": {"env": "flooding", "options": {"reset_chars": 3000, "step_chars": mb5}}},
+    pool = make_pool([dom("f", "flooding", {"reset_chars": 3000, "step_chars": mb5})],
                      max_observation_chars=1000)
     pool.open("e", "f", Task(prompt="p"))
     first = one(pool)
@@ -306,8 +313,7 @@ def test_rewards_that_are_not_real_numbers_are_verifier_errors_naming_the_author
         "step": ({"step_reward": "str_number"}, f"step() returned '1.0' (str), not a real number (env bad_reward, {step})"),
         "good": ({"step_reward": "true", "outcome": "one"}, ""),
     }
-    specs = {d: {"env": "bad_reward", "options": o} for d, (o, _) in cases.items()}
-    pool = make_pool({**specs, "score": {"env": "bad_score"}})
+    pool = make_pool([*(dom(d, "bad_reward", o) for d, (o, _) in cases.items()), dom("score", "bad_score")])
     for d in [*cases, "score"]:
         pool.open(d, d, Task(prompt="p"))
     wait_for(pool, len(cases) + 1)
@@ -330,7 +336,7 @@ def test_rewards_that_are_not_real_numbers_are_verifier_errors_naming_the_author
 
 
 def test_a_verifier_that_raises_is_a_verifier_error_with_its_message_not_a_zero(make_pool):
-    pool = make_pool({"v": {"env": "raising_verifier"}})
+    pool = make_pool([dom("v", "raising_verifier")])
     pool.open("e", "v", Task(prompt="p"))
     one(pool)
     pool.step("e", 1, "x")
@@ -341,7 +347,7 @@ def test_a_verifier_that_raises_is_a_verifier_error_with_its_message_not_a_zero(
 
 
 def test_a_step_that_raises_is_an_env_error_and_the_process_goes_on(make_pool):
-    pool = make_pool({"bad": {"env": "raising_step"}, "count": {"env": "counting"}})
+    pool = make_pool([dom("bad", "raising_step"), dom("count", "counting")])
     pool.open("e", "bad", Task(prompt="p"))
     one(pool)
     pool.step("e", 1, "garbage")
@@ -353,7 +359,7 @@ def test_a_step_that_raises_is_an_env_error_and_the_process_goes_on(make_pool):
 
 
 def test_close_stops_every_process_even_one_stuck_in_a_step(make_pool, tmp_path):
-    pool = make_pool({"sleepy": {"env": "sleepy"}}, processes=2, step_timeout_s=60)
+    pool = make_pool([dom("sleepy", "sleepy")], processes=2, step_timeout_s=60)
     pids = list(pool.pids.values())
     pool.open("e", "sleepy", Task(prompt="p"))
     one(pool)
@@ -368,8 +374,9 @@ def test_close_stops_every_process_even_one_stuck_in_a_step(make_pool, tmp_path)
 
 def test_environment_processes_exit_when_the_pool_process_is_killed(tmp_path):
     code = (
-        "import sys, time; from tidal.rollout.episodes.pool import EnvPool\n"
-        f"pool = EnvPool({{'c': {{'env': 'counting'}}}}, processes=2, plugins=['envpool_plugins'], "
+        "import sys, time; from tidal.core.config import Domain, PluginRef\n"
+        "from tidal.rollout.episodes.pool import EnvPool\n"
+        f"pool = EnvPool([Domain(name='c', env=PluginRef(name='counting'))], processes=2, plugins=['envpool_plugins'], "
         f"log_dir={str(tmp_path)!r}, environ={{'PYTHONPATH': {PYTHONPATH!r}}})\n"
         "pool.start(); print(*pool.pids.values(), flush=True); time.sleep(60)\n"
     )
@@ -389,7 +396,7 @@ def test_environment_processes_exit_when_the_pool_process_is_killed(tmp_path):
 
 
 def test_a_process_that_dies_on_every_episode_makes_poll_raise_naming_its_log(make_pool):
-    pool = make_pool({"d": {"env": "dies_on_open"}}, max_failures_in_a_row=2)
+    pool = make_pool([dom("d", "dies_on_open")], max_failures_in_a_row=2)
     pool.open("e0", "d", Task(prompt="p"))
     r = one(pool)
     assert r.error_kind == "env_died" and "died with exit code 3" in r.error
@@ -401,17 +408,17 @@ def test_a_process_that_dies_on_every_episode_makes_poll_raise_naming_its_log(ma
 
 
 def test_an_unknown_env_fails_start_with_the_registry_message_and_the_log(tmp_path):
-    pool = EnvPool({"x": {"env": "no_such_env"}}, log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH})
+    pool = EnvPool([dom("x", "no_such_env")], log_dir=tmp_path, environ={"PYTHONPATH": PYTHONPATH})
     with pytest.raises(EnvPoolError, match=r"no env named 'no_such_env'.*see its log .*env-0\.log"):
         pool.start()
     assert pool.pids == {}
 
 
 def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_the_error(tmp_path):
-    pool = EnvPool({"x": {"env": "raising_build"}}, processes=2, log_dir=tmp_path, plugins=["envpool_plugins"],
+    pool = EnvPool([dom("x", "raising_build")], processes=2, log_dir=tmp_path, plugins=["envpool_plugins"],
                    environ={"PYTHONPATH": PYTHONPATH})
     t0 = time.monotonic()
-    with pytest.raises(EnvPoolError, match=r"domains\.x: environment plugin 'raising_build' \(module envpool_plugins\) "
+    with pytest.raises(EnvPoolError, match=r"domains\[x\]\.env: environment plugin 'raising_build' \(module envpool_plugins\) "
                                            r"failed to build: FileNotFoundError: tasks.jsonl is not in the package "
                                            r"\(envpool_plugins\.py:\d+\)"):
         pool.start()
@@ -422,7 +429,7 @@ def test_an_env_whose_factory_raises_fails_start_at_once_naming_the_domain_and_t
 
 
 def test_the_example_guess_number_env_plays_in_the_pool(make_pool):
-    pool = make_pool({"guess": {"env": "guess_number", "options": {"high": 16}}}, plugins=["tidal_env_guess.plugin"])
+    pool = make_pool([dom("guess", "guess_number", {"high": 16})], plugins=["tidal_env_guess.plugin"])
     pool.open("g", "guess", Task(prompt="", answer="11"))
     first = one(pool)
     assert [t.name for t in first.tools] == ["hint"] and first.max_turns >= 4
@@ -443,7 +450,7 @@ def test_the_example_guess_number_env_plays_in_the_pool(make_pool):
 def test_a_guess_game_of_unreadable_moves_is_lost_at_max_turns_not_a_verifier_error(make_pool):
     """An untrained policy seldom writes a number: its game ends at max_turns as lost (outcome 0.0), so its
     group trains, rather than as an outcome() that raises, which drops the group (verifier_error)."""
-    pool = make_pool({"guess": {"env": "guess_number", "options": {"high": 8, "max_turns": 3}}},
+    pool = make_pool([dom("guess", "guess_number", {"high": 8, "max_turns": 3})],
                      plugins=["tidal_env_guess.plugin"])
     pool.open("g", "guess", Task(prompt="", answer="5"))
     assert one(pool).max_turns == 3
@@ -464,7 +471,7 @@ def test_a_process_without_the_pools_keys_cannot_pose_as_an_environment(make_poo
     from tidal.core.errors import ChannelTimeout
     from tidal.core.security import CurveClient
 
-    pool = make_pool({"arith": {"env": "arithmetic"}}, processes=1)
+    pool = make_pool([dom("arith", "arithmetic")], processes=1)
     assert pool._keys_dir is not None and oct(pool._keys_dir.stat().st_mode & 0o777) == "0o700"
     public, secret = zmq.curve_keypair()
     own_keys = CurveClient(zmq.curve_keypair()[0], public, secret)
@@ -481,7 +488,7 @@ def test_a_malformed_or_nested_frame_at_the_pool_is_counted_by_reason_and_episod
     from tidal.core.protocol import PROTOCOL_VERSION
     from tidal.core.security import ChannelSecurity
 
-    pool = make_pool({"count": {"env": "counting"}})
+    pool = make_pool([dom("count", "counting")])
     assert pool._ch is not None
     # a peer holding the pool's client keys (its own processes' pair): past CURVE, at the codec
     assert pool._keys_dir is not None
@@ -496,3 +503,9 @@ def test_a_malformed_or_nested_frame_at_the_pool_is_counted_by_reason_and_episod
     assert pool.counters["protocol_errors/not_tidal"] == 1
     pool.open("ok", "count", Task(prompt="p"))  # control: the pool still serves episodes
     assert not one(pool).error_kind
+
+
+def test_a_domain_listed_twice_is_refused_naming_both_places(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        EnvPool([dom("c", "counting"), dom("c", "sleepy")], log_dir=tmp_path)
+    assert e.value.field == "domains[1].name" and "domains[1] and domains[0] are both named 'c'" in str(e.value)

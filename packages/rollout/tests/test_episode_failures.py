@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tidal.core.arrays import Array
+from tidal.core.config import Domain, PluginRef
 from tidal.core.interfaces import Task
 from tidal.core.protocol import Assignment, EpisodeReply, SamplingParams, trajectory_id
 from tidal.rollout.episodes.local import LocalEpisodes
@@ -42,7 +43,7 @@ def tok(tiny_model):
 
 
 def _start(engine, tok, fail: list[int], **cfg) -> tuple[MultiTurn, LocalEpisodes]:
-    pool = LocalEpisodes({"flaky": {"env": "flaky", "options": {"fail": fail}}}, plugins=["envpool_plugins"])
+    pool = LocalEpisodes([Domain(env=PluginRef(name="flaky", options={"fail": fail}))], plugins=["envpool_plugins"])
     mt = MultiTurn(EpisodesConfig(max_tokens=64, **cfg), pool, engine, tok, lambda: PlainRenderer(tok))
     a = Assignment(group_id=GROUP, prompt_ids=Array.from_numpy(np.zeros(0, np.int32)), num_samples=4, task="flaky",
                    sampling=SAMPLING, prompt="judge me")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tidal.core.config import Domain, PluginRef
 from tidal.core.interfaces import Task
 from tidal.core.protocol import NO_VERSION, SamplingParams, trajectory_id
 from tidal.rollout.episodes.local import LocalEpisodes
@@ -19,7 +20,7 @@ from tidal.rollout.episodes.pool import EnvPool
 from tidal.rollout.episodes.renderers import PlainRenderer
 from tidal.rollout.tiny import load_tokenizer
 
-SPECS = {"counting": {"env": "counting", "options": {"turns": 3}}}
+DOMAINS = [Domain(env=PluginRef(name="counting", options={"turns": 3}))]
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=6, stop=["\n"], seed=7)
 
 
@@ -94,7 +95,7 @@ def _check_sample(run, engine, tok):
 
 def test_local_episodes_extend_exactly_what_was_sampled(engine, tok):
     engine.requests.clear()
-    runs = run_episodes(engine, tok, LocalEpisodes(SPECS, plugins=["envpool_plugins"]), "counting", _tasks(6),
+    runs = run_episodes(engine, tok, LocalEpisodes(DOMAINS, plugins=["envpool_plugins"]), "counting", _tasks(6),
                         SAMPLING, EpisodesConfig(max_tokens=200), lambda: PlainRenderer(tok), timeout=120)
     assert all(r is not None for r in runs)
     for run in runs:
@@ -111,7 +112,7 @@ def test_episodes_in_environment_processes_and_their_trajectories(engine, tok, t
 
     here = str(Path(__file__).parent)
     engine.requests.clear()
-    with EnvPool(SPECS, processes=2, plugins=["envpool_plugins"], log_dir=tmp_path,
+    with EnvPool(DOMAINS, processes=2, plugins=["envpool_plugins"], log_dir=tmp_path,
                  environ={"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}) as pool:  # started on entering
         mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
         from tidal.core.arrays import Array
@@ -153,7 +154,7 @@ def test_a_truncated_first_observation_is_counted_in_the_worker_metrics_and_the_
     from tidal.core.arrays import Array
     from tidal.core.protocol import Assignment
 
-    pool = LocalEpisodes({"flood": {"env": "flooding", "options": {"reset_chars": 50_000}}},
+    pool = LocalEpisodes([Domain(name="flood", env=PluginRef(name="flooding", options={"reset_chars": 50_000}))],
                          plugins=["envpool_plugins"], max_observation_chars=300)
     mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
     a = Assignment(group_id="flood-0000001", prompt_ids=Array.from_numpy(np.zeros(0, np.int32)), num_samples=1,
@@ -180,7 +181,7 @@ class NoExtend(PlainRenderer):
 
 def test_a_renderer_that_cannot_extend_splits_the_sample(engine, tok):
     engine.requests.clear()
-    pool = LocalEpisodes(SPECS, plugins=["envpool_plugins"])
+    pool = LocalEpisodes(DOMAINS, plugins=["envpool_plugins"])
     (run,) = run_episodes(engine, tok, pool, "counting", _tasks(1), SAMPLING, EpisodesConfig(max_tokens=200),
                           lambda: NoExtend(tok), timeout=120)
     assert run is not None and len(run.segments) == 3  # one segment per turn: each turn a fresh render
@@ -225,7 +226,7 @@ def test_a_bpe_model_with_its_own_chat_template_extends_turn_by_turn(chatml_mode
     engine = Recording(EmbeddedEngine(str(chatml_model), max_num_seqs=16, seed=0))
     try:
         make = lambda: registry.build("renderer", "chat_template", {}, tok)  # noqa: E731
-        runs = run_episodes(engine, tok, LocalEpisodes(SPECS, plugins=["envpool_plugins"]), "counting", _tasks(8),
+        runs = run_episodes(engine, tok, LocalEpisodes(DOMAINS, plugins=["envpool_plugins"]), "counting", _tasks(8),
                             SAMPLING, EpisodesConfig(max_tokens=400), make, timeout=120)
     finally:
         engine.engine.close()

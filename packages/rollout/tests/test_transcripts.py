@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tidal.core.config import Domain, PluginRef
 from tidal.core.interfaces import Task
 from tidal.core.protocol import ChatMessage, SamplingParams
 from tidal.rollout.episodes.local import LocalEpisodes
@@ -103,9 +104,9 @@ def test_real_episodes_finished_and_failed(tiny_model, tmp_path):
     tok = load_tokenizer(tiny_model)
     engine = EmbeddedEngine(str(tiny_model), max_num_seqs=8, seed=0)
     try:
-        specs = {"counting": {"env": "counting", "options": {"turns": 3}},
-                 "raising_step": {"env": "raising_step", "options": {}}}
-        pool = LocalEpisodes(specs, plugins=["envpool_plugins"])
+        domains = [Domain(env=PluginRef(name="counting", options={"turns": 3})),
+                   Domain(env=PluginRef(name="raising_step"))]
+        pool = LocalEpisodes(domains, plugins=["envpool_plugins"])
         (run,) = run_episodes(engine, tok, pool, "counting", [Task(prompt="task 1", domain="counting")], SAMPLING,
                               EpisodesConfig(max_tokens=200), lambda: PlainRenderer(tok), timeout=120)
         assert run is not None

@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if not (resume / "config.json").is_file():
                 raise ConfigError(f"{resume} holds no run to resume (no config.json); start one with "
                                   f"tidal run RECIPE run_dir={resume}")
-            cfg = load_recipe(resume / "config.json", overrides)
+            cfg = load_recipe(resume / "config.json", overrides, run_folder=True)
             why = check_resumable(resume, cfg.budget.versions)
             if why:
                 print(f"tidal run: {why}", file=sys.stderr)

@@ -128,7 +128,7 @@ class Controller(Evaluations):
 
     def _build_domains(self) -> None:
         cfg = self.cfg
-        self.domains = [Domain(d.name or d.env.name, d.env.name,
+        self.domains = [Domain(d.key, d.env.name,
                                registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"),
                                d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
                         for i, d in enumerate(cfg.domains)]

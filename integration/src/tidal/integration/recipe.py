@@ -19,6 +19,7 @@ plugin choice has the one shape `{ name = "...", options = { ... } }` (older spe
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -29,29 +30,27 @@ import msgspec
 
 from tidal.algos.plugin import GREEDY_BASELINE
 from tidal.buffer.config import BufferConfig
-from tidal.core.config import ConfigStruct, PluginRef, apply_overrides, convert, read_config
+from tidal.core.config import (
+    ConfigStruct,
+    Domain,
+    PluginRef,
+    apply_overrides,
+    convert,
+    domains_by_key,
+    read_config,
+)
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ConfigError
 from tidal.core.plugin_failure import build_failure
 from tidal.core.plugin_options import fit
 from tidal.core.plugins import registry
 from tidal.integration.learner.objective import Objective
-from tidal.integration.old_spellings import refuse_old_spellings
+from tidal.integration.old_spellings import migrate_run_config, refuse_old_spellings
 from tidal.learner.config import LearnerConfig, TrainConfig
 from tidal.rollout.episodes.process import register_plugins
 from tidal.rollout.worker.config import WorkerConfig
 
-
-class DomainConfig(ConfigStruct):
-    # environment plugin (`tidal plugins env`) and its factory options: { name = "arithmetic", options = { level = 2 } }
-    env: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="arithmetic"))
-    weight: float = 1.0  # share of training prompts drawn from this domain (normalised over domains)
-    # unique within the recipe; "" = the env's name. Group ids, per-domain metrics and evaluation go by
-    # it, so one env can appear twice with different options under two names
-    name: str = ""
-    # a reward plugin (`tidal plugins reward`) that scores this domain's samples instead of the env's
-    # `score`: reward = { name = "exact_match" }
-    reward: PluginRef | None = None
+log = logging.getLogger("tidal.recipe")
 
 
 class SamplingConfig(ConfigStruct):
@@ -134,7 +133,7 @@ class RunConfig(ConfigStruct):
     # depth gate: no sample is more than this many versions old when trained (async); also the `max_lag` of
     # a `buffer.admission = { name = "version_rejection" }` that does not set its own
     max_staleness: int = 2
-    domains: list[DomainConfig] = msgspec.field(default_factory=lambda: [DomainConfig()])
+    domains: list[Domain] = msgspec.field(default_factory=lambda: [Domain()])
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
@@ -160,16 +159,20 @@ def recipes_dir() -> Path:
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[3] / "recipes"
 
 
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
-    cfg = read_recipe(path, overrides)
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, run_folder: bool = False) -> RunConfig:
+    cfg = read_recipe(path, overrides, run_folder=run_folder)
     check(cfg)
     return cfg
 
 
-def read_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+def read_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, run_folder: bool = False) -> RunConfig:
     """The recipe at `path` (None: defaults) with `overrides` applied, decoded but not checked; a plugin
-    choice spelt the old way is refused first, with its new form."""
+    choice spelt the old way is refused first, with its new form. `run_folder`: `path` is a run folder's
+    config.json, whose old spellings an earlier Tidal wrote: they are carried over (and logged) instead."""
     data, source = read_config(path)
+    if run_folder:
+        for line in migrate_run_config(data):
+            log.warning("%s was written by an earlier Tidal: read with %s", source, line)
     refuse_old_spellings(data, overrides, source)
     return convert(apply_overrides(data, overrides), RunConfig, source=source)
 
@@ -180,17 +183,11 @@ def _check_domains(cfg: RunConfig) -> None:
         raise ConfigError("`domains` is empty: name at least one environment", field="domains")
     if any(d.weight <= 0 for d in cfg.domains):
         raise ConfigError("every domain needs a positive `weight`", field="domains")
-    seen: dict[str, int] = {}
     for i, d in enumerate(cfg.domains):
-        name = d.name or d.env.name
-        if not _DOMAIN_NAME.fullmatch(name):
-            raise ConfigError(f"domains[{i}].name {name!r} must be letters, digits, '_', '-' or '.' "
+        if not _DOMAIN_NAME.fullmatch(d.key):
+            raise ConfigError(f"domains[{i}].name {d.key!r} must be letters, digits, '_', '-' or '.' "
                               f"(it is part of group ids and metric names)", field=f"domains[{i}].name")
-        if name in seen:
-            raise ConfigError(f"domains[{i}] and domains[{seen[name]}] are both named {name!r}: give each a "
-                              f"unique `name` (e.g. name = \"{d.env.name}-2\"); group ids, metrics and evaluation "
-                              f"are keyed by it", field=f"domains[{i}].name")
-        seen[name] = i
+    domains_by_key(cfg.domains)  # each name once
 
 
 def check(cfg: RunConfig) -> None:
@@ -384,18 +381,15 @@ def check_plugins(cfg: RunConfig) -> None:
     registry.check("weight_transport", sender.name, {}, field="learner.weights.transport")
     fit(sender.options, registry.create("weight_transport", sender.name).sender_options(),
         field="learner.weights.transport.options", what=f"weight transport {sender.name!r} (its sender)")
-    for by_name in (cfg.rollout.receiver_options, cfg.rollout.env_options):  # a name listed twice is refused
-        try:
-            by_name()
-        except ConfigError as e:
-            raise ConfigError(f"rollout.{e}", field=f"rollout.{e.field}") from None
+    try:  # a name listed twice is refused
+        cfg.rollout.receiver_options()
+    except ConfigError as e:
+        raise ConfigError(f"rollout.{e}", field=f"rollout.{e.field}") from None
     for i, r in enumerate(cfg.rollout.weight_transport):
         at = f"rollout.weight_transport[{i}]"
         registry.check("weight_transport", r.name, {}, field=at)
         fit(r.options, registry.create("weight_transport", r.name).receiver_options(),
             field=f"{at}.options", what=f"weight transport {r.name!r} (its receiver)")
-    for i, r in enumerate(cfg.rollout.envs):
-        registry.check("env", r.name, r.options, field=f"rollout.envs[{i}]")
 
 
 def set_by_the_run(cfg: RunConfig):
@@ -423,6 +417,8 @@ def set_by_the_run(cfg: RunConfig):
         ("rollout.buffer_ingest", cfg.rollout.buffer_ingest, w.buffer_ingest, endpoint),
         ("rollout.buffer_acks", cfg.rollout.buffer_acks, w.buffer_acks, endpoint),
         ("rollout.weights", cfg.rollout.weights, w.weights, endpoint),
+        ("rollout.domains", cfg.rollout.domains, w.domains,
+         (cfg.domains, "from the top-level `[[domains]]`", "; list each domain under the top-level `[[domains]]`")),
     )
     if cfg.mode == "sync":
         yield ("learner.weights.every", cfg.learner.weights.every, lr.weights.every,

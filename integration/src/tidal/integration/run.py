@@ -61,7 +61,6 @@ from tidal.integration.samples import to_tensorboard
 from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.learner.config import ParallelConfig
 from tidal.rollout.tiny import load_tokenizer
-from tidal.rollout.worker.config import DomainSpec
 
 log = logging.getLogger("tidal.run")
 
@@ -131,12 +130,11 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
              _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
-    domains = {d.name or d.env.name: DomainSpec(env=d.env, reward=d.reward) for d in cfg.domains}
     for i in range(cfg.workers):
         w = msgspec.structs.replace(
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
             buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
-            domains={**domains, **cfg.rollout.domains}, security=sec[f"rollout-{i}"],
+            domains=cfg.domains, security=sec[f"rollout-{i}"],
             weight_transport=_receiver_security(cfg.rollout.weight_transport, sec[f"rollout-{i}"]),
             # its environment processes (multi-turn domains) log beside the roles
             episodes=msgspec.structs.replace(cfg.rollout.episodes,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tidal.core.config import Domain, PluginRef
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
@@ -182,7 +183,7 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
     env = registry.build("env", env_name, env_options)
     tasks = first_tasks(env, "eval", seed, n)
     engine = EmbeddedEngine(model_path, max_num_seqs=len(tasks), seed=seed)
-    pool = LocalEpisodes({env_name: {"env": env_name, "options": env_options}})
+    pool = LocalEpisodes([Domain(env=PluginRef(name=env_name, options=env_options))])
     try:
         runs = run_episodes(engine, tok, pool, env_name, tasks,
                             SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=list(stop), seed=seed),

@@ -41,6 +41,40 @@ class PluginRef(ConfigStruct):
     options: dict[str, Any] = {}  # keyword arguments of its factory
 
 
+class Domain(ConfigStruct):
+    """One domain of tasks: an environment plugin with its options, a reward plugin that scores its
+    samples instead of the env's `score` (optional), its share of the training prompts and a unique name.
+    A recipe's `[[domains]]`, a rollout worker's `domains` and an environment process's are lists of it."""
+
+    # environment plugin (`tidal plugins env`) and its factory options: { name = "arithmetic", options = { level = 2 } }
+    env: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="arithmetic"))
+    weight: float = 1.0  # share of training prompts drawn from this domain (normalised over domains)
+    # unique within the recipe; "" = the env's name. Group ids, per-domain metrics and evaluation go by
+    # it, so one env can appear twice with different options under two names
+    name: str = ""
+    # a reward plugin (`tidal plugins reward`) that scores this domain's samples instead of the env's
+    # `score`: reward = { name = "exact_match" }
+    reward: PluginRef | None = None
+
+    @property
+    def key(self) -> str:
+        """The name `Assignment.task`, group ids and metrics use: `name`, else the env's name."""
+        return self.name or self.env.name
+
+
+def domains_by_key(domains: Iterable[Domain], field: str = "domains") -> dict[str, Domain]:
+    """`domains` by `key`; a key listed twice is refused, naming both places (`domains[i]`)."""
+    out: dict[str, Domain] = {}
+    where: dict[str, int] = {}
+    for i, d in enumerate(domains):
+        if d.key in out:
+            raise ConfigError(f"{field}[{i}] and {field}[{where[d.key]}] are both named {d.key!r}: give each a "
+                              f"unique `name` (e.g. name = \"{d.env.name}-2\"); group ids, metrics and evaluation "
+                              f"are keyed by it", field=f"{field}[{i}].name")
+        out[d.key], where[d.key] = d, i
+    return out
+
+
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
@@ -199,5 +233,5 @@ def _struct_of(typ: Any) -> type[msgspec.Struct] | None:
     return None
 
 
-__all__ = ["ConfigStruct", "PluginRef", "apply_overrides", "convert", "load_config", "parse_override", "read_config",
-           "to_dict"]
+__all__ = ["ConfigStruct", "Domain", "PluginRef", "apply_overrides", "convert", "domains_by_key", "load_config",
+           "parse_override", "read_config", "to_dict"]

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import msgspec
-
+from tidal.core.config import Domain
 from tidal.core.episodes import AGENT
 from tidal.core.interfaces import Task
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
 from tidal.rollout.episodes.pool import _ERROR_COUNTER, COUNTERS
-from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EnvSpec, EpisodeHost, register_plugins
+from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EpisodeHost, register_plugins
 
 
 class LocalEpisodes:
     """The pool's interface over an `EpisodeHost` in this process: no isolation, no timeouts. For offline
     evaluation (the demo's warm-start accuracy) where a crash should just raise; runs use `EnvPool`."""
 
-    def __init__(self, specs: Mapping[str, Mapping[str, Any]], plugins: Sequence[str] = (),
+    def __init__(self, domains: Sequence[Domain], plugins: Sequence[str] = (),
                  max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
         register_plugins(list(plugins))
-        self.host = EpisodeHost(msgspec.convert(dict(specs), dict[str, EnvSpec]), name="local",
-                                max_observation_chars=max_observation_chars)
+        self.host = EpisodeHost(list(domains), name="local", max_observation_chars=max_observation_chars)
         self._out: list[EpisodeReply] = []
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
 

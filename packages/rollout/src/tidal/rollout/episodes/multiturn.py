@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from tidal.core.arrays import Array
-from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.config import ConfigStruct, Domain, PluginRef
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -469,13 +469,11 @@ def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: st
     )
 
 
-def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Mapping[str, Any], envs: Mapping[str, Mapping[str, Any]],
-                    engine: Any, tokenizer: Any) -> MultiTurn:
-    """A rollout worker's multi-turn driver: its environment processes started (every domain it may be
-    asked for: `domains` (DomainSpec) and `envs`), its renderer built per sample, checked once."""
-    specs = {name: {"env": spec.env.name, "options": dict(spec.env.options)} for name, spec in domains.items()}
-    specs.update({name: {"env": name, "options": dict(opts)} for name, opts in envs.items() if name not in specs})
-    pool = EnvPool(specs=specs, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
+def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Sequence[Domain], engine: Any,
+                    tokenizer: Any) -> MultiTurn:
+    """A rollout worker's multi-turn driver: its environment processes started (serving the worker's
+    `domains`), its renderer built per sample, checked once."""
+    pool = EnvPool(domains, processes=cfg.processes, step_timeout_s=cfg.step_timeout_s, plugins=cfg.plugins,
                    name=f"{worker}-env", log_dir=cfg.log_dir or None, start_timeout_s=cfg.start_timeout_s,
                    max_observation_chars=cfg.max_observation_chars)
     # not waiting for their Hello: they build every domain's environment first, which may take longer than

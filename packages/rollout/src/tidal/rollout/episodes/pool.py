@@ -1,6 +1,6 @@
 """EnvPool: the rollout worker's environment processes, driven without blocking from its event loop.
 
-    pool = EnvPool({"tools": {"env": "multiply", "options": {}}}, processes=2, step_timeout_s=30.0)
+    pool = EnvPool([Domain(name="tools", env=PluginRef(name="multiply"))], processes=2, step_timeout_s=30.0)
     pool.start()                                  # spawns them, waits for each one's Hello
     pool.open("g-0000001:0", "tools", task)       # the reply (seq 0) carries the first observation
     for reply in pool.poll(timeout=0.0): ...      # EpisodeReply: real answers and synthesized failures
@@ -58,13 +58,14 @@ from typing import Any
 import msgspec
 
 from tidal.core.channels import RouterChannel, make_hello, poll, router
+from tidal.core.config import Domain, domains_by_key
 from tidal.core.episodes import AGENT
-from tidal.core.errors import ChannelTimeout, ConfigError, PeerUnreachable, ProtocolError, TidalError
+from tidal.core.errors import ChannelTimeout, PeerUnreachable, ProtocolError, TidalError
 from tidal.core.interfaces import Task
 from tidal.core.process import EXIT_CONFIG
 from tidal.core.protocol import EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Message
 from tidal.core.security import AuthGuard, ChannelSecurity, make_role_keys
-from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EnvProcConfig, EnvSpec
+from tidal.rollout.episodes.process import MAX_OBSERVATION_CHARS, EnvProcConfig
 from tidal.rollout.episodes.slots import SlotProcesses, _Dying, _Episode, _exit_text, _Slot, _tail
 
 log = logging.getLogger("tidal.rollout.envpool")
@@ -80,11 +81,11 @@ class EnvPoolError(TidalError):
 
 
 class EnvPool(SlotProcesses):
-    """Environment processes serving episodes of the domains in `specs` ({domain: {"env", "options"}})."""
+    """Environment processes serving episodes of `domains` (each by its key, once)."""
 
     def __init__(
         self,
-        specs: Mapping[str, Mapping[str, Any]],
+        domains: Sequence[Domain],
         processes: int = 1,
         step_timeout_s: float = 30.0,
         plugins: Sequence[str] = (),
@@ -101,13 +102,9 @@ class EnvPool(SlotProcesses):
         # `log_dir`: no other local process can pose as an environment (observations, rewards) or read episodes
         auth: bool = True,
     ) -> None:
-        try:
-            self.specs = msgspec.convert(dict(specs), dict[str, EnvSpec])
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"environment pool specs {dict(specs)!r} are wrong: {e}; each domain is "
-                              f"{{'env': plugin name, 'options': {{...}}}}") from None
-        if not self.specs:
-            raise ValueError("an environment pool needs at least one domain in `specs`")
+        self.domains = domains_by_key(domains)
+        if not self.domains:
+            raise ValueError("an environment pool needs at least one domain in `domains`")
         if (processes < 1 or step_timeout_s <= 0 or start_timeout_s <= 0 or max_observation_chars < 1
                 or max_failures_in_a_row < 1):
             raise ValueError(f"need processes >= 1, step_timeout_s and start_timeout_s > 0, max_observation_chars and "
@@ -160,7 +157,7 @@ class EnvPool(SlotProcesses):
         self._ch = router(self._bind, hello=make_hello("envpool", self.name), linger=0,
                           curve=server.server(guard=self._guard, where=f"{self.name} environment pool"))
         self._config_path = self.log_dir / f"{self.name}.json"
-        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=self.specs, plugins=self.plugins, security=client,
+        cfg = EnvProcConfig(endpoint=self._ch.endpoint, domains=list(self.domains.values()), plugins=self.plugins, security=client,
                             max_observation_chars=self.max_observation_chars)
         self._config_path.write_bytes(msgspec.json.encode(cfg))
         for i in range(self.processes):
@@ -170,7 +167,7 @@ class EnvPool(SlotProcesses):
             self._spawn(slot)
         if not wait:
             log.info("%s: %d environment processes starting for %s (logs in %s)", self.name, self.processes,
-                     sorted(self.specs), self.log_dir)
+                     sorted(self.domains), self.log_dir)
             return
         self._starting = True
         try:
@@ -189,7 +186,7 @@ class EnvPool(SlotProcesses):
         finally:
             self._starting = False
         log.info("%s: %d environment processes serving %s (logs in %s)", self.name, self.processes,
-                 sorted(self.specs), self.log_dir)
+                 sorted(self.domains), self.log_dir)
 
     def close(self) -> None:
         """Stop every process (SIGTERM, SIGKILL after `stop_grace_s`) and the socket. Idempotent."""
@@ -238,8 +235,8 @@ class EnvPool(SlotProcesses):
         self._check_running()
         if episode_id in self._episodes:
             raise ValueError(f"episode {episode_id!r} is already open")
-        if domain not in self.specs:
-            raise ValueError(f"no environment for domain {domain!r}; this pool serves {sorted(self.specs)}")
+        if domain not in self.domains:
+            raise ValueError(f"no environment for domain {domain!r}; this pool serves {sorted(self.domains)}")
         slot = min(self._slots, key=lambda s: (len(s.episodes), not s.ready, s.index))
         ep = _Episode(episode_id, slot)
         self._episodes[episode_id] = ep
@@ -458,7 +455,7 @@ class EnvPool(SlotProcesses):
         if rc == EXIT_CONFIG or slot.failures_in_a_row >= self.max_failures_in_a_row:
             reason = (refused or "its configuration was refused") if rc == EXIT_CONFIG else (
                 f"{slot.failures_in_a_row} failures in a row with no answer in between" + (f"; {refused}" if refused else ""))
-            self._broken = EnvPoolError(f"{detail}: {reason}; domains {sorted(self.specs)}; see its log "
+            self._broken = EnvPoolError(f"{detail}: {reason}; domains {sorted(self.domains)}; see its log "
                                         f"{slot.log_path}{_tail(slot.log_path)}")
             raise self._broken
         self._note("env_restarted" if kill else "env_died",

@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from tidal.core.channels import dealer, make_hello
-from tidal.core.config import ConfigStruct, load_config
+from tidal.core.config import ConfigStruct, Domain, domains_by_key, load_config
 from tidal.core.episodes import AGENT, Episode, NotAReward, SingleTurnEpisodes, is_episodic
 from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
 from tidal.core.interfaces import Task
@@ -58,16 +58,10 @@ MAX_TURNS_REACHED = "max_turns_reached"  # EpisodeReply.info key: the process en
 MAX_OBSERVATION_CHARS = 16384  # the default cap (EpisodesConfig.max_observation_chars)
 
 
-class EnvSpec(ConfigStruct):
-    """The environment of one recipe domain."""
-
-    env: str  # environment plugin name (`tidal plugins env`): episodic, or single-turn (adapted)
-    options: dict[str, Any] = {}  # its factory options
-
-
 class EnvProcConfig(ConfigStruct):
     endpoint: str  # the pool's ROUTER, e.g. tcp://127.0.0.1:40123
-    domains: dict[str, EnvSpec]  # recipe domain -> its environment
+    # the domains it serves (by key, each once): their env plugins, episodic or single-turn (adapted)
+    domains: list[Domain]
     plugins: list[str] = []  # importable modules registered as plugins first (tests, users' local envs)
     name: str = "env-0"  # for logs and the pool's messages
     identity: str = ""  # the DEALER identity the pool routes by ("" = name); new for every restart
@@ -115,48 +109,49 @@ class EpisodeHost:
     process wraps one around its channel, and `LocalEpisodes` runs one in the caller's process (offline
     evaluation, where no fault isolation is wanted)."""
 
-    def __init__(self, domains: dict[str, EnvSpec], name: str = "env",
+    def __init__(self, domains: list[Domain], name: str = "env",
                  max_observation_chars: int = MAX_OBSERVATION_CHARS) -> None:
         if max_observation_chars < 1:
             raise ConfigError(f"max_observation_chars must be >= 1, got {max_observation_chars}",
                               field="max_observation_chars")
-        self.domains, self.name, self.max_observation_chars = domains, name, max_observation_chars
+        self.domains = domains_by_key(domains)
+        self.name, self.max_observation_chars = name, max_observation_chars
         self.envs: dict[str, Any] = {}
         self.episodes: dict[str, _Open] = {}
         self.rewards = RewardCheck(name)
         self._logged: set[tuple[str, str]] = set()  # (error kind, exception type) logged with a traceback
-        for domain, spec in domains.items():  # a misspelt name or option fails at start, not per episode
-            registry.check("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+        for key, d in self.domains.items():  # a misspelt name or option fails at start, not per episode
+            registry.check("env", d.env.name, d.env.options, field=f"domains[{key}].env")
 
     def build_all(self) -> None:
         """Build every domain's environment now (an environment process does, before it says Hello).
         A factory that raises is a ConfigError naming the domain: the pool stops with it instead of
         failing every episode."""
-        for domain, spec in self.domains.items():
+        for domain, d in self.domains.items():
             try:
                 self.env(domain)
             except _Failed as f:
                 log.error("%s: %s", self.name, f, exc_info=f.__cause__)
                 raise ConfigError(f"{f}; fix the environment's options or its factory (the traceback is in "
-                                  f"this process's log)", field=f"domains.{domain}") from None
-            log.info("%s: built environment %r of domain %r", self.name, spec.env, domain)
+                                  f"this process's log)", field=f"domains[{domain}].env") from None
+            log.info("%s: built environment %r of domain %r", self.name, d.env.name, domain)
 
     def env(self, domain: str) -> Any:
         if domain not in self.envs:
-            spec = self.domains.get(domain)
-            if spec is None:
+            d = self.domains.get(domain)
+            if d is None:
                 raise _Failed("bad_request", f"{self.name} serves domains {sorted(self.domains)}, not {domain!r}")
             try:
-                env = registry.build("env", spec.env, spec.options, field=f"domains.{domain}", name_key="env")
+                env = registry.build("env", d.env.name, d.env.options, field=f"domains[{domain}].env")
             except PluginBuildError as e:  # already names the field, the plugin, the error and the author's line
                 raise _Failed("env_error", str(e)) from e
             except Exception as e:
-                raise _Failed("env_error", f"building environment {spec.env!r} of domain {domain!r} failed: "
+                raise _Failed("env_error", f"building environment {d.env.name!r} of domain {domain!r} failed: "
                                            f"{_describe(e)}") from e
             if not is_episodic(env):
                 env = SingleTurnEpisodes(env)
             if not isinstance(getattr(env, "max_turns", None), int) or env.max_turns < 1:
-                raise _Failed("env_error", f"environment {spec.env!r} hands out episodes but its max_turns is "
+                raise _Failed("env_error", f"environment {d.env.name!r} hands out episodes but its max_turns is "
                                            f"{getattr(env, 'max_turns', None)!r}; it must be an int >= 1")
             self.envs[domain] = env
         return self.envs[domain]
@@ -243,8 +238,8 @@ class EpisodeHost:
                             outcome=outcome)
 
     def _env_name(self, op: _Open) -> str:
-        spec = self.domains.get(op.domain)
-        return spec.env if spec is not None else op.domain
+        d = self.domains.get(op.domain)
+        return d.env.name if d is not None else op.domain
 
     def _reward(self, value: Any, what: str, func: Any, op: _Open, episode_id: str, step_reward: float = 0.0) -> float:
         """`value` as a reward, or the episode's verifier_error (logged by RewardCheck, once per value)."""
@@ -273,7 +268,7 @@ class EnvProcess:
     def run(self) -> int:
         hello = make_hello("env", self.cfg.name)
         self.ch.handshake(hello, timeout=self.cfg.connect_timeout_s)
-        log.info("%s: serving domains %s for the pool at %s", self.cfg.name, sorted(self.cfg.domains),
+        log.info("%s: serving domains %s for the pool at %s", self.cfg.name, sorted(self.host.domains),
                  self.cfg.endpoint)
         try:
             while not self._stop:

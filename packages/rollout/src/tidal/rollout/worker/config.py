@@ -7,19 +7,12 @@ from typing import Any
 
 import msgspec
 
-from tidal.core.config import ConfigStruct, PluginRef
+from tidal.core.config import ConfigStruct, Domain, PluginRef
 from tidal.core.errors import ConfigError
 from tidal.core.protocol import TOPIC_WEIGHTS
 from tidal.core.security import ChannelSecurity
 from tidal.rollout.episodes.multiturn import EpisodesConfig
 from tidal.rollout.worker.transcripts import TranscriptsConfig
-
-
-class DomainSpec(ConfigStruct):
-    """What scores one recipe domain's samples (`Assignment.task` names the domain)."""
-
-    env: PluginRef  # environment plugin and its factory options: { name = "arithmetic", options = { level = 2 } }
-    reward: PluginRef | None = None  # a reward plugin that scores instead of the env's `score` (`tidal plugins reward`)
 
 
 class WorkerConfig(ConfigStruct):
@@ -31,11 +24,12 @@ class WorkerConfig(ConfigStruct):
     weights_topic: str = TOPIC_WEIGHTS  # topic prefix of the announcements there ("" = every message)
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
-    # recipe domain name -> what scores it; an Assignment.task not named here is an environment plugin of
-    # that name, with its options from `envs`
-    domains: dict[str, DomainSpec] = {}
-    # factory options of environments named by tasks not in `domains`: [{ name = "countdown", options = {...} }]
-    envs: list[PluginRef] = []
+    # the domains an Assignment.task names (by `name`, else the env's name; each once), and what scores
+    # them: [{ env = { name = "countdown", options = { ... } } }]. A run fills it from the recipe's
+    # `[[domains]]`. A single-turn task not listed here is an environment plugin of that name with its
+    # default options (a standalone worker's convenience); the environment processes of multi-turn tasks
+    # serve the listed domains only
+    domains: list[Domain] = []
     # receiver options per weight transport, e.g. [{ name = "zmq", options = { timeout = 60.0 } }]; a
     # transport not listed receives with its defaults (the learner's announcement names the transport)
     weight_transport: list[PluginRef] = []
@@ -64,9 +58,12 @@ class WorkerConfig(ConfigStruct):
         """`weight_transport` by name (what the engines' receivers take); a name listed twice is refused."""
         return _by_name(self.weight_transport, "weight_transport")
 
-    def env_options(self) -> dict[str, dict[str, Any]]:
-        """`envs` by name; a name listed twice is refused."""
-        return _by_name(self.envs, "envs")
+    def domain(self, name: str) -> Domain:
+        """The listed domain whose key is `name`; else the environment plugin `name` with its defaults."""
+        for d in self.domains:
+            if d.key == name:
+                return d
+        return Domain(env=PluginRef(name=name))
 
 
 def _by_name(refs: list[PluginRef], field: str) -> dict[str, dict[str, Any]]:
@@ -78,4 +75,4 @@ def _by_name(refs: list[PluginRef], field: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-__all__ = ["DomainSpec", "WorkerConfig"]
+__all__ = ["WorkerConfig"]

@@ -165,9 +165,9 @@ class RolloutWorker:
         if not self._handshake():
             self._shutdown_early()
             return 0
-        for name in self.cfg.domains:  # a bad option fails here, once, not on the first sample
-            if not is_episodic(self.domains.env(name)):  # an episode's outcome is its own verifier's
-                self.domains.scorer(name)
+        for d in self.cfg.domains:  # a bad option fails here, once, not on the first sample
+            if not is_episodic(self.domains.env(d.key)):  # an episode's outcome is its own verifier's
+                self.domains.scorer(d.key)
         self.weights.start()
         self._results.start()
         log.info("%s: engine %s, model %s, up to %d groups", self.cfg.name, self.cfg.engine.name, self.cfg.model,
@@ -285,8 +285,8 @@ class RolloutWorker:
 
     def _multiturn(self) -> MultiTurn:
         if self.multiturn is None:
-            self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.cfg.env_options(),
-                                             self.engine, self.tokenizer)
+            self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.engine,
+                                             self.tokenizer)
         return self.multiturn
 
     def _poll_episodes(self) -> None:
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                     "configured engine, rewards from the named environment, trajectories to the buffer.",
         epilog="Overrides use dotted TOML syntax, e.g. name=\"rollout-1\" model=\"/models/tiny\" "
                "engine.name=\"vllm\" engine.options.max_num_seqs=32 "
-               "envs='[{name=\"arithmetic\", options={level=2}}]'",
+               "domains='[{env={name=\"arithmetic\", options={level=2}}}]'",
     )
     ap.add_argument("--config", help="TOML file with worker settings (defaults otherwise)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top")

@@ -1,6 +1,6 @@
 """What a rollout worker builds per domain (its environment, its scorer) and how one sample is scored.
 
-A domain (``[domains.<name>]`` in the worker's config, or a bare env name under ``envs``) gets one
+A domain (one of the worker's ``domains``, or an env plugin that a task names directly) gets one
 environment instance, so one env plugin can serve two domains with different options, and one scorer:
 the domain's reward plugin when it names one, else its environment's ``score``. Whatever a plugin
 raises while scoring costs the sample's group (`SampleError`, with the reason the worker counts), never
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.core.config import domains_by_key
 from tidal.core.episodes import NotAReward, real_reward
 from tidal.core.interfaces import GenerationResult, Task
 from tidal.core.plugins import registry
@@ -27,6 +28,7 @@ class SampleError(Exception):
 
 class Domains:
     def __init__(self, cfg: WorkerConfig, tokenizer: Any | None) -> None:
+        domains_by_key(cfg.domains)  # a domain listed twice is refused at the worker's start
         self.cfg, self.tokenizer = cfg, tokenizer
         self._envs: dict[str, Any] = {}
         self._scorers: dict[str, Any] = {}
@@ -34,20 +36,17 @@ class Domains:
     def env(self, name: str) -> Any:
         """The environment instance of domain `name`, built on first use."""
         if name not in self._envs:
-            spec = self.cfg.domains.get(name)
-            if spec is not None:
-                self._envs[name] = registry.build("env", spec.env.name, spec.env.options, field=f"domains.{name}.env")
-            else:
-                self._envs[name] = registry.build("env", name, self.cfg.env_options().get(name, {}), field=f"envs.{name}")
+            env = self.cfg.domain(name).env
+            self._envs[name] = registry.build("env", env.name, env.options, field=f"domains[{name}].env")
         return self._envs[name]
 
     def scorer(self, name: str) -> Any:
         """What scores domain `name`: its reward plugin when it names one, else its env's `score`."""
         if name not in self._scorers:
-            spec = self.cfg.domains.get(name)
-            if spec is not None and spec.reward is not None:
-                self._scorers[name] = registry.build("reward", spec.reward.name, spec.reward.options,
-                                                     field=f"domains.{name}.reward")
+            reward = self.cfg.domain(name).reward
+            if reward is not None:
+                self._scorers[name] = registry.build("reward", reward.name, reward.options,
+                                                     field=f"domains[{name}].reward")
             else:
                 self._scorers[name] = self.env(name).score
         return self._scorers[name]
@@ -64,8 +63,7 @@ class Domains:
             text = self.decode(res.completion_ids)
         except Exception as e:
             raise SampleError("decode_error", e) from e
-        spec = self.cfg.domains.get(domain)
-        reason = "reward_error" if spec is not None and spec.reward is not None else "score_error"
+        reason = "reward_error" if self.cfg.domain(domain).reward is not None else "score_error"
         try:
             value = self.scorer(domain)(task, text)
         except Exception as e:
