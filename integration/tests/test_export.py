@@ -54,11 +54,22 @@ def _logprobs(model, batch: list[list[int]]) -> torch.Tensor:
 
 
 def _tidal(*args: str) -> subprocess.CompletedProcess[str]:
+    """`tidal ARGS` as a user types it: its own process."""
     return subprocess.run([sys.executable, "-m", "tidal.integration.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 
-def test_a_stopped_learner_writes_a_model_folder_that_transformers_loads_and_tidal_export_agrees(tmp_path):
+def _export(capsys, *args: str) -> tuple[int, str]:
+    """`tidal export ARGS` through the same entry point, in this process (a second interpreter would only
+    import torch again): its exit status and what it wrote to stderr."""
+    from tidal.integration.cli import main
+
+    capsys.readouterr()
+    rc = main(["export", *args])
+    return rc, capsys.readouterr().err
+
+
+def test_a_stopped_learner_writes_a_model_folder_that_transformers_loads_and_tidal_export_agrees(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from tidal.integration.learner.backends import SingleBackend
@@ -125,19 +136,19 @@ def test_a_stopped_learner_writes_a_model_folder_that_transformers_loads_and_tid
     assert out.returncode == 0, out.stderr
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     assert (_logprobs(again, batch) - want).abs().max() <= 1e-5
-    out = _tidal("export", str(run), "--checkpoint", "4")  # an older kept one: default folder <run>/model-step-000004
-    assert out.returncode == 0, out.stderr
+    rc, err = _export(capsys, str(run), "--checkpoint", "4")  # an older kept one: default folder <run>/model-step-000004
+    assert rc == 0, err
     older = _logprobs(AutoModelForCausalLM.from_pretrained(run / "model-step-000004").eval(), batch)
     assert (older - want).abs().max() > 1e-6  # one step before the last
-    out = _tidal("export", str(run), "--checkpoint", "2")
-    assert out.returncode == 2 and "step 2" in out.stderr and "step-000004, step-000005" in out.stderr, out.stderr
+    rc, err = _export(capsys, str(run), "--checkpoint", "2")
+    assert rc == 2 and "step 2" in err and "step-000004, step-000005" in err, err
     assert not (run / "model-step-000002").exists()
     assert json.loads((run / "checkpoints" / "step-000004" / "progress.json").read_text())["step"] == 4
 
 
-def test_export_refuses_a_folder_that_is_not_a_run(tmp_path):
-    out = _tidal("export", str(tmp_path))
-    assert out.returncode == 2 and "roles/learner.json" in out.stderr and "run folder" in out.stderr
+def test_export_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    rc, err = _export(capsys, str(tmp_path))
+    assert rc == 2 and "roles/learner.json" in err and "run folder" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -182,7 +193,7 @@ def test_a_sharded_checkpoint_is_read_whole_and_best_is_the_best_evaluated_kept_
         find_checkpoint(run, "best")
 
 
-def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_path):
+def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_path, capsys):
     """pin_best (what the controller calls when an evaluation beats every earlier one) makes
     checkpoints/best a hard-linked copy of the kept checkpoint of that version; an unkept version pins
     nothing; best survives latest being rewritten; `tidal export --checkpoint best` reads it."""
@@ -218,8 +229,8 @@ def test_the_driver_pins_the_best_checkpointed_version_and_export_uses_it(tmp_pa
     checkpoint(6)  # latest rewritten, step-000002 dropped: best still holds version 2 whole
     assert sorted(p.name for p in ckpts.iterdir()) == ["best", "latest", "step-000004", "step-000006"]
     assert best_version() == 2 and find_checkpoint(run, "best") == ckpts / "best"
-    out = _tidal("export", str(run), "--checkpoint", "best", "--out", str(tmp_path / "best-model"))
-    assert out.returncode == 0, out.stderr
+    rc, err = _export(capsys, str(run), "--checkpoint", "best", "--out", str(tmp_path / "best-model"))
+    assert rc == 0, err
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "best-model").state_dict()
