@@ -65,7 +65,7 @@ def test_status_of_a_running_then_killed_run(tmp_path, capsys):
         (run_dir / "pids.json").write_text(json.dumps({"buffer": role.pid}))
         out = status_of(run_dir, capsys)
         assert f"{run_dir}: running at version 6/60" in out
-        assert "gate        3 groups in flight of capacity 4" in out
+        assert "gate        3 samples in flight, room for 4 more" in out
         assert "buffer      depth 48 ready samples, 96 trajectories held" in out
         assert "restarts    rollout-1 1" in out
         assert "last error  rollout-1: engine died: CUDA error" in out

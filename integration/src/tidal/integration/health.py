@@ -130,8 +130,10 @@ def format_health(h: dict[str, Any]) -> list[str]:
         lines.append(f"  final.json  {h['status']}")
     gate = h["gate"]
     if gate:
-        lines.append(f"  gate        {gate.get('in_flight', 0):.0f} groups in flight of capacity "
-                     f"{gate.get('capacity', 0):.0f}")
+        # the depth gate counts samples: granted to workers and not yet in the buffer, and how many more
+        # it may grant before max_staleness binds (capacity is what is left, not a total)
+        lines.append(f"  gate        {gate.get('in_flight', 0):.0f} samples in flight, room for "
+                     f"{gate.get('capacity', 0):.0f} more")
     if h["buffer"]:
         b = h["buffer"]
         lines.append(f"  buffer      depth {b.get('ready_samples', 0):.0f} ready samples"

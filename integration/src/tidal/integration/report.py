@@ -7,7 +7,7 @@ adds a row: tool calls per episode and the tool-error rate, turns per episode, a
 (splits, truncations, drops), each from the rollout workers' counters, per metrics window.
 
 The health row: throughput over time (samples trained per second by the learner, samples generated per
-second by the workers), buffer depth and the gate's groups in flight over time, and the run's events.
+second by the workers), buffer depth and the gate's samples in flight over time, and the run's events.
 Events are metrics rows with a key `event/KIND` = 1 (restart: the driver restarted a role, its name in
 `event/restart/ROLE`; stall: no new version for too long; drop_rate: more
 training groups dropped than `launch.max_drop_rate`; resume: `tidal run --resume` continued the run);
@@ -165,9 +165,9 @@ def _plot_health(ax, rows: list[dict], evs: list[tuple[float, str, str]]) -> Non
     ax[1].set(title="buffer depth", xlabel="wall-clock (min)", ylabel="samples")
     if gate:
         g = ax[1].twinx()
-        g.plot([x[0] for x in gate], [x[1] for x in gate], lw=1, color="tab:gray", label="gate: groups in flight")
-        g.plot([x[0] for x in gate], [x[2] for x in gate], lw=1, ls=":", color="tab:gray", label="gate capacity")
-        g.set(ylabel="groups")
+        g.plot([x[0] for x in gate], [x[1] for x in gate], lw=1, color="tab:gray", label="gate: samples in flight")
+        g.plot([x[0] for x in gate], [x[2] for x in gate], lw=1, ls=":", color="tab:gray", label="gate: room left")
+        g.set(ylabel="samples")
         g.legend(loc="center right", fontsize=8)
     if depth:
         ax[1].legend(loc="upper left")
