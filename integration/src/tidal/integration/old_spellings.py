@@ -135,7 +135,8 @@ def migrate_run_config(data: dict[str, Any]) -> list[str]:
     if rollout.get("domains") == {}:
         rollout.pop("domains")
         done.append("rollout.domains dropped (the run fills it from [[domains]])")
-    for i, d in enumerate(data.get("domains") if isinstance(data.get("domains"), list) else []):
+    domains = data.get("domains")
+    for i, d in enumerate(domains if isinstance(domains, list) else []):
         if isinstance(d, dict) and (isinstance(d.get("env"), str) or "options" in d):
             d["env"] = {"name": _env_name(d.get("env")), "options": d.pop("options", {})}
             done.append(f"domains[{i}].env = {{ name = \"{d['env']['name']}\", options = {{ ... }} }}")
