@@ -48,7 +48,7 @@ from tidal.core.protocol import (
     group_id,
 )
 from tidal.core.security import AuthGuard, ChannelSecurity
-from tidal.integration.domains import Domain, check_task, unencodable
+from tidal.integration.domains import DomainTasks, check_task, unencodable
 from tidal.integration.drops import Drops
 from tidal.integration.evaluation import Evaluations
 from tidal.integration.recipe import RunConfig, check_env
@@ -128,9 +128,9 @@ class Controller(Evaluations):
 
     def _build_domains(self) -> None:
         cfg = self.cfg
-        self.domains = [Domain(d.key, d.env.name,
-                               registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"),
-                               d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
+        self.domains = [DomainTasks(d.key, d.env.name,
+                                    registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"),
+                                    d.weight, cfg.seed + i, cfg.eval.size if cfg.eval.every else 0, f"domains[{i}]")
                         for i, d in enumerate(cfg.domains)]
         for i, dom in enumerate(self.domains):  # done by the pre-flight already, unless launch.check_envs = false
             check_env(cfg, i, dom.env)
@@ -360,7 +360,7 @@ class Controller(Evaluations):
                           answer=task.answer, sampling=self.train_sampling, metadata=metadata,
                           prompt=task.prompt, domain=task.domain)
 
-    def _encode(self, text: str, d: Domain) -> Array | None:
+    def _encode(self, text: str, d: DomainTasks) -> Array | None:
         """The prompt's token ids, or None (skipped, counted) when the tokenizer cannot encode it: the
         first such prompt of each domain is logged with the character that fails."""
         try:

@@ -43,7 +43,10 @@ def unencodable(tok, text: str, error: Exception) -> str:
     return f"the model's tokenizer cannot encode the prompt {text[:80]!r} ({type(error).__name__}: {error})"
 
 
-class Domain:
+class DomainTasks:
+    """One recipe domain as the controller draws from it (the recipe's description is
+    `tidal.core.config.Domain`): its environment, its training task stream, its held-out problems."""
+
     def __init__(self, name: str, plugin: str, env, weight: float, seed: int, eval_size: int, where: str) -> None:
         self.name, self.plugin, self.env, self.weight, self.where = name, plugin, env, weight, where
         self.train: Iterator[Task] = env.tasks("train", seed)

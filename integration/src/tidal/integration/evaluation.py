@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from tidal.core.arrays import Array
     from tidal.core.protocol import SamplingParams
-    from tidal.integration.domains import Domain
+    from tidal.integration.domains import DomainTasks
     from tidal.integration.recipe import RunConfig
     from tidal.integration.resume import ResumePoint
     from tidal.integration.workers import WorkerState
@@ -57,13 +57,13 @@ class Evaluations:
     if TYPE_CHECKING:  # the controller's, which this part uses
         cfg: RunConfig
         resume: ResumePoint | None
-        domains: list[Domain]
+        domains: list[DomainTasks]
         eval_sampling: SamplingParams
         eval_waiting: deque[Assignment]
         eval_attempts: dict[str, int]
 
         def live_workers(self) -> list[WorkerState]: ...
-        def _encode(self, text: str, d: Domain) -> Array | None: ...
+        def _encode(self, text: str, d: DomainTasks) -> Array | None: ...
         def _send(self, w: WorkerState, a: Assignment) -> None: ...
         def _record(self, msg: Metrics) -> None: ...
 
