@@ -56,7 +56,9 @@ def single_run(model, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed2", "deepspeed3"])
+# DeepSpeed's two (about 90 s with its first-use C++ build) run in the slow tier, which CI runs too
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed2", marks=pytest.mark.slow),
+                                     pytest.param("deepspeed3", marks=pytest.mark.slow)])
 def test_sharded_backends_on_two_ranks_match_single(model, single_run, tmp_path, backend):
     """Same batches, same seed, 3 AdamW steps (lr 1e-3, warmup + cosine), fp32. Tolerance 1e-5 absolute
     (1 % of one step's largest update): the sharded backends reduce gradients across ranks in another

@@ -50,7 +50,8 @@ def run_world(world: int, tmp: Path) -> dict:
     return _results[world]
 
 
-PARAMS = [pytest.param(world, key, kind, id=f"{world}procs/{kind}/{key}")
+# four ranks (one launch, ~40 s on 2 cores) in the slow tier, which CI runs too; two ranks in the default run
+PARAMS = [pytest.param(world, key, kind, id=f"{world}procs/{kind}/{key}", marks=[pytest.mark.slow] if world == 4 else [])
           for world in (2, 4) for key, _, kind, _ in cases(world)]
 
 
