@@ -37,6 +37,11 @@ class SimulatedEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._paused = False
+        # the weight receivers need torch, which a real engine's process has loaded before its first
+        # update: loaded here too, at start, or the first update would wait ~4 s for the import (the
+        # gate stays shut meanwhile) where no real run does
+        import torch  # noqa: F401
+
         self._receivers: ReceiverPool | None = None  # made by the first receive_weights
         self._options = {k: dict(v) for k, v in (weight_transport_options or {}).items()}
         self.steps = 0
