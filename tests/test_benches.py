@@ -24,6 +24,7 @@ TINY = {
     "seqpar.py": ["--lengths", "256", "--ranks", "1,2", "--modes", "ulysses", "--hidden", "64", "--mlp", "128",
                   "--block", "64", "--timeout", "200"],
     "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
+    "control_plane.py": ["--workers", "2,3", "--versions", "20", "--step-ms", "400"],
     "tool_ceiling.py": ["--steps", "5", "--eval-size", "8"],
     # both workloads, TRL and Tidal async + sync; warm starts go to the test's own folder ({tmp}), not runs/
     "vs_trl.py": ["--workload", "both", "--steps", "4", "--eval-size", "16", "--eval-every", "2", "--sft-steps", "20",
@@ -50,6 +51,13 @@ def test_benchmark_runs_and_reports(script, tmp_path):
         assert curve["small_msgs_per_s"] > 0 and curve["large_gb_per_s"] > 0, curve
         assert curve["limit_large_gb_per_s"] > 0 and curve["limit_small_msgs_per_s"] > 0, curve
         assert curve["large_goal"] in ("PASS", "MISS") and curve["large_vs_plain"] > 0, curve
+    if script == "control_plane.py":  # every count measured, with its latencies, and where one core runs out
+        rows = reports[-1]["rows"]
+        assert [r["workers"] for r in rows] == [2, 3], rows
+        for r in rows:
+            assert r["ctl_msgs_per_s"] > 0 and r["buf_traj_per_s"] > 0 and r["groups_per_s"] > 0, r
+            assert r["version_to_all_ms_median"] >= 0 and r["credit_rtt_ms_median"] > 0, r  # NaN fails both
+        assert all(s["workers_at_one_core"] > 0 for s in reports[-1]["saturation"].values()), reports[-1]["saturation"]
     if script == "engine.py":  # both shapes measured
         assert [r.get("shape", "longtail") for r in reports] == ["demo", "longtail"], reports
     if script == "vs_trl.py":  # every system of every workload measured, not just a JSON line

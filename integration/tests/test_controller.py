@@ -202,3 +202,48 @@ def test_a_malformed_or_nested_message_is_counted_by_reason_and_the_controller_s
             _step_until(ctl, lambda: "rollout-9" in ctl.workers)
     finally:
         ctl.close()
+
+
+def test_the_controller_measures_its_load_its_backlog_and_how_long_a_version_takes_to_reach_every_worker(tmp_path):
+    """What tools/bench/control_plane.py reads: the messages the workers sent, how old a heartbeat was when
+    the loop took it, and the time from the learner's announcement of a version to the last live worker
+    reporting it holds it (the first announcement counts, not the re-announcements)."""
+    from tidal.core.channels import pub
+    from tidal.core.protocol import TOPIC_WEIGHTS, WeightsAvailable
+
+    learner = pub("tcp://127.0.0.1:*", watch_subscriptions=True, linger=0)
+    cfg = load_recipe(RECIPE, ["eval.every=0", f"model=\"{tmp_path}\""])
+    ctl = Controller(cfg, endpoint="tcp://127.0.0.1:*", learner_pub=learner.endpoint, buffer_pub="tcp://127.0.0.1:9",
+                     run_dir=tmp_path, tokenizer=build_char_tokenizer(), emit=lambda m: None)
+    workers = [dealer(ctl.ch.endpoint, identity=f"rollout-{i}".encode(), linger=0) for i in range(2)]
+    try:
+        assert learner.wait_for_subscriber(TOPIC_WEIGHTS, 10)
+
+        def beat(w: int, version: int, age_s: float = 0.0) -> None:
+            workers[w].send(Heartbeat(role="rollout", name=f"rollout-{w}", seq=0, time=time.time() - age_s,
+                                      version=version))
+
+        beat(0, 0, age_s=0.5)  # sent half a second before the loop takes it
+        beat(1, 0)
+        _step_until(ctl, lambda: len(ctl.workers) == 2)
+        assert ctl.messages_in == 2
+        assert max(ctl.heartbeat_age_s) >= 0.5
+        ann = WeightsAvailable(version=1, transport="zmq", manifest=[])
+        learner.publish(TOPIC_WEIGHTS, ann)
+        _step_until(ctl, lambda: 1 in ctl._announced_at)
+        beat(0, 1)
+        _step_until(ctl, lambda: ctl.workers["rollout-0"].version == 1)
+        time.sleep(0.3)
+        learner.publish(TOPIC_WEIGHTS, ann)  # a re-announcement: the clock still runs from the first
+        beat(1, 1)  # the last worker: the version has reached them all
+        _step_until(ctl, lambda: ctl.generation_version() == 1)
+        assert len(ctl.version_to_all_s) == 1 and 0.3 <= ctl.version_to_all_s[0] < 5.0
+        status = ctl.status()
+        assert status["controller/messages_in"] == 4.0
+        assert status["controller/version_to_all_ms_median"] >= 300
+        assert status["controller/heartbeat_age_ms_max"] >= 500
+    finally:
+        for w in workers:
+            w.close()
+        ctl.close()
+        learner.close()

@@ -99,7 +99,14 @@ class Controller(Evaluations):
         self.counts = {"groups_granted": 0, "groups_done": 0, "groups_dropped": 0, "groups_requeued": 0}
         # control-plane latency: from the last worker applying a version to the first grant it unlocked
         self._opened_at: float | None = None  # applied_at of the version that last opened the gate
-        self.apply_to_grant_s: list[float] = []
+        self.apply_to_grant_s: deque[float] = deque(maxlen=200)
+        # the control plane under load (tools/bench/control_plane.py): messages taken from the workers; the
+        # time from the learner announcing a version to every live worker holding it; how old a worker's
+        # heartbeat is when this loop takes it (the controller's backlog)
+        self.messages_in = 0
+        self._announced_at: dict[int, float] = {}  # version -> wall clock its announcement arrived
+        self.version_to_all_s: deque[float] = deque(maxlen=200)
+        self.heartbeat_age_s: deque[float] = deque(maxlen=1000)
         self.started = time.monotonic()
 
     def _connect(self, endpoint: str, learner_pub: str, buffer_pub: str, sec: ChannelSecurity) -> None:
@@ -175,6 +182,7 @@ class Controller(Evaluations):
                 try:
                     if ch is self.ch:
                         peer, msg = self.ch.recv(timeout=0)
+                        self.messages_in += 1
                         self._on_worker(peer, msg)
                     else:
                         assert isinstance(ch, SubChannel)  # the learner's or the buffer's PUB
@@ -205,6 +213,7 @@ class Controller(Evaluations):
             w.credits += msg.want
             w.version = msg.version  # what this process holds (a restarted one starts over)
         elif isinstance(msg, Heartbeat):  # also sent the moment a worker applies new weights
+            self.heartbeat_age_s.append(max(0.0, time.time() - msg.time))
             if msg.version > w.version:
                 w.applied_at = msg.status.get("weights_applied_at", 0.0)
             w.version = msg.version
@@ -256,6 +265,8 @@ class Controller(Evaluations):
     def _on_published(self, topic: str, msg) -> None:
         if isinstance(msg, WeightsAvailable):
             self.learner_version = max(self.learner_version, msg.version)
+            if msg.version > self.gate.state.version:  # re-announcements keep the first time
+                self._announced_at.setdefault(msg.version, time.time())
         elif isinstance(msg, Metrics):
             if msg.source.startswith("learner"):
                 version = int(msg.scalars.get("train/version", 0))
@@ -299,6 +310,9 @@ class Controller(Evaluations):
     def _advance_version(self) -> None:
         v = self.generation_version()
         if v > self.gate.state.version:
+            now = time.time()
+            for version in [k for k in self._announced_at if k <= v]:
+                self.version_to_all_s.append(now - self._announced_at.pop(version))
             self.gate.set_version(v)
             self._opened_at = max((w.applied_at for w in self.live_workers()), default=0.0) or None
             self._maybe_start_eval(v)
@@ -439,10 +453,12 @@ class Controller(Evaluations):
 
     def status(self) -> dict[str, float]:
         g = self.gate.state
-        lat = self.apply_to_grant_s[-200:]
-        latency = {"controller/apply_to_grant_ms_median": 1e3 * float(np.median(lat)),
-                   "controller/apply_to_grant_ms_max": 1e3 * max(lat)} if lat else {}
+        latency = {f"controller/{name}_ms_{stat}": 1e3 * float(f(window))
+                   for name, window in (("apply_to_grant", self.apply_to_grant_s), ("version_to_all", self.version_to_all_s),
+                                        ("heartbeat_age", self.heartbeat_age_s)) if window
+                   for stat, f in (("median", np.median), ("max", np.max))}
         return {**latency, "controller/generation_version": float(self.generation_version()),
+                "controller/messages_in": float(self.messages_in),
                 "controller/next_group": float(self.next_group),
                 "controller/learner_version": float(self.learner_version),
                 "controller/workers_alive": float(len(self.live_workers())),

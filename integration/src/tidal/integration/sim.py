@@ -6,7 +6,9 @@ decode step, and a step takes `token_s` seconds however many sequences share it 
 bound). Completion lengths are drawn per request from a long-tailed distribution (log-normal, capped at
 `max_tokens`), seeded by the request seed, so a sync batch waits for its longest member while an async
 engine keeps every slot busy. Weight updates are fetched through the announced transport for real (the
-bytes travel and are verified) and then dropped.
+bytes travel and are verified) and then dropped; with `fetch_weights=False` the announced version is
+taken without moving the bytes, which keeps torch (~300 MB of private memory per process) out of the
+worker, so one machine hosts hundreds of them (tools/bench/control_plane.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from tidal.rollout.engines.weights import ReceiverPool
 class SimulatedEngine:
     def __init__(self, model: Any = None, *, token_s: float = 0.01, max_num_seqs: int = 64, median_tokens: int = 32,
                  sigma: float = 1.0, vocab: int = 16, seed: int = 0, version: int = 0,
-                 weight_transport_options: Mapping[str, Mapping[str, Any]] | None = None, **_: Any) -> None:
+                 fetch_weights: bool = True,
+                 weight_transport_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.token_s, self.max_num_seqs = token_s, max_num_seqs
         self.median, self.sigma, self.vocab, self.seed = median_tokens, sigma, vocab, seed
         self._version = version
@@ -35,12 +38,15 @@ class SimulatedEngine:
         self._running: dict[str, dict] = {}
         self._out: queue.Queue[GenerationResult] = queue.Queue()
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # an idle engine sleeps on it until a request comes
         self._stop = threading.Event()
         self._paused = False
-        # the weight receivers need torch, which a real engine's process has loaded before its first
-        # update: loaded here too, at start, or the first update would wait ~4 s for the import (the
-        # gate stays shut meanwhile) where no real run does
-        import torch  # noqa: F401
+        self.fetch_weights = fetch_weights
+        if fetch_weights:
+            # the weight receivers need torch, which a real engine's process has loaded before its first
+            # update: loaded here too, at start, or the first update would wait ~4 s for the import (the
+            # gate stays shut meanwhile) where no real run does
+            import torch  # noqa: F401
 
         self._receivers: ReceiverPool | None = None  # made by the first receive_weights
         self._options = {k: dict(v) for k, v in (weight_transport_options or {}).items()}
@@ -61,6 +67,7 @@ class SimulatedEngine:
     def submit(self, request: GenerationRequest) -> None:
         with self._lock:
             self._waiting.append((request, self.length_of(request)))
+            self._work.notify()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -71,7 +78,9 @@ class SimulatedEngine:
                     self._running[req.request_id] = {"req": req, "left": n, "ids": [], "versions": []}
                 busy = bool(self._running) and not paused
             if not busy:
-                time.sleep(0.002)
+                with self._lock:  # woken by submit, resume or close
+                    if not self._stop.is_set() and (paused or not self._waiting) and not self._running:
+                        self._work.wait(0.5)
                 continue
             time.sleep(self.token_s)  # one decode step for every running sequence
             with self._lock:
@@ -103,6 +112,9 @@ class SimulatedEngine:
             self._version = version
 
     def receive_weights(self, announcement: WeightsAvailable) -> int:
+        if not self.fetch_weights:  # the control plane only: the version, without the bytes
+            self.update_weights(None, announcement.version)
+            return announcement.version
         if self._receivers is None:
             self._receivers = ReceiverPool(self._options)
         return self._receivers.receive(announcement, lambda _named: self.update_weights(None, announcement.version))
@@ -114,6 +126,7 @@ class SimulatedEngine:
     def resume(self) -> None:
         with self._lock:
             self._paused = False
+            self._work.notify()
 
     def abort(self, request_ids: Sequence[str]) -> None:
         with self._lock:
@@ -130,4 +143,6 @@ class SimulatedEngine:
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._work.notify()
         self._thread.join(timeout=5)

@@ -31,9 +31,11 @@ import argparse
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -129,6 +131,10 @@ class RolloutWorker:
         self.wsub = sub(cfg.weights, topics=[cfg.weights_topic], linger=0, curve=sec.client("learner")) \
             if cfg.weights else None
         self._requested = 0  # assignments asked for and not yet received
+        # when each of them was asked for (oldest first), and the window's request -> assignment times: the
+        # control plane's round trip while the depth gate is open, plus the gate's wait while it is shut
+        self._asked_at: deque[float] = deque()
+        self._credit_rtt: list[float] = []
         self._rejections_seen = 0
         self._stop = threading.Event()
         self._stopping = False  # set first: a signal handler's stop() must not re-enter a held Event.set() lock
@@ -239,11 +245,14 @@ class RolloutWorker:
         if want > 0:
             self._send_ctl(WorkRequest(want=want, version=self.engine.version, running=len(self.groups)))
             self._requested += want
+            self._asked_at.extend([time.monotonic()] * want)
 
     def _on_controller(self, msg: Any) -> None:
         if isinstance(msg, Assignment):
             if EVAL_KEY not in msg.metadata:  # evaluation is sent without credit, on top of training work
                 self._requested = max(0, self._requested - 1)
+                if self._asked_at:
+                    self._credit_rtt.append(time.monotonic() - self._asked_at.popleft())
             self._start_group(msg)
         elif isinstance(msg, WeightsAvailable):
             self.weights.announce(msg)
@@ -509,6 +518,7 @@ class RolloutWorker:
             "rollout/weight_update_failures": float(self.weights.failures),
             "rollout/update_pause_ms": 1e3 * float(self.engine.load_state().get("last_update_pause_s", 0.0)),
             "rollout/resent": float(self.pusher.resent),
+            **({"rollout/credit_rtt_ms": 1e3 * statistics.median(self._credit_rtt)} if self._credit_rtt else {}),
             **{f"rollout/groups/dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
             "rollout/transcripts_written": float(self.transcripts.written),
             **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
@@ -516,6 +526,7 @@ class RolloutWorker:
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
         self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
+        self._credit_rtt = []
 
     def _shutdown_early(self) -> None:
         """Stopped before the controller answered: nothing was generated, close what is open."""
