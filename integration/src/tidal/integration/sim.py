@@ -78,8 +78,8 @@ class SimulatedEngine:
                     self._running[req.request_id] = {"req": req, "left": n, "ids": [], "versions": []}
                 busy = bool(self._running) and not paused
             if not busy:
-                with self._lock:  # woken by submit, resume or close
-                    if not self._stop.is_set() and (paused or not self._waiting) and not self._running:
+                with self._lock:  # paused, or nothing to run: until submit, resume or close wakes it
+                    if not self._stop.is_set() and (self._paused or not self._waiting):
                         self._work.wait(0.5)
                 continue
             time.sleep(self.token_s)  # one decode step for every running sequence
