@@ -40,6 +40,7 @@ import numpy as np
 from tidal.buffer import BatchClient
 from tidal.core.arrays import Array
 from tidal.core.channels import pull, push
+from tidal.core.process import cpu_seconds
 from tidal.core.protocol import Trajectory, TrajectoryGroup
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint
@@ -71,12 +72,6 @@ def messages(size_kib: int, unit: str, n: int, source: str = "bench") -> Sequenc
 
 def _window(size_kib: int, unit: str) -> int:
     return int(min(8192, max(64, IN_FLIGHT_BYTES // (size_kib * 1024 * UNITS[unit]))))
-
-
-def _cpu_s(pid: str = "self") -> float:
-    """User + system CPU seconds of a process so far, every thread included (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- raw channel baseline
@@ -195,11 +190,11 @@ def producer(ingest: str, publish: str, size_kib: int, unit: str, n: int, conn) 
     with AckedPusher(ingest, publish, "bench", window=window, resend_after=30.0, hwm=2 * window) as out:
         conn.send("ready")
         conn.recv()
-        t0, cpu0 = time.perf_counter(), _cpu_s()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         for m in msgs:
             out.send(m)
         out.flush(timeout=600)
-        conn.send((t0, time.perf_counter(), out.resent, _cpu_s() - cpu0))
+        conn.send((t0, time.perf_counter(), out.resent, cpu_seconds() - cpu0))
 
 
 def run_buffer(size_kib: int, unit: str, n: int, fsync: str) -> dict:
@@ -220,7 +215,7 @@ def run_buffer(size_kib: int, unit: str, n: int, fsync: str) -> dict:
             learner.status(timeout=60)  # the service is up
             prod.start()
             assert parent.recv() == "ready"
-            buffer_cpu0, learner_cpu0 = _cpu_s(str(proc.pid)), _cpu_s()
+            buffer_cpu0, learner_cpu0 = cpu_seconds(str(proc.pid)), cpu_seconds()
             time.sleep(0.5)  # let the ack subscription settle
             parent.send("go")
             consumed, version, done = 0, 0, None
@@ -231,9 +226,9 @@ def run_buffer(size_kib: int, unit: str, n: int, fsync: str) -> dict:
                 version += 1
             learner.ack(done)
             t_end = time.perf_counter()
-            learner_cpu = _cpu_s() - learner_cpu0
+            learner_cpu = cpu_seconds() - learner_cpu0
             t0, t_acked, resent, producer_cpu = parent.recv()
-            buffer_cpu = _cpu_s(str(proc.pid)) - buffer_cpu0
+            buffer_cpu = cpu_seconds(str(proc.pid)) - buffer_cpu0
     finally:
         proc.terminate()
         proc.wait(10)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import threading
@@ -42,11 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from tidal.core.config import convert
+from tidal.core.process import cpu_seconds
 from tidal.integration.recipe import RunConfig
 from tidal.integration.run import run
 from tidal.rollout.tiny import build_tiny_model
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def recipe(model: Path, run_dir: Path, n: int, a: argparse.Namespace) -> RunConfig:
@@ -70,13 +68,12 @@ def recipe(model: Path, run_dir: Path, n: int, a: argparse.Namespace) -> RunConf
     }, RunConfig, source="control-plane bench")
 
 
-def cpu_s(stat: Path) -> float | None:
-    """User + system CPU seconds of a process or thread (/proc/.../stat); None once it is gone."""
+def _cpu(pid: int | str = "self", thread: int | None = None) -> float:
+    """`cpu_seconds`, or 0 for a process or thread that ended since it was listed."""
     try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICK
+        return cpu_seconds(pid, thread)
+    except ProcessLookupError:
+        return 0.0
 
 
 class CpuSampler(threading.Thread):
@@ -91,13 +88,13 @@ class CpuSampler(threading.Thread):
     def run(self) -> None:
         me = threading.get_native_id()
         while not self.stop.wait(self.period):
-            driver = sum(c for t in Path("/proc/self/task").iterdir()
-                         if int(t.name) != me and (c := cpu_s(t / "stat")) is not None)
+            driver = sum(_cpu(thread=int(t.name))
+                         for t in Path("/proc/self/task").iterdir() if int(t.name) != me)
             try:
                 pids = json.loads((self.run_dir / "pids.json").read_text())
             except (OSError, ValueError):
                 pids = {}
-            roles = {name: c for name, pid in pids.items() if (c := cpu_s(Path(f"/proc/{pid}/stat"))) is not None}
+            roles = {name: _cpu(pid) for name, pid in pids.items()}
             self.samples.append((time.time(), driver, roles))
 
     def share(self, t0: float, t1: float, pick: Any) -> float:

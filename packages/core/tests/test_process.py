@@ -65,3 +65,35 @@ def test_a_socket_left_open_does_not_hold_the_process(reap):
     t0 = time.monotonic()
     assert p.wait(10) == 0
     assert time.monotonic() - t0 < 8  # the flush gave up after its bound (0.5 s), the process ended
+
+
+def test_cpu_seconds_counts_a_process_and_one_of_its_threads_and_names_one_that_is_gone():
+    import threading
+
+    from tidal.core.process import cpu_seconds
+
+    busy_s = 0.3
+    done, release = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def spin() -> None:
+        tid.append(threading.get_native_id())
+        end = time.thread_time() + busy_s
+        while time.thread_time() < end:
+            pass
+        done.set()
+        release.wait(30)  # alive until read
+
+    before = cpu_seconds()
+    t = threading.Thread(target=spin)
+    t.start()
+    assert done.wait(30)
+    spent = cpu_seconds(thread=tid[0])
+    release.set()
+    t.join()
+    assert spent >= busy_s - 0.05  # ticks of 10 ms
+    assert cpu_seconds() - before >= busy_s - 0.05  # the process counts every thread's
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(30)
+    with pytest.raises(ProcessLookupError, match=f"/proc/{p.pid}/stat"):
+        cpu_seconds(p.pid)

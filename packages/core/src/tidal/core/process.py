@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from tidal.core.errors import ConfigError, PluginNotFound
@@ -28,6 +29,17 @@ def setup_role_process(log_level: str | int = "INFO") -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if hasattr(signal, "SIGUSR1"):  # not on Windows
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def cpu_seconds(pid: int | str = "self", thread: int | None = None) -> float:
+    """User + system CPU seconds that process `pid` (all its threads), or its thread `thread`, has used so
+    far, from Linux's /proc; ProcessLookupError once it is gone. For benchmarks and diagnostics."""
+    where = f"/proc/{pid}/task/{thread}/stat" if thread is not None else f"/proc/{pid}/stat"
+    try:
+        fields = Path(where).read_text().rsplit(")", 1)[1].split()
+    except OSError as e:
+        raise ProcessLookupError(f"{where}: {e.strerror or e}") from None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def exit_now(code: int = 0, zmq_flush_s: float = 2.0) -> NoReturn:
