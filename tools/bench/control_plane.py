@@ -203,6 +203,10 @@ def main() -> None:
     saturation = {"controller": saturate(got, "ctl_cpu", "ctl_msgs_per_s"), "buffer": saturate(got, "buf_cpu", "buf_traj_per_s")}
     for role, what, each in (("controller", "messages", "message"), ("buffer", "trajectories", "trajectory")):
         s = saturation[role]
+        if s["us_each"] <= 0:  # its CPU did not grow with the load: the fixed part is all there is to see
+            print(f"{role}: {1e3 * s['fixed_cpu']:.1f} ms of CPU a second; no cost per {each} measurable at these "
+                  f"loads ({s['per_worker']:.2f} {what}/s per worker): run more workers")
+            continue
         print(f"{role}: {1e3 * s['fixed_cpu']:.1f} ms of CPU a second plus {s['us_each']:.0f} us per {each}: one core "
               f"at ~{s['per_s_at_one_core']:.0f} {what}/s, ~{s['workers_at_one_core']:.0f} workers at {s['per_worker']:.2f} "
               f"{what}/s each")
