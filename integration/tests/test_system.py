@@ -25,6 +25,7 @@ import pytest
 from tidal.core.channels import sub
 from tidal.core.errors import ChannelTimeout
 from tidal.core.protocol import Ack
+from tidal.core.security import ChannelSecurity
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 
@@ -130,23 +131,67 @@ def _learner_version(run_dir: Path) -> int:
     return int(max(versions, default=0))
 
 
+class AckWatch:
+    """What the buffer acknowledged, seen two ways: on the buffer's ack topic (subscribed with the driver's
+    key: the run's channels are CURVE) and in each worker's own record (`rollout.acked_log` pointing at
+    `logs_dir`/acked-<name>.txt). Neither alone sees everything across a kill -9: a resend answered in the
+    first milliseconds of a restarted buffer can reach the worker before this subscriber has joined again,
+    and a worker killed just after an ack came in may not have written it down."""
+
+    def __init__(self, run_dir: Path, logs_dir: Path, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not (run_dir / "roles" / "buffer.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cfg = json.loads((run_dir / "roles" / "buffer.json").read_text())
+        sec = ChannelSecurity.from_role_keys(run_dir / "keys", "driver", servers=["buffer"])
+        self.sub = sub(cfg["publish"], topics=["ack/"], linger=0, curve=sec.client("buffer"))
+        self.group_size = int(cfg.get("group_size", 8))
+        self.logs_dir = logs_dir
+        self.seen: set[str] = set()
+
+    def poll(self, timeout: float) -> None:
+        try:
+            _, msg = self.sub.recv(timeout=timeout)
+        except ChannelTimeout:
+            return
+        if isinstance(msg, Ack) and msg.ok and msg.kind == "group":
+            # workers send each group as one message; its samples are <group id>:<index> (G of them)
+            self.seen.update(m for gid in msg.ids for k in range(self.group_size) if (m := f"{gid}:{k}") not in msg.refused)
+        elif isinstance(msg, Ack) and msg.ok:
+            self.seen.update(msg.ids)
+
+    def close(self) -> None:
+        self.sub.close()
+
+    def all(self) -> set[str]:
+        """Every acknowledged trajectory id, from both sources."""
+        acked = set(self.seen)
+        for log in self.logs_dir.glob("acked-rollout-*.txt"):
+            acked.update(log.read_text().split())
+        print(f"acknowledgements: {len(self.seen)} seen on the ack topic, {len(acked)} with the workers' records")
+        return acked
+
+
+def check_exactly_once(run_dir: Path, final: dict, acked: set[str], version: int) -> None:
+    """The learner trained each acknowledged trajectory at most once and no other; what it did not train
+    is still in the buffer: 0 acknowledged lost, 0 trained twice."""
+    progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
+    trained = progress["trained_ids"]
+    assert progress["version"] == version
+    assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
+    assert set(trained) <= acked, f"trained on {len(set(trained) - acked)} never-acknowledged trajectories"
+    left = int(final["buffer"]["depth/live_trajectories"])
+    print(f"acknowledged {len(acked)}, trained {len(trained)}, still in the buffer {left}")
+    assert len(acked) == len(trained) + left, "an acknowledged trajectory was lost"
+
+
 def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     run_dir = tmp_path / "run"
     proc = tidal_run(run_dir, sft_model, "budget.versions=60", "eval.every=0", "learner.checkpoint_every=3",
                      "learner.simulate_s_per_sample=0.003",  # ~0.2 s more per step: time for three kills
                      "learner.record_trained_ids=true", "launch.heartbeat_timeout_s=30",
                      f'rollout.acked_log="{tmp_path}/acked-{{name}}.txt"')
-    # What the buffer acknowledged, seen two ways: by this test on the buffer's ack topic, and by each
-    # worker in its own record. Neither alone sees everything across a kill -9: a resend answered in the
-    # first milliseconds of the restarted buffer can reach the worker before this subscriber has joined
-    # again, and a worker killed just after an ack came in may not have written it down.
-    acked: set[str] = set()
-    deadline = time.monotonic() + 120
-    while not (run_dir / "roles" / "buffer.json").is_file() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    buffer_cfg = json.loads((run_dir / "roles" / "buffer.json").read_text())
-    acks = sub(buffer_cfg["publish"], topics=["ack/"], linger=0)
-    group_size = int(buffer_cfg.get("group_size", 8))
+    acks = AckWatch(run_dir, tmp_path)
     killed: list[str] = []
     learner_killed_at = -1
     plan = [(5, "rollout-1"), (15, "buffer"), (25, "learner")]  # (learner version reached, role to kill)
@@ -154,16 +199,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     try:
         deadline = time.monotonic() + 700
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                _, msg = acks.recv(timeout=0.2)
-                if isinstance(msg, Ack) and msg.ok and msg.kind == "group":
-                    # workers send each group as one message; its samples are <group id>:<index> (G of them)
-                    acked.update(m for gid in msg.ids for k in range(group_size)
-                                 if (m := f"{gid}:{k}") not in msg.refused)
-                elif isinstance(msg, Ack) and msg.ok:
-                    acked.update(msg.ids)
-            except ChannelTimeout:
-                pass
+            acks.poll(0.2)
             # each kill once the run has moved on from the last one by 3 versions (after the buffer's, that
             # means it is back and serving), not after a wall time: on an idle machine the whole run takes
             # 20 s; the learner's one step after a checkpoint (every 3), so that it dies holding trained
@@ -187,10 +223,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert killed == ["rollout-1", "buffer", "learner"]
-    seen_here = len(acked)
-    for log in tmp_path.glob("acked-rollout-*.txt"):
-        acked.update(log.read_text().split())
-    print(f"acknowledgements: {seen_here} seen on the ack topic, {len(acked)} with the workers' records")
+    acked = acks.all()
     assert final["restarts"] == {"rollout-1": 1, "buffer": 1, "learner": 1}
     # each restart is an event row (report.png marks it) and `tidal status` shows them
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "event/" in line]
@@ -202,14 +235,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
     assert "restarts    buffer 1, learner 1, rollout-1 1" in status.stdout, status.stdout
     resumed = [int(m) for m in re.findall(r"resumed from .* at step (\d+)", (run_dir / "logs" / "learner.log").read_text())]
     assert resumed and resumed[-1] < learner_killed_at, (resumed, learner_killed_at)  # steps past it were lost
-    progress = json.loads((run_dir / "checkpoints" / "latest" / "progress.json").read_text())
-    trained = progress["trained_ids"]
-    assert progress["version"] == 60
-    assert len(trained) == len(set(trained)), "a trajectory was trained on twice"
-    assert set(trained) <= acked, f"trained on {len(set(trained) - acked)} never-acknowledged trajectories"
-    left = int(final["buffer"]["depth/live_trajectories"])
-    print(f"acknowledged {len(acked)}, trained {len(trained)}, still in the buffer {left}")
-    assert len(acked) == len(trained) + left, "an acknowledged trajectory was lost"
+    check_exactly_once(run_dir, final, acked, 60)
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,6 +288,91 @@ def test_ray_launcher_runs_the_readme_command_through_uv_run(tmp_path):
     for name, where in seen.items():
         assert where["node"] and isinstance(where["pid"], int), (name, where)
     assert (run_dir / "logs" / "rollout-0.log").read_text()
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    """A Ray cluster of two nodes on this machine (`ray.cluster_utils.Cluster`: a head raylet on this
+    machine's address and a second raylet on 127.0.0.2, each with its own object store and workers):
+    (cluster, the second node, its address)."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    try:
+        second = cluster.add_node(num_cpus=4, node_ip_address="127.0.0.2")
+        yield cluster, second, "127.0.0.2"
+    finally:
+        cluster.shutdown()
+
+
+def test_two_node_ray_cluster_survives_losing_a_node(tmp_path, sft_model, two_nodes):
+    """A run on a Ray cluster of two nodes, with the learner's 2 ranks and the 2 rollout workers spread over
+    both (`placement = "spread"`), each node's worker fetching weights from the relay on its node
+    (`weights_relay`): once it has trained 9 versions, the second node is lost (every role process on it
+    killed with SIGKILL, then its raylet). Its learner rank and rollout worker are placed again on the node
+    left and reconnect to the same endpoints (the worker to that node's relay); the run finishes its 30
+    versions with the async run's learning margin, with 0 acknowledged trajectories lost and 0 trained
+    twice."""
+    cluster, second, second_ip = two_nodes
+    run_dir = tmp_path / "run"
+    proc = tidal_run(run_dir, sft_model, "budget.versions=30", "eval.every=30", "launcher.name=ray",
+                     f'launcher.options.address="{cluster.address}"', 'launcher.options.placement="spread"',
+                     "launcher.options.weights_relay=true",
+                     "learner.checkpoint_every=3", "learner.record_trained_ids=true", "launch.heartbeat_timeout_s=30",
+                     f'rollout.acked_log="{tmp_path}/acked-{{name}}.txt"', "--nproc", "2")
+    acks = AckWatch(run_dir, tmp_path, timeout=180)
+    before: dict = {}
+    try:
+        deadline = time.monotonic() + 800
+        while proc.poll() is None and time.monotonic() < deadline:
+            acks.poll(0.2)
+            if not before and _learner_version(run_dir) >= 9:
+                before = json.loads((run_dir / "pids.json").read_text())
+                lost = [pid for where in before.values()
+                        for node, pid in zip(where.get("nodes", [where["node"]]), where.get("pids", [where["pid"]]), strict=True)
+                        if node == second_ip]
+                for pid in lost:  # the node's machine goes: its processes die with no chance to clean up
+                    os.killpg(pid, signal.SIGKILL)
+                cluster.remove_node(second, allow_graceful=False)
+        final = finish(proc, run_dir, 60)
+    finally:
+        acks.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert before, "the run ended before the node could be lost"
+    head_ip = before["buffer"]["node"]
+    assert head_ip != second_ip
+    # where the roles were: the servers on the driver's node, the rest spread over both
+    assert before["learner"]["nodes"] == [head_ip, second_ip], before
+    assert {before["rollout-0"]["node"], before["rollout-1"]["node"]} == {head_ip, second_ip}, before
+    roles = {name: json.loads((run_dir / "roles" / f"{name}.json").read_text()) for name in ("buffer", "rollout-0")}
+    assert roles["buffer"]["ingest"].startswith(f"tcp://{head_ip}:"), roles["buffer"]["ingest"]
+    assert roles["rollout-0"]["controller"].startswith(f"tcp://{head_ip}:")
+    after = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").is_file() else {}
+    acked = acks.all()
+    lost_roles = {name for name, where in before.items()
+                  if second_ip in where.get("nodes", [where["node"]]) and not name.startswith("relay@")}
+    assert lost_roles >= {"learner"} and len(lost_roles) == 2, lost_roles
+    # (the lost node's relay may have been counted as a restart before the cluster saw its node die)
+    restarts = {k: v for k, v in final["restarts"].items() if not k.startswith("relay@")}
+    assert restarts == dict.fromkeys(sorted(lost_roles), 1), final["restarts"]
+    driver_log = (run_dir / "logs" / "driver.log").read_text()
+    assert f"rank 0 on {head_ip}, rank 1 on {head_ip}" in driver_log, driver_log[-3000:]
+    # weights: each node's workers from the relay on that node, which took each version once from the learner
+    assert {f"relay@{head_ip}", f"relay@{second_ip}"} <= set(before), before
+    assert f"relay@{second_ip} went with its node" in driver_log
+    assert roles["rollout-0"]["weights"].startswith("ipc:///tmp/tidal-relay-") and "{node}" in roles["rollout-0"]["weights"]
+    relayed = (run_dir / "logs" / f"relay@{head_ip}.log").read_text()
+    assert "relayed version 30:" in relayed, relayed[-2000:]
+    assert "relayed version 5:" in (run_dir / "logs" / f"relay@{second_ip}.log").read_text()
+    evals = final["eval"]
+    start, end = evals[0][1], evals[-1][1]
+    print(f"two nodes, one lost at version 9: held-out accuracy {start:.3f} -> {end:.3f}; placed {before}, end {after}")
+    assert final["status"] == "completed" and [e[0] for e in evals] == [0, 30], final["status"]
+    assert end >= start + 0.15, evals
+    check_exactly_once(run_dir, final, acked, 30)
 
 
 def _alive(pid: int) -> bool:

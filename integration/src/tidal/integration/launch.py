@@ -8,10 +8,17 @@ driver only, which stops the roles in order) and bound to the driver's life (Lin
 PR_SET_PDEATHSIG), so a driver killed with SIGKILL leaves no orphans. Logs go to <run_dir>/logs.
 
 `ray` places each role as a Ray actor that starts the role's process on its node with the driver's own
-Python (`sys.executable`): Ray's `uv run` hook (on by default in Ray >= 2.43 when the driver runs under
-`uv run`) would instead ship the working folder to a fresh uv environment on each worker, which does not
-hold the workspace's packages (`ModuleNotFoundError: No module named 'tidal'`), so the launcher turns it
-off (RAY_ENABLE_UV_RUN_RUNTIME_ENV=0, unless set) and says so in the log.
+Python (`sys.executable`). On a cluster of several nodes, the roles that the others connect to (the
+buffer, learner rank 0, and the controller inside the driver) run on the driver's node and bind its
+address, which the driver writes into every role's config; learner ranks >= 1 and rollout workers go
+where their resources are free (`placement = "pack"`: Ray's own choice) or round-robin over the live
+nodes (`placement = "spread"`). A lost node takes its roles with it; the driver places them again on the
+nodes left, where they reconnect to the same endpoints. Every node must see the run folder (role
+configs, keys, logs, checkpoints) at the same path: a shared filesystem. Ray's `uv run` hook (on by
+default in Ray >= 2.43 when the driver runs under `uv run`) would ship the working folder to a fresh uv
+environment on each worker, which does not hold the workspace's packages (`ModuleNotFoundError: No
+module named 'tidal'`), so the launcher turns it off (RAY_ENABLE_UV_RUN_RUNTIME_ENV=0, unless set) and
+says so in the log.
 
 Both write <run_dir>/pids.json, what is running now: local ``{role: pid}``; ray ``{role: {"node": ip,
 "pid": pid}}`` (learner ranks: "pid" is rank 0's, "pids" every rank's). `read_pids` reads both.
@@ -31,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tidal.core.net import NODE_ENV
 
 log = logging.getLogger("tidal.launch")
 
@@ -196,8 +205,22 @@ class _RoleHost:
         # optional: the [ray] extra
         import ray
 
-        self.proc = start_process([sys.executable, *self.argv], self.log_path, {**self.env, **(extra_env or {})})
-        return ray.util.get_node_ip_address(), self.proc.pid
+        node = ray.util.get_node_ip_address()
+        config = Path(self.argv[self.argv.index("--config") + 1])
+        if not config.is_file():  # the role would fail at start, in a log the driver's node cannot read
+            raise RunFolderNotShared(
+                f"node {node} cannot see {config}: every node of the Ray cluster must see the run folder at "
+                f"the same path (role configs, keys, logs and checkpoints live there); put run_dir on a "
+                f"filesystem every node mounts (NFS, a cluster filesystem), e.g. run_dir=\"/shared/runs/x\"")
+        self.proc = start_process([sys.executable, *self.argv], self.log_path,
+                                  {**self.env, NODE_ENV: node, **(extra_env or {})})
+        return node, self.proc.pid
+
+    def node_id(self) -> str:
+        # optional: the [ray] extra
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -220,7 +243,14 @@ class _RoleHost:
             return None
 
 
+class RunFolderNotShared(RuntimeError):
+    """A node Ray placed a role on does not see the run folder."""
+
+
 START_TIMEOUT_S = 300.0  # placing one role's actors and starting its process (a busy cluster: a queue)
+POLL_TIMEOUT_S = 5.0  # a role's host that does not answer this soon (its node is going) counts as running
+PLACEMENTS = ("pack", "spread")
+PLACE_ATTEMPTS = 3  # a role whose new node dies before it starts (a node going down as it is chosen) is placed again
 
 
 class RayRun:
@@ -228,48 +258,128 @@ class RayRun:
     torch.distributed through rank 0's node address."""
 
     def __init__(self, roles: list[Role], run_dir: Path, resources: dict[str, dict[str, float]],
-                 owns_ray: bool = False) -> None:
+                 owns_ray: bool = False, placement: str = "pack") -> None:
         # optional: the [ray] extra
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.ray = ray
+        self.ray, self.affinity = ray, NodeAffinitySchedulingStrategy
         self.roles = {r.name: r for r in roles}
         self.run_dir = run_dir
         self.resources = resources
+        self.placement = placement
+        self.home = ray.get_runtime_context().get_node_id()  # the driver's node: the servers' endpoints are on it
         self.hosts: dict[str, list] = {}
         self.done: set[str] = set()
         self.starts: dict[str, int] = {}
         self.pids: dict[str, dict[str, Any]] = {}
         self.owns_ray = owns_ray  # a local head started for this run is shut down with it
+        # the weight relay (kind "relay"), if the plan has one: run once per node that hosts rollout workers
+        self.relay = next((r for r in roles if r.kind == "relay"), None)
+        self.pinned: dict[str, str] = {}  # a relay's name -> its node's id
         try:
+            check_home(self._nodes()[0], {k: v for k, v in resources.items() if k in ("buffer", "learner")})
             for r in roles:
-                self._start(r)
+                if r.kind != "relay":
+                    self._start(r)
         except BaseException:  # nothing placed so far outlives a launch that failed
             self.stop([], 30)
             raise
 
+    def _drop_relay(self, name: str, why: str) -> None:
+        """Forget the relay of a node that is gone (the workers placed again elsewhere use their node's)."""
+        log.warning("%s went with its node (%s); workers placed again use the relay of their new node", name, why)
+        for h in self.hosts.pop(name, []):
+            self.ray.kill(h)
+        self.pids.pop(name, None)
+        self.pinned.pop(name, None)
+        self.done.discard(name)
+        self._write_pids()
+
+    def _alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in self.ray.nodes())
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        """The live nodes, the driver's first, then by address."""
+        alive = [n for n in self.ray.nodes() if n.get("Alive")]
+        return sorted(alive, key=lambda n: (n["NodeID"] != self.home, n.get("NodeManagerAddress", ""), n["NodeID"]))
+
+    def _where(self, role: Role, rank: int) -> dict[str, Any]:
+        """Ray options that place rank `rank` of `role`: the buffer and learner rank 0 on the driver's node
+        (they bind the endpoints the driver reserved there); the rest by `placement`."""
+        if role.kind == "buffer" or (role.kind == "learner" and rank == 0):
+            return {"scheduling_strategy": self.affinity(self.home, soft=False)}
+        if role.name in self.pinned:  # a node's relay
+            return {"scheduling_strategy": self.affinity(self.pinned[role.name], soft=False)}
+        if self.placement != "spread":
+            return {}
+        nodes = self._nodes()
+        i = rank if role.kind == "learner" else int(role.name.rsplit("-", 1)[-1]) + 1  # rollout-0 off the driver's
+        # soft, spilling: a node that is full or gone sends the actor wherever Ray finds room
+        return {"scheduling_strategy": self.affinity(nodes[i % len(nodes)]["NodeID"], soft=True,
+                                                     _spill_on_unavailable=True)}
+
     def _start(self, role: Role) -> None:
         self.starts[role.name] = self.starts.get(role.name, 0) + 1
+        for attempt in range(PLACE_ATTEMPTS):
+            try:
+                started = self._place(role)
+                break
+            except self.ray.exceptions.RayError as e:
+                for h in self.hosts.pop(role.name, []):
+                    self.ray.kill(h)
+                if role.name in self.pinned:  # a relay whose node is going: its workers are placed elsewhere
+                    self._drop_relay(role.name, str(e).strip().splitlines()[-1])
+                    return
+                if not isinstance(e, self.ray.exceptions.RayActorError) or attempt == PLACE_ATTEMPTS - 1:
+                    raise
+                # placed on a node that died before it started
+                log.warning("%s: its node died while it was being placed; placing it again (%s)", role.name,
+                            str(e).strip().splitlines()[-1])
+                time.sleep(2.0)  # the cluster learns that the node is gone
+        self.done.discard(role.name)
+        node, pid = started[0]
+        self.pids[role.name] = {"node": node, "pid": pid, **({"pids": [p for _, p in started],
+                                                              "nodes": [n for n, _ in started]} if len(started) > 1 else {})}
+        self._write_pids()
+        where = node if len(started) == 1 else ", ".join(f"rank {i} on {n}" for i, (n, _) in enumerate(started))
+        log.info("placed %s as %d Ray actor(s): %s (pid %d)%s", role.name, len(started), where, pid,
+                 f", start {self.starts[role.name]}" if self.starts[role.name] > 1 else "")
+        if role.kind == "rollout" and self.relay is not None:
+            self._relay_for(role.name, node)
+
+    def _relay_for(self, worker: str, node: str) -> None:
+        """Start the weight relay of `worker`'s node (at `node`) unless one runs there."""
+        name = f"relay@{node}"
+        if name in self.hosts and name not in self.done:
+            return
+        assert self.relay is not None
+        try:
+            self.pinned[name] = self.ray.get(self.hosts[worker][0].node_id.remote(), timeout=START_TIMEOUT_S)
+        except self.ray.exceptions.RayError as e:  # the worker's node went: its relay is not needed there
+            log.warning("no relay started for %s's node %s: %s", worker, node, str(e).strip().splitlines()[-1:])
+            return
+        self.roles[name] = Role(name=name, kind="relay", module=self.relay.module, config=self.relay.config,
+                                args=self.relay.args, env=self.relay.env)
+        self.hosts.pop(name, None)
+        self._start(self.roles[name])
+
+    def _place(self, role: Role) -> list[tuple[str, int]]:
+        """Place `role`'s actors and start its process(es): (node address, pid) per rank."""
         opts = {"num_cpus": 0.5, **self.resources.get(role.kind, {})}
         host_cls = self.ray.remote(_RoleHost)
         hosts: list[Any] = []  # ray actor handles (their methods' `.remote` is made at run time)
         for rank in range(role.nproc):
             log_path = self.run_dir / "logs" / (f"{role.name}.log" if role.nproc == 1 else f"{role.name}-{rank}.log")
-            hosts.append(host_cls.options(**opts).remote(role.argv(), str(log_path), role.env))
+            hosts.append(host_cls.options(**opts, **self._where(role, rank)).remote(role.argv(), str(log_path), role.env))
+        self.hosts[role.name] = hosts  # before any wait: a failed start is still stopped
         if role.nproc > 1:
             master, port = self.ray.get(hosts[0].rendezvous.remote(), timeout=START_TIMEOUT_S)  # picked on rank 0's own node
             pids = [h.start.remote({"RANK": str(i), "WORLD_SIZE": str(role.nproc), "LOCAL_RANK": "0",
                                     "MASTER_ADDR": master, "MASTER_PORT": port}) for i, h in enumerate(hosts)]
         else:
             pids = [hosts[0].start.remote()]
-        self.hosts[role.name] = hosts  # before the wait: a failed start is still stopped
-        started = self.ray.get(pids, timeout=START_TIMEOUT_S)
-        self.done.discard(role.name)
-        node, pid = started[0]
-        self.pids[role.name] = {"node": node, "pid": pid, **({"pids": [p for _, p in started]} if len(started) > 1 else {})}
-        self._write_pids()
-        log.info("placed %s as %d Ray actor(s) on %s (pid %d)%s", role.name, len(hosts), node, pid,
-                 f", start {self.starts[role.name]}" if self.starts[role.name] > 1 else "")
+        return self.ray.get(pids, timeout=START_TIMEOUT_S)
 
     def _write_pids(self) -> None:
         """pids.json: each running role's node and pid (for `kill -USR1`, kill drills, `tidal status`)."""
@@ -278,9 +388,11 @@ class RayRun:
 
     def _codes(self, name: str) -> list[int | None]:
         try:
-            return self.ray.get([h.poll.remote() for h in self.hosts[name]], timeout=30)
-        except self.ray.exceptions.RayActorError:
+            return self.ray.get([h.poll.remote() for h in self.hosts[name]], timeout=POLL_TIMEOUT_S)
+        except self.ray.exceptions.RayActorError:  # its actor died: its node was lost, or Ray killed it
             return [-9]
+        except self.ray.exceptions.GetTimeoutError:  # no answer yet (a node on its way out): ask again later
+            return [None]
 
     def exited(self) -> dict[str, int]:
         out = {}
@@ -288,6 +400,9 @@ class RayRun:
             if name in self.done:
                 continue
             codes = self._codes(name)
+            if name in self.pinned and codes == [-9] and not self._alive(self.pinned[name]):
+                self._drop_relay(name, "its node is gone")
+                continue
             if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
                 rc = next((c for c in codes if c not in (None, 0)), 0)
                 for h in self.hosts[name]:  # a failed rank takes its peers with it
@@ -314,7 +429,7 @@ class RayRun:
         for h in self.hosts.get(name, []):
             try:
                 self.ray.get(h.kill.remote(), timeout=60)
-            except self.ray.exceptions.RayActorError:
+            except self.ray.exceptions.RayError:  # its actor is gone (or its node is going): so is its process
                 pass
 
     def signal(self, name: str, sig: int) -> None:
@@ -349,32 +464,64 @@ class RayLauncher:
 
     `address`: the cluster to join ("auto" = the one `ray start` made on this node; "" = start a local
     head for this run). `resources`: Ray options per role kind, e.g.
-    ``{ learner = { num_gpus = 1 }, rollout = { num_gpus = 1 } }``."""
+    ``{ learner = { num_gpus = 1 }, rollout = { num_gpus = 1 } }``. `placement`: where learner ranks >= 1
+    and rollout workers go: "pack" (Ray's default: where their resources are free, filling a node before
+    the next) or "spread" (round-robin over the live nodes, each free to go elsewhere when its node is
+    full or gone). The buffer and learner rank 0 always run on the driver's node. `weights_relay`: one
+    weight relay (tidal.weight_sync.relay) on each node that hosts rollout workers, so that each version
+    crosses the network to a node once, however many workers it holds (zmq weights only)."""
 
     def __init__(self, address: str = "", resources: dict[str, dict[str, float]] | None = None,
-                 num_cpus: int | None = None) -> None:
+                 num_cpus: int | None = None, placement: str = "pack", weights_relay: bool = False) -> None:
         try:
             # optional: the [ray] extra
             import ray
         except ImportError:
             raise RuntimeError("the ray launcher needs Ray: pip install 'tidal[ray]'") from None
+        if placement not in PLACEMENTS:
+            raise ValueError(f"launcher.options.placement = {placement!r}: one of {', '.join(PLACEMENTS)}")
         self.ray = ray
-        self.address, self.resources, self.num_cpus = address, resources or {}, num_cpus
+        self.address, self.resources, self.num_cpus, self.placement = address, resources or {}, num_cpus, placement
+        self.weights_relay = weights_relay  # the driver's plan adds the relay role (tidal.integration.run.plan)
+        self.owns = False  # this launcher started Ray (a local head) and shuts it down with the run
 
-    def launch(self, roles: list[Role], run_dir: Path) -> RayRun:
-        owns = False
+    def host(self, roles: int) -> str:
+        """The address of the driver's node as the cluster sees it (joining or starting Ray first): the
+        buffer, learner rank 0 and the controller bind it, and every other node connects to it."""
         if not self.ray.is_initialized():
             uv_hook_off()
-            kw = {"address": self.address} if self.address else {"num_cpus": self.num_cpus or max(4, len(roles) + 2),
+            kw = {"address": self.address} if self.address else {"num_cpus": self.num_cpus or max(4, roles + 2),
                                                                   "include_dashboard": False}
             self.ray.init(log_to_driver=False, **kw)
-            owns = not self.address
+            self.owns = not self.address
+        return self.ray.util.get_node_ip_address()
+
+    def launch(self, roles: list[Role], run_dir: Path) -> RayRun:
+        self.host(len(roles))
         try:
-            return RayRun(roles, run_dir, self.resources, owns_ray=owns)
+            return RayRun(roles, run_dir, self.resources, owns_ray=self.owns, placement=self.placement)
         except BaseException:
-            if owns:
+            if self.owns:
                 self.ray.shutdown()
             raise
+
+
+RAY_OPTION_RESOURCE = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def check_home(node: dict[str, Any], wanted: dict[str, dict[str, float]]) -> None:
+    """Refuse, before anything is placed, a driver's node that cannot hold the buffer and learner rank 0
+    with the resources the recipe asks for them (Ray would leave them waiting for room forever)."""
+    have = node.get("Resources", {})
+    for kind, opts in wanted.items():
+        for option, amount in opts.items():
+            resource = RAY_OPTION_RESOURCE.get(option, option)
+            if have.get(resource, 0.0) < amount:
+                raise RuntimeError(
+                    f"the {kind} runs on the driver's node ({node.get('NodeManagerAddress', '?')}), which has "
+                    f"{have.get(resource, 0.0):g} {resource} and the recipe asks for {amount:g} "
+                    f"(launcher.options.resources.{kind}.{option}): start `tidal run` on a node that has it "
+                    f"(on a GPU cluster, one of the GPU nodes)")
 
 
 def uv_hook_off() -> None:

@@ -417,6 +417,8 @@ def set_by_the_run(cfg: RunConfig):
         ("rollout.buffer_ingest", cfg.rollout.buffer_ingest, w.buffer_ingest, endpoint),
         ("rollout.buffer_acks", cfg.rollout.buffer_acks, w.buffer_acks, endpoint),
         ("rollout.weights", cfg.rollout.weights, w.weights, endpoint),
+        ("rollout.weights_server", cfg.rollout.weights_server, w.weights_server,
+         (None, "the learner, or with launcher.options.weights_relay each node's relay", "")),
         ("rollout.domains", cfg.rollout.domains, w.domains,
          (cfg.domains, "from the top-level `[[domains]]`", "; list each domain under the top-level `[[domains]]`")),
     )

@@ -1,8 +1,9 @@
 """The run driver behind `tidal run` and `tidal demo`: lays out the roles, starts them through the
 configured launcher, plays the controller, restarts what dies, and stops everything at the end.
 
-Role layout (endpoints: ipc:// sockets in an owner-only folder with the local launcher, loopback tcp
-ports held per run with others):
+Role layout (endpoints: ipc:// sockets in an owner-only folder with the local launcher; with the Ray
+launcher, tcp ports held per run on the driver's node address, where the buffer, learner rank 0 and the
+controller run, so that roles on other nodes reach them):
 
     rollout-i --Trajectory--> buffer (ingest) --Batch--> learner --WeightsAvailable/Metrics (PUB)--> workers, driver
         ^  WorkRequest/Ack/Heartbeat/Metrics       buffer (publish): acks to workers, Metrics to the driver
@@ -28,6 +29,7 @@ other nodes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -88,17 +90,25 @@ ENDPOINTS = ("controller", "ingest", "serve", "buffer_pub", "learner_pub")
 
 
 def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReservation | None = None,
-         ipc_dir: Path | None = None) -> tuple[list[Role], dict[str, str]]:
+         ipc_dir: Path | None = None, relay_dir: str = "") -> tuple[list[Role], dict[str, str]]:
     """The roles of a run and the endpoints they share; each role's config lands in <run_dir>/roles.
     With `ipc_dir` (an owner-only folder, `ipc_folder`) the endpoints are ipc sockets in it (and the zmq
-    weight transport's too); else loopback ports held by `ports` (tidal.core.net) until the run ends, so
-    that no other process takes one between this plan and the role that binds it (or binds it again)."""
+    weight transport's too); else tcp ports on `ports.host` held by `ports` (tidal.core.net) until the run
+    ends, so that no other process takes one between this plan and the role that binds it (or binds it
+    again). With `relay_dir` (a folder path that is the same on every node, `relay_folder`) the plan has
+    one more role, ``relay`` (tidal.weight_sync.relay), which the launcher runs once on each node that
+    hosts rollout workers; the workers take their weights from their node's relay through ipc sockets in
+    that folder, and the relay from the learner."""
     if ipc_dir is not None:
         ep = {k: f"ipc://{ipc_dir}/{k}" for k in ENDPOINTS}
     else:
         ports = ports or PortReservation()
         ep = {k: ports.endpoint() for k in ENDPOINTS}
-    sec = role_security(cfg, run_dir)
+    if relay_dir and cfg.learner.weights.transport.name != "zmq":
+        raise ConfigError(f"launcher.options.weights_relay relays zmq weights; learner.weights.transport is "
+                          f"{cfg.learner.weights.transport.name!r}: set it to zmq, or turn the relay off",
+                          field="launcher.options.weights_relay")
+    sec = role_security(cfg, run_dir, relay=bool(relay_dir))
     roles_dir = run_dir / "roles"
     roles_dir.mkdir(parents=True, exist_ok=True)
     sync = cfg.mode == "sync"
@@ -122,7 +132,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         export_dir=cfg.learner.export_dir or str(run_dir / "model"),  # the policy, when the learner stops
         security=sec["learner"],
         weights=_weights(msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights,
-                         sec["learner"], ipc_dir))
+                         sec["learner"], ipc_dir, ports.host if ports is not None else ""))
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
                        backend=learner.backend.name, attn=learner.backend.options.attn)
@@ -130,12 +140,26 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
     log.info("torch threads: %d per learner rank, %d per rollout worker", learner_threads, worker_threads)
     roles = [_role("buffer", "buffer", "tidal.buffer", buffer, roles_dir),
              _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
+    relay = {"serve": f"ipc://{relay_dir}/weights", "publish": f"ipc://{relay_dir}/announce"} if relay_dir else {}
+    roles += [_role(w.name, "rollout", "tidal.rollout.worker.process", w, roles_dir, worker_threads)
+              for w in _workers(cfg, run_dir, ep, sec, relay)]
+    if relay:
+        roles.append(_relay_role(cfg, ep, sec["relay"], relay, roles_dir))
+    return roles, ep
+
+
+def _workers(cfg: RunConfig, run_dir: Path, ep: dict[str, str], sec: dict[str, ChannelSecurity],
+             relay: dict[str, str]) -> list[Any]:
+    """The rollout workers' configs; with `relay` (its endpoints) each takes weights from its node's relay."""
+    out = []
     for i in range(cfg.workers):
-        w = msgspec.structs.replace(
+        out.append(msgspec.structs.replace(
             cfg.rollout, name=f"rollout-{i}", controller=ep["controller"], buffer_ingest=ep["ingest"],
-            buffer_acks=ep["buffer_pub"], weights=ep["learner_pub"], model=cfg.rollout.model or cfg.model,
+            buffer_acks=ep["buffer_pub"], weights=relay.get("publish", ep["learner_pub"]),
+            weights_server="relay" if relay else "learner", model=cfg.rollout.model or cfg.model,
             domains=cfg.domains, security=sec[f"rollout-{i}"],
-            weight_transport=_receiver_security(cfg.rollout.weight_transport, sec[f"rollout-{i}"]),
+            weight_transport=_receiver_security(cfg.rollout.weight_transport, sec[f"rollout-{i}"],
+                                                "relay" if relay else "learner"),
             # its environment processes (multi-turn domains) log beside the roles
             episodes=msgspec.structs.replace(cfg.rollout.episodes,
                                              log_dir=cfg.rollout.episodes.log_dir or str(run_dir / "logs")),
@@ -143,30 +167,52 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
             transcripts=msgspec.structs.replace(cfg.rollout.transcripts,
                                                 dir=cfg.rollout.transcripts.dir or str(run_dir / "samples")),
             engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
-                                                                        **cfg.rollout.engine.options}))
-        roles.append(_role(w.name, "rollout", "tidal.rollout.worker.process", w, roles_dir, worker_threads))
-    return roles, ep
+                                                                        **cfg.rollout.engine.options})))
+    return out
 
 
-def role_security(cfg: RunConfig, run_dir: Path) -> dict[str, ChannelSecurity]:
+def _relay_role(cfg: RunConfig, ep: dict[str, str], sec: ChannelSecurity, relay: dict[str, str], roles_dir: Path) -> Role:
+    """The weight relay's role (one config for every node's relay: its sockets' paths name the node)."""
+    options = cfg.learner.weights.transport.options
+    # tidal.weight_sync.relay.RelayConfig's fields (the relay decodes them typed; importing it here would
+    # load torch into the driver)
+    r = {"upstream": ep["learner_pub"], "serve": relay["serve"], "publish": relay["publish"], "security": sec,
+         "delta_updates": bool(options.get("delta", False)), "reannounce_s": cfg.learner.weights.reannounce_s or 2.0}
+    return _role("relay", "relay", "tidal.weight_sync.relay", r, roles_dir)
+
+
+def relay_folder(run_dir: Path) -> str:
+    """The folder of a run's weight relay sockets on each node: under /tmp, named after the run folder and
+    the node (``{node}``, filled in by each process: tidal.core.net.on_this_node; nodes may share a
+    filesystem), short enough for a socket path; the relay makes it owner-only."""
+    return f"/tmp/tidal-relay-{hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}-{{node}}"
+
+
+def role_security(cfg: RunConfig, run_dir: Path, relay: bool = False) -> dict[str, ChannelSecurity]:
     """Each role's CURVE setup (tidal.core.security), its keys made once in RUN_DIR/keys and reused; all
-    empty (plaintext) when `launch.auth` is off."""
+    empty (plaintext) when `launch.auth` is off. With `relay`, the weight relays (one key pair, "relay",
+    for all of them) are clients of the learner and servers of the workers."""
     workers = [f"rollout-{i}" for i in range(cfg.workers)]
-    names = ["buffer", "learner", "driver", *workers]
+    relays = ["relay"] if relay else []
+    names = ["buffer", "learner", "driver", *workers, *relays]
     if not cfg.launch.auth:
         return dict.fromkeys(names, ChannelSecurity())
     keys = make_role_keys(run_dir / "keys", names)
     sec = {"buffer": ChannelSecurity.from_role_keys(keys, "buffer", clients=["learner", "driver", *workers]),
-           "learner": ChannelSecurity.from_role_keys(keys, "learner", servers=["buffer"], clients=["driver", *workers]),
+           "learner": ChannelSecurity.from_role_keys(keys, "learner", servers=["buffer"],
+                                                     clients=["driver", *workers, *relays]),
            "driver": ChannelSecurity.from_role_keys(keys, "driver", servers=["buffer", "learner"], clients=workers)}
     for w in workers:
-        sec[w] = ChannelSecurity.from_role_keys(keys, w, servers=["driver", "buffer", "learner"])
+        sec[w] = ChannelSecurity.from_role_keys(keys, w, servers=["driver", "buffer", "learner", *relays])
+    if relay:
+        sec["relay"] = ChannelSecurity.from_role_keys(keys, "relay", servers=["learner"], clients=workers)
     return sec
 
 
-def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None):
-    """The learner's weight sender options: the zmq transport's server gets the learner's keys (and, with
-    ipc endpoints, an ipc socket beside them unless the recipe names an endpoint)."""
+def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None, host: str = ""):
+    """The learner's weight sender options: the zmq transport's server gets the learner's keys, and unless
+    the recipe names an endpoint, an ipc socket beside the run's others (`ipc_dir`) or a port of its own
+    on `host`, the address the run's other endpoints are on (another node's workers fetch from it)."""
     if weights.transport.name != "zmq":
         return weights
     options = dict(weights.transport.options)
@@ -174,6 +220,8 @@ def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None):
         options.setdefault("security", msgspec.to_builtins(sec))
     if ipc_dir is not None:
         options.setdefault("endpoint", f"ipc://{ipc_dir}/weights")
+    elif host:
+        options.setdefault("endpoint", f"tcp://{host}:*")
     return msgspec.structs.replace(weights, transport=msgspec.structs.replace(weights.transport, options=options))
 
 
@@ -186,14 +234,17 @@ def _admission(cfg: RunConfig) -> PluginRef | None:
     return msgspec.structs.replace(a, options={**a.options, "max_lag": cfg.max_staleness})
 
 
-def _receiver_security(transports: list[PluginRef], sec: ChannelSecurity) -> list[PluginRef]:
-    """A worker's weight receiver options: the zmq receiver (listed or not) trusts the learner's public key."""
-    if not sec.enabled:
+def _receiver_security(transports: list[PluginRef], sec: ChannelSecurity, server: str = "learner") -> list[PluginRef]:
+    """A worker's weight receiver options: the zmq receiver (listed or not) trusts the public key of
+    `server` (the learner, or its node's relay)."""
+    if not sec.enabled and server == "learner":
         return transports
-    keys = msgspec.to_builtins(sec)
-    listed = [msgspec.structs.replace(t, options={"security": keys, **t.options}) if t.name == "zmq" else t
+    keys = {"security": msgspec.to_builtins(sec)} if sec.enabled else {}
+    if server != "learner":
+        keys["server"] = server
+    listed = [msgspec.structs.replace(t, options={**keys, **t.options}) if t.name == "zmq" else t
               for t in transports]
-    return listed if any(t.name == "zmq" for t in transports) else [*listed, PluginRef(name="zmq", options={"security": keys})]
+    return listed if any(t.name == "zmq" for t in transports) else [*listed, PluginRef(name="zmq", options=keys)]
 
 
 @contextmanager
@@ -326,22 +377,32 @@ def _locked(cfg: RunConfig, run_dir: Path, nproc_learner: int, resume: bool, ove
     if not cfg.launch.auth:
         log.warning("launch.auth = false: the run's channels are plaintext; any local process can push data "
                     "into the buffer, take or acknowledge batches, stop it, and talk to the controller")
+    launcher = _launcher(cfg, run_dir)
     if cfg.launcher.name == "local":
         with ipc_folder(run_dir) as ipc_dir:
-            return _run(cfg, run_dir, nproc_learner, None, ipc_dir, point)
-    with PortReservation() as ports:
-        return _run(cfg, run_dir, nproc_learner, ports, None, point)
+            return _run(cfg, run_dir, nproc_learner, launcher, None, ipc_dir, point)
+    # a launcher that places roles on other machines names the address of the driver's node, where the roles
+    # that others connect to bind (tidal.integration.launch); a launcher without one binds loopback
+    try:
+        host = launcher.host(cfg.workers + 2) if hasattr(launcher, "host") else "127.0.0.1"
+    except Exception as e:  # e.g. no Ray cluster at launcher.options.address
+        status = f"failed: the {cfg.launcher.name} launcher could not start: {one_line(e)}"
+        log.error("%s", status)
+        write_final(run_dir, {"status": status, "versions": 0, "budget_versions": cfg.budget.versions})
+        return RunResult(run_dir=run_dir, status=status, versions=0, eval=[], restarts={}, wall_s=0.0)
+    with PortReservation(host) as ports:
+        return _run(cfg, run_dir, nproc_learner, launcher, ports, None, point)
 
 
-def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, ports: PortReservation | None,
+def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, launcher: Any, ports: PortReservation | None,
          ipc_dir: Path | None, point: ResumePoint | None = None) -> RunResult:
     (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg)))
-    roles, ep = plan(cfg, run_dir, nproc_learner, ports, ipc_dir)
+    relay_dir = relay_folder(run_dir) if getattr(launcher, "weights_relay", False) else ""
+    roles, ep = plan(cfg, run_dir, nproc_learner, ports, ipc_dir, relay_dir)
     driver_sec = role_security(cfg, run_dir)["driver"]
     for r in roles:
         if r.kind == "learner":
             r.nproc = nproc_learner
-    launcher = _launcher(cfg, run_dir)
     sink = _metrics_sink(cfg, run_dir, point)
     display = Display(cfg.monitor.progress, cfg.budget.versions, cfg.monitor.log_every_s)
     try:  # builds every domain's env (and reward) here, in the driver: bad options fail before any role starts

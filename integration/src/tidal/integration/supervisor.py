@@ -220,7 +220,7 @@ class Supervisor:
         if name == "learner" and self.cfg.learner.checkpoint_every == 0:
             raise Stop(f"learner exited with code {rc} ({message or 'no error reported'}); with "
                        f"learner.checkpoint_every = 0 there is no checkpoint to restart it from. See {logs}")
-        self.restarts[name] += 1
+        self.restarts[name] = self.restarts.get(name, 0) + 1  # a role the launcher added (a node's relay) too
         if self.restarts[name] > self.cfg.launch.max_restarts:
             raise Stop(f"{name} exited with code {rc} {self.restarts[name]} times; last error: "
                        f"{message or '(none reported)'}; see {logs}")

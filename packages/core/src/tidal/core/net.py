@@ -12,6 +12,7 @@ same port again. Release the reservation when the run ends.
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -45,4 +46,14 @@ class PortReservation:
         self.close()
 
 
-__all__ = ["PortReservation"]
+NODE_ENV = "TIDAL_NODE"  # set by a launcher that places roles on several machines: this machine's name there
+
+
+def on_this_node(endpoint: str) -> str:
+    """`endpoint` with ``{node}`` replaced by this machine's name in the run (`TIDAL_NODE`, which the Ray
+    launcher sets to the node's address; "local" without one): a node-local socket path, such as the
+    weight relay's, that differs between machines that share a filesystem."""
+    return endpoint.replace("{node}", os.environ.get(NODE_ENV, "local"))
+
+
+__all__ = ["NODE_ENV", "PortReservation", "on_this_node"]

@@ -33,10 +33,10 @@ class Publisher:
     def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0,
                  security: ChannelSecurity | None = None) -> None:
         self.cfg = weights
-        # with a run's keys: only its workers and driver subscribe (refusals: auth/refused in our metrics),
+        # with a run's keys: only its workers, weight relays and driver subscribe (refusals: auth/refused in our metrics),
         # and they trust only this key, so no one else can announce weights
         self.auth = AuthGuard()
-        curve = (security or ChannelSecurity()).server(["rollout", "driver"], self.auth, "learner publish")
+        curve = (security or ChannelSecurity()).server(["rollout", "driver", "relay"], self.auth, "learner publish")
         self.pub = pub(endpoint, linger=1.0, watch_subscriptions=True, curve=curve)
         # PUB/SUB drops what is published before a subscription arrives: a step that comes at once (the
         # buffer already holds a batch) would lose its metrics

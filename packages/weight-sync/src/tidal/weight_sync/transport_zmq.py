@@ -2,7 +2,8 @@
 frames both ways), each choosing dense or delta by the version it holds. Works across hosts (CURVE).
 
 In a run, `security` (a role's `ChannelSecurity`, as a Struct or its dict) sets CURVE up: the sender
-(role "learner") lets in the run's rollout workers only; a receiver trusts the learner's public key."""
+(role "learner") lets in the run's rollout workers and weight relays only; a receiver trusts the public
+key of its `server` (the learner, or its node's relay: tidal.weight_sync.relay)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class ZmqSenderTransport(SenderTransport):
                  delta_updates: bool = False, security: ChannelSecurity | None = None) -> None:
         self.auth = AuthGuard()  # clients refused (logged once per address; `auth.refused`)
         if security is not None and curve is None:
-            curve = _security(security).server(["rollout"], self.auth, "weight server")
+            curve = _security(security).server(["rollout", "relay"], self.auth, "weight server")
         self.keep = keep
         self.delta_updates = delta_updates
         self._versions: dict[int, list[Bucket]] = {}
@@ -158,9 +159,9 @@ class ZmqReceiverTransport(ReceiverTransport):
     name = "zmq"
 
     def __init__(self, *, curve: Curve | None = None, timeout: float = 60.0, window: int = 0,
-                 security: ChannelSecurity | None = None) -> None:
-        if security is not None and curve is None:
-            curve = _security(security).client("learner")
+                 security: ChannelSecurity | None = None, server: str = "learner") -> None:
+        if security is not None and curve is None:  # `server`: whose key serves the weights (a node's "relay")
+            curve = _security(security).client(server)
         self.curve = curve
         self.timeout = timeout
         self.window = window  # requests in flight at once; 0 = every bucket at once

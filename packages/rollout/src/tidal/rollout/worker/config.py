@@ -20,8 +20,13 @@ class WorkerConfig(ConfigStruct):
     controller: str = "tcp://127.0.0.1:5610"  # controller ROUTER (assignments, heartbeats, metrics)
     buffer_ingest: str = "tcp://127.0.0.1:5601"  # buffer PULL (trajectories)
     buffer_acks: str = "tcp://127.0.0.1:5603"  # buffer PUB (acks on topic ack/<name>/)
-    weights: str = ""  # PUB endpoint announcing WeightsAvailable; "" = only via the controller
+    # PUB endpoint announcing WeightsAvailable ("" = only via the controller); "{node}" in it is this
+    # machine's name in the run (tidal.core.net.on_this_node: a node's relay socket)
+    weights: str = ""
     weights_topic: str = TOPIC_WEIGHTS  # topic prefix of the announcements there ("" = every message)
+    # the role whose key announces weights there (with a run's keys): the learner, or the weight relay
+    # of this worker's node (tidal.weight_sync.relay; its zmq receiver then names it as `server` too)
+    weights_server: str = "learner"
     model: str = ""  # local Hugging Face folder (also the tokenizer used to decode completions)
     engine: PluginRef = msgspec.field(default_factory=lambda: PluginRef(name="embedded"))
     # the domains an Assignment.task names (by `name`, else the env's name; each once), and what scores

@@ -45,6 +45,7 @@ from tidal.core.config import load_config
 from tidal.core.episodes import is_episodic
 from tidal.core.errors import ChannelTimeout, ProtocolError
 from tidal.core.interfaces import GenerationResult, Task
+from tidal.core.net import on_this_node
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import (
@@ -127,8 +128,8 @@ class RolloutWorker:
                                   resend_after=cfg.resend_after_s, on_ack=self._on_ack,
                                   curve_push=buffer_curve, curve_ack=buffer_curve)
         self.ctl = dealer(cfg.controller, identity=cfg.name.encode(), linger=1.0, curve=sec.client("driver"))
-        # only the learner's key can announce weights here
-        self.wsub = sub(cfg.weights, topics=[cfg.weights_topic], linger=0, curve=sec.client("learner")) \
+        # only the learner's key (or its node's relay's) can announce weights here
+        self.wsub = sub(on_this_node(cfg.weights), topics=[cfg.weights_topic], linger=0, curve=sec.client(cfg.weights_server)) \
             if cfg.weights else None
         self._requested = 0  # assignments asked for and not yet received
         # when each of them was asked for (oldest first), and the window's request -> assignment times: the
