@@ -141,3 +141,16 @@ def test_help_says_where_the_run_folder_goes_and_describes_status_report_export(
     readme = (RECIPES.parents[1] / "README.md").read_text()
     for claim in ("about 1 minute", "1 on 2 cores"):
         assert claim in " ".join(demo.split()) and claim in " ".join(readme.split()), claim
+
+
+def test_overrides_may_follow_an_option_and_a_stray_word_is_still_refused(tmp_path):
+    """`tidal run R.toml --nproc 2 workers=3` (as the README's cluster line has it) takes workers=3; a word
+    that is neither an option nor key=value is refused by name."""
+    from tidal.rollout.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    out = tidal("run", "--check", str(RECIPES / "arithmetic.toml"), f'model="{model}"', "--nproc", "2", "workers=3")
+    assert out.returncode == 0, out.stderr
+    assert '"workers": 3' in out.stdout, out.stdout[-2000:]
+    bad = tidal("run", "--check", str(RECIPES / "arithmetic.toml"), f'model="{model}"', "--nproc", "2", "workers")
+    assert bad.returncode == 2 and "unrecognized arguments: workers" in bad.stderr, bad.stderr

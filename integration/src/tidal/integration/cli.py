@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                "learner.weights.transport.name=\"shm\"")
     p.add_argument("recipe", nargs="?", default="", help="the run's TOML recipe (see integration/recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings applied on top of the recipe")
-    p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed) on this machine")
+    p.add_argument("--nproc", type=int, default=1, help="learner ranks (torch.distributed): processes on this "
+                   "machine, or with launcher.name=ray one Ray actor each, on the nodes Ray picks")
     p.add_argument("--check", action="store_true",
                    help="check the recipe and overrides as a run does before it starts (fields, values, plugins "
                         "and their options, each domain's first task, model folders), print the effective config "
@@ -363,7 +364,14 @@ def _add_export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # overrides may come after an option too (`tidal run R.toml --nproc 2 workers=4`): argparse leaves those
+    # unparsed once the positionals were taken, so they join the overrides here
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
