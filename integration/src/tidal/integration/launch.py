@@ -30,6 +30,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -329,13 +330,13 @@ class RayRun:
                 for h in self.hosts.pop(role.name, []):
                     self.ray.kill(h)
                 if role.name in self.pinned:  # a relay whose node is going: its workers are placed elsewhere
-                    self._drop_relay(role.name, str(e).strip().splitlines()[-1])
+                    self._drop_relay(role.name, one_line(e))
                     return
                 if not isinstance(e, self.ray.exceptions.RayActorError) or attempt == PLACE_ATTEMPTS - 1:
                     raise
                 # placed on a node that died before it started
                 log.warning("%s: its node died while it was being placed; placing it again (%s)", role.name,
-                            str(e).strip().splitlines()[-1])
+                            one_line(e))
                 time.sleep(2.0)  # the cluster learns that the node is gone
         self.done.discard(role.name)
         node, pid = started[0]
@@ -357,7 +358,7 @@ class RayRun:
         try:
             self.pinned[name] = self.ray.get(self.hosts[worker][0].node_id.remote(), timeout=START_TIMEOUT_S)
         except self.ray.exceptions.RayError as e:  # the worker's node went: its relay is not needed there
-            log.warning("no relay started for %s's node %s: %s", worker, node, str(e).strip().splitlines()[-1:])
+            log.warning("no relay started for %s's node %s: %s", worker, node, one_line(e))
             return
         self.roles[name] = Role(name=name, kind="relay", module=self.relay.module, config=self.relay.config,
                                 args=self.relay.args, env=self.relay.env)
@@ -504,6 +505,15 @@ class RayLauncher:
             if self.owns:
                 self.ray.shutdown()
             raise
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message that says something (Ray's
+    errors wrap the cause's traceback; its last line is the cause)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception):", ln)), "")
+    text = cause or (lines[0] if lines else "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 RAY_OPTION_RESOURCE = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -54,7 +53,7 @@ from tidal.core.process import ERROR_FILE_ENV
 from tidal.core.protocol import Metrics
 from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
-from tidal.integration.launch import Role
+from tidal.integration.launch import Role, one_line
 from tidal.integration.learner.parallel import check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
@@ -486,15 +485,6 @@ def _samples_to_tensorboard(sink: MetricsSink, run_dir: Path, version: int) -> N
         to_tensorboard(sink.tb, run_dir, version)
     except (OSError, ValueError) as e:  # a transcript file that cannot be read costs the text, not the run
         log.warning("transcripts not added to TensorBoard: %s", e)
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message that says something (Ray's
-    errors wrap the cause's traceback; its last line is the cause)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    cause = next((ln for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception):", ln)), "")
-    text = cause or (lines[0] if lines else "")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _buffer_status(endpoint: str, sec: ChannelSecurity | None = None) -> dict[str, float]:

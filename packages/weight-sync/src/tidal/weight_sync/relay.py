@@ -11,7 +11,9 @@ against the version they hold. N receivers on a node cost the trainer one copy i
   it.
 - The relay reports each version it took to the trainer's server (a trainer that waits for one report
   of its final version, as Tidal's learner does, waits for the relay); what the receivers report stays
-  with the relay, counted in its log.
+  with the relay, counted in its log. A fetch that failed is not reported (the trainer would stop
+  waiting).
+- It holds `keep` versions in host memory: twice the model's bytes by default.
 - With `security` (a `ChannelSecurity`, role name ``relay``): CURVE both ways; the relay trusts only the
   key of `upstream_name` for announcements and bytes, and lets in the clients its security lists.
 - A version that cannot be fetched (the trainer restarted, a timeout) is logged and taken from the next
@@ -110,9 +112,8 @@ class WeightRelay:
         t0 = time.perf_counter()
         try:
             buckets = self._fetch(ann)
-        except WeightSyncError as e:
+        except WeightSyncError as e:  # not reported upstream: a report ends a trainer's wait for its last version
             self.failures += 1
-            self.receiver.report(ann, False, str(e))
             log.warning("version %d not relayed (taken from the next announcement): %s", ann.version, e)
             return False
         fetch_s = time.perf_counter() - t0
