@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -344,3 +345,42 @@ def test_a_group_trained_on_its_survivors_is_settled_with_its_left_out_samples(s
     wait_for(lambda: system.learner.status(timeout=5).scalars.get("depth/ready_samples") == 3, 30,
              "the survivors ready in the buffer")
     assert system.learner.status(timeout=5).scalars.get("depth/assembling_groups") == 0
+
+
+def test_a_judged_domain_is_scored_off_the_loop_and_a_hanging_judge_costs_its_group(system, tiny):
+    """A domain whose reward is the `judge` plugin, against a scripted judge over real HTTP that takes
+    1 s a call: each group's samples are judged at once (the judge holds several calls together) while
+    the worker's loop goes on (heartbeats keep coming); scores reach the buffer mapped to [0, 1]; a group
+    whose judge call hangs past `timeout_s` is dropped as a reward error and counted, and the others go on."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "rollout" / "tests"))
+    from judge_server import JudgeServer
+
+    from tidal.rollout.tiny import load_tokenizer
+
+    server = JudgeServer(delay_s=1.0, hang_s=10)
+    try:
+        domains = ('[{ env = { name = "arithmetic" }, reward = { name = "judge", options = { endpoint = "'
+                   + server.endpoint + '", rubric = "{reference}", timeout_s = 3.0, concurrency = 8 } } }]')
+        system.start_worker(domains=domains)
+        tok = load_tokenizer(tiny)
+        groups = assignments(tok, 3, "j", max_tokens=8)
+        groups = [msgspec.structs.replace(a, answer="HANG" if i == 1 else "SCORE=9") for i, a in enumerate(groups)]
+        system.ctl.assign(*groups)
+        got = drain(system.learner, 2, timeout=120)
+        assert {t.group_id for t in got} == {"j0", "j2"}
+        assert all(t.reward == pytest.approx(0.9) for t in got), [t.reward for t in got]
+        wait_for(lambda: "j1" in system.ctl.acks, 60, "the hanging group's ack")
+        assert not system.ctl.acks["j1"].ok and system.ctl.acks["j1"].reason == "reward_error"
+        assert server.most_in_flight >= G  # a group's samples were judged together
+
+        def last(key: str) -> float:
+            return max((m.scalars.get(key, 0.0) for m in system.ctl.metrics), default=0.0)
+
+        wait_for(lambda: last("reward/judge/errors/timeout") >= 1, 30, "the judge's timeouts in the metrics")
+        assert last("rollout/groups/dropped/reward_error") == 1.0
+        assert last("reward/judge/calls") >= 3 * G and last("reward/judge/latency_ms_median") >= 900
+        # the loop was never held by the judge: heartbeats (every 0.2 s) kept coming while it answered
+        times = [h.time for h in system.ctl.heartbeats]
+        assert max(b - a for a, b in itertools.pairwise(times)) < 1.0
+    finally:
+        server.close()

@@ -1,6 +1,6 @@
 """tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
 engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``; the episodic
-``multiply``), reward functions (``exact_match``), tools (``calculator``, ``python``) and tool-call parsers
+``multiply``), reward functions (``exact_match``, the LLM ``judge``), tools (``calculator``, ``python``) and tool-call parsers
 (``tags``, ``json``). Factories import their modules only when called, so scanning plugins imports no torch; each declares
 the signature its options are checked against (`tidal.core.plugin_options`).
 """
@@ -111,6 +111,15 @@ def exact_match() -> Any:
     return fn
 
 
+@declare(signature="tidal.rollout.judge:Judge")
+def judge(**options: Any) -> Any:
+    """An LLM judge: any OpenAI-compatible endpoint scores each sample by a rubric, concurrently, off the loop."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
+    from tidal.rollout.judge import Judge
+
+    return Judge(**options)
+
+
 @declare(signature="tidal.rollout.episodes.renderers:PlainRenderer")
 def plain(tokenizer: Any, **options: Any) -> Any:
     """Text as it is (models without a chat template): observations appended after what was sampled."""
@@ -146,7 +155,7 @@ def tidal_envs() -> dict[str, Any]:
 
 @hookimpl
 def tidal_rewards() -> dict[str, Any]:
-    return {"exact_match": exact_match}
+    return {"exact_match": exact_match, "judge": judge}
 
 
 @hookimpl

@@ -73,8 +73,8 @@ from tidal.rollout.tiny import load_tokenizer
 from tidal.rollout.worker.applier import WeightApplier
 from tidal.rollout.worker.config import WorkerConfig
 from tidal.rollout.worker.results import ResultForwarder, iter_requests, trajectory_of
-from tidal.rollout.worker.scoring import Domains, SampleError
-from tidal.rollout.worker.transcripts import TranscriptWriter, episode_record, single_record
+from tidal.rollout.worker.scoring import ConcurrentScoring, Domains, SampleError
+from tidal.rollout.worker.transcripts import TranscriptWriter, episode_record
 
 log = logging.getLogger("tidal.rollout.worker")
 
@@ -143,6 +143,7 @@ class RolloutWorker:
         self._waker = Waker()
         self._results = ResultForwarder(self.engine, self._waker)
         self.weights = WeightApplier(self.engine, self._waker, cfg.name)
+        self.scoring = ConcurrentScoring(self.domains, self._waker)  # judged domains: scored off the loop
         self.counters = dict.fromkeys(("groups_done", "groups_dropped", "groups_trained_on_survivors", "samples",
                                        "tokens", "reward_sum"), 0.0)
         self._window_start = time.monotonic()
@@ -193,6 +194,8 @@ class RolloutWorker:
                         self._on_channel(ch)
                 for res in self._results.take():
                     self._on_result(res)
+                for gid, outcome in self.scoring.take():
+                    self._scored(gid, outcome)
                 self._poll_episodes()
                 self.pusher.poll(timeout=0)
                 self._settle_rejections()
@@ -356,15 +359,27 @@ class RolloutWorker:
         if any(r.finish_reason == "abort" for r in group.results.values()):
             self._drop(group, "abort", "a sample was aborted (partial_mode=drop drops groups caught by a weight update)")
             return
-        try:
-            rewards = [self.domains.score(group.assignment.task, group.task, group.results[i])
-                       for i in range(group.assignment.num_samples)]
-        except SampleError as e:
-            if not group.eval and self.transcripts.wants_failure():
-                self._write_single(group, None, e.reason, str(e))
-            self._drop(group, e.reason, str(e), e.cause)
+        results = [group.results[i] for i in range(group.assignment.num_samples)]
+        if self.scoring.concurrent(group.assignment.task):  # a judge: scored off this loop (`_scored` later)
+            self.scoring.submit(gid, group.assignment.task, group.task, results)
             return
-        self._deliver(group, rewards)
+        try:
+            self._scored(gid, [self.domains.score(group.assignment.task, group.task, r) for r in results])
+        except SampleError as e:
+            self._scored(gid, e)
+
+    def _scored(self, gid: str, outcome: list[float] | SampleError) -> None:
+        """A group's rewards are in (or its scoring failed: the group is dropped, counted by reason)."""
+        group = self.groups.get(gid)
+        if group is None:
+            return
+        if isinstance(outcome, SampleError):
+            if not group.eval and self.transcripts.wants_failure():
+                self.transcripts.write_single(group.assignment, group.results, self.domains.text, None, outcome.reason,
+                                             str(outcome))
+            self._drop(group, outcome.reason, str(outcome), outcome.cause)
+            return
+        self._deliver(group, outcome)
 
     def _drop(self, group: _Group, reason: str, why: str, cause: BaseException | None = None) -> None:
         gid = group.assignment.group_id
@@ -387,7 +402,7 @@ class RolloutWorker:
             return
         a = group.assignment
         if not group.eval and self.transcripts.take_group():
-            self._write_single(group, rewards)
+            self.transcripts.write_single(group.assignment, group.results, self.domains.text, rewards)
         members: list[Trajectory] = []
         for i in range(a.num_samples):
             res = group.results[i]
@@ -414,7 +429,7 @@ class RolloutWorker:
         members = self.multiturn.trajectories(gid, self.cfg.name)
         group.left_out = self.multiturn.left_out(gid)
         if not group.eval:
-            self._write_episodes(group)
+            self.transcripts.write_episodes(group.assignment, self.multiturn.runs)
         self.multiturn.forget(gid)
         group.sent = True
         if group.eval:  # the episode's last segment carries its outcome
@@ -430,32 +445,6 @@ class RolloutWorker:
             self._window_tokens += t.completion_ids.shape[0]
         self.counters["reward_sum"] += sum(t.reward for t in members)
         self.pusher.send(TrajectoryGroup(id=gid, trajectories=members, source=self.cfg.name))
-
-    def _write_single(self, group: _Group, rewards: list[float] | None, error_kind: str = "", error: str = "") -> None:
-        """Every sample of a single-turn group (`rewards` None: a group that could not be scored, and why)."""
-        a = group.assignment
-        prompt = a.prompt or self._text([int(x) for x in a.prompt_ids.numpy()])
-        for i in range(a.num_samples):
-            res = group.results[i]
-            self.transcripts.write(single_record(self.cfg.name, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
-                                                 self._text(res.completion_ids), rewards[i] if rewards is not None else None,
-                                                 res.versions, res.finish_reason, error_kind, error))
-
-    def _text(self, ids: list[int]) -> str:
-        try:
-            return self.domains.decode(ids)
-        except Exception:  # tokens the tokenizer cannot decode (a decode_error group): shown as their ids
-            return " ".join(map(str, ids))
-
-    def _write_episodes(self, group: _Group) -> None:
-        """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
-        assert self.multiturn is not None
-        a = group.assignment
-        every = self.transcripts.take_group()
-        for i in range(a.num_samples):
-            run = self.multiturn.runs.get(trajectory_id(a.group_id, i))
-            if run is not None and (every or (len(run.segments) > 1 and self.transcripts.wants_failure())):
-                self.transcripts.write(episode_record(run, self.cfg.name, a.task))
 
     def _on_ack(self, ids: list[str]) -> None:
         if self._acked_log is not None:  # one write per ack, straight to the OS (a kill -9 keeps it)
@@ -523,7 +512,7 @@ class RolloutWorker:
             **{f"rollout/groups/dropped/{r}": float(n) for r, n in self.dropped_by_reason.items()},
             "rollout/transcripts_written": float(self.transcripts.written),
             **{f"rollout/protocol_errors/{r}": float(n) for r, n in self.protocol_errors.items()},
-            **(self.multiturn.metrics() if self.multiturn is not None else {}),
+            **(self.multiturn.metrics() if self.multiturn is not None else {}), **self.scoring.metrics(),
         }
         self._send_ctl(Metrics(source=self.cfg.name, step=self.engine.version, time=time.time(), scalars=scalars))
         self._window_start, self._window_tokens, self._window_samples = now, 0.0, c["samples"]
@@ -556,6 +545,7 @@ class RolloutWorker:
         if self.multiturn is not None:
             self.multiturn.pool.close()
         self._results.close()
+        self.scoring.close()
         self.engine.close()
         self.pusher.close()
         self.ctl.close(linger=ctl_linger)

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from tidal.core.config import ConfigStruct
-from tidal.core.protocol import NO_VERSION
+from tidal.core.protocol import NO_VERSION, trajectory_id
 
 log = logging.getLogger("tidal.rollout.transcripts")
 
@@ -92,6 +92,25 @@ class TranscriptWriter:
         self._bytes += len(line)
         self.written += 1
         return True
+
+    def write_single(self, a: Any, results: dict[int, Any], text: Any, rewards: list[float] | None,
+                     error_kind: str = "", error: str = "") -> None:
+        """Every sample of single-turn assignment `a` (`rewards` None: a group that could not be scored,
+        and why); `text` decodes token ids."""
+        prompt = a.prompt or text([int(x) for x in a.prompt_ids.numpy()])
+        for i in range(a.num_samples):
+            res = results[i]
+            self.write(single_record(self.worker, a.task, a.group_id, trajectory_id(a.group_id, i), prompt,
+                                     text(res.completion_ids), rewards[i] if rewards is not None else None,
+                                     res.versions, res.finish_reason, error_kind, error))
+
+    def write_episodes(self, a: Any, runs: dict[str, Any]) -> None:
+        """Every episode of every Nth group; split ones always (when `failed` is on: the renderer's seams)."""
+        every = self.take_group()
+        for i in range(a.num_samples):
+            run = runs.get(trajectory_id(a.group_id, i))
+            if run is not None and (every or (len(run.segments) > 1 and self.wants_failure())):
+                self.write(episode_record(run, self.worker, a.task))
 
     def close(self) -> None:
         if self._f is not None:
