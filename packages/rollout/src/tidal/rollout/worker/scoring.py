@@ -10,9 +10,10 @@ the worker. A scorer with a `concurrency` attribute > 0 (an LLM judge) is called
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from tidal.core.config import domains_by_key
@@ -85,6 +86,35 @@ class Domains:
             raise SampleError(reason, ValueError(f"{e}, for completion {text[:80]!r}")) from None
 
 
+class _Threads:
+    """`width` daemon threads running submitted calls (a ThreadPoolExecutor's threads are joined when the
+    interpreter exits: a judge call hanging until its timeout would hold a stopping worker that long)."""
+
+    def __init__(self, width: int, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Future, Any, tuple] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(width)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        f: Future = Future()
+        self._q.put((f, fn, args))
+        return f
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            f, fn, args = item
+            if f.set_running_or_notify_cancel():
+                try:
+                    f.set_result(fn(*args))
+                except BaseException as e:
+                    f.set_exception(e)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+
+
 class ConcurrentScoring:
     """Groups of a domain whose scorer is slow (its `concurrency` attribute > 0: an LLM judge,
     tidal.rollout.judge) are scored off the worker's loop: all of a group's samples at once on that
@@ -93,7 +123,7 @@ class ConcurrentScoring:
 
     def __init__(self, domains: Domains, waker: Any) -> None:
         self.domains, self.waker = domains, waker
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pools: dict[str, _Threads] = {}
         self._done: deque[tuple[str, list[float] | SampleError]] = deque()
         self._lock = threading.Lock()
         self.in_flight = 0  # groups being scored
@@ -111,7 +141,7 @@ class ConcurrentScoring:
         as (key, rewards) or (key, the first SampleError)."""
         if domain not in self._pools:
             width = int(getattr(self.domains.scorer(domain), "concurrency", 1))
-            self._pools[domain] = ThreadPoolExecutor(max_workers=width, thread_name_prefix=f"tidal-score-{domain}")
+            self._pools[domain] = _Threads(width, f"tidal-score-{domain}")
         futures = [self._pools[domain].submit(self.domains.score, domain, task, r) for r in results]
         left = [len(futures)]
         self.in_flight += 1
@@ -151,5 +181,5 @@ class ConcurrentScoring:
         return out
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():  # calls under way are abandoned with their groups
+            pool.close()
