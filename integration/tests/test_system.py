@@ -116,6 +116,36 @@ def test_sync_mode_trains_every_sample_at_the_version_that_made_it(tmp_path, sft
     assert len(lags) == 4 and all(lag == 0.0 for lag in lags), lags
 
 
+def test_a_run_rewarded_by_an_llm_judge_finishes_with_the_judges_failures_counted(tmp_path, sft_model):
+    """The domain's reward is the `judge` plugin against a scripted OpenAI-compatible judge over real HTTP
+    (score 10 for the right answer, 0 otherwise; every 9th call hangs past the judge's timeout): the run
+    trains its versions, the hung calls' groups are dropped as reward errors and counted, and the judge's
+    calls, latency and timeouts are in metrics.jsonl."""
+    sys.path.insert(0, str(REPO / "packages" / "rollout" / "tests"))
+    from judge_server import JudgeServer
+
+    def rule(text: str, n: int) -> str | None:
+        completion, _, reference = text.partition("|")
+        return None if n % 9 == 0 else f"SCORE={10 if completion.strip() == reference.strip() else 0}"
+
+    server = JudgeServer(rule=rule, hang_s=5)
+    try:
+        judge = ('{ name = "judge", options = { endpoint = "' + server.endpoint
+                 + '", rubric = "{completion}|{reference}", timeout_s = 1.5 } }')
+        run_dir = tmp_path / "run"
+        final = finish(tidal_run(run_dir, sft_model, "budget.versions=4", "eval.every=0", "workers=1",
+                                 f"domains=[{{ env = {{ name = \"arithmetic\", options = {{ level = 5 }} }}, reward = {judge} }}]"),
+                       run_dir, 400)
+    finally:
+        server.close()
+    assert final["status"] == "completed" and final["versions"] == 4, final["status"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    worker = {k: v for r in rows if r["source"] == "rollout-0" for k, v in r["scalars"].items()}
+    assert worker["reward/judge/calls"] >= 4 * 64 and worker["reward/judge/errors/timeout"] >= 1, worker
+    assert worker["rollout/groups/dropped/reward_error"] >= 1 and worker["reward/judge/latency_ms_median"] > 0
+    assert 0 < worker["rollout/reward_mean"] < 1  # right answers scored 1 by the judge, wrong ones 0
+
+
 def _pids(run_dir: Path) -> dict[str, int]:
     try:
         return json.loads((run_dir / "pids.json").read_text())

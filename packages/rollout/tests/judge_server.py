@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class JudgeServer:
-    def __init__(self, score: float = 8.0, delay_s: float = 0.0, hang_s: float = 30.0) -> None:
-        self.score, self.delay_s, self.hang_s = score, delay_s, hang_s
+    def __init__(self, score: float = 8.0, delay_s: float = 0.0, hang_s: float = 30.0, rule=None) -> None:
+        """`rule(text, n)`: the reply for the n-th request (from 1), None to hang; it replaces the script."""
+        self.score, self.delay_s, self.hang_s, self.rule = score, delay_s, hang_s, rule
         self.requests = 0
         self.in_flight = 0
         self.most_in_flight = 0
@@ -30,11 +31,14 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server._lock:
                     server.requests += 1
+                    n = server.requests
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
                     server.bodies.append(body)
                 try:
-                    server.answer(self, body)
+                    server.answer(self, body, n)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left: as scripted
+                    pass
                 finally:
                     with server._lock:
                         server.in_flight -= 1
@@ -48,9 +52,11 @@ class JudgeServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
-    def answer(self, handler: BaseHTTPRequestHandler, body: dict) -> None:
+    def answer(self, handler: BaseHTTPRequestHandler, body: dict, n: int) -> None:
         text = body["messages"][-1]["content"]
         time.sleep(self.delay_s)
+        if self.rule is not None:  # its reply is read by the script below (SCORE=N, HANG, ...)
+            text = self.rule(text, n) or "HANG"
         if "HANG" in text:
             time.sleep(self.hang_s)
         if "ERROR" in text:
