@@ -219,7 +219,7 @@ def _weights(weights, sec: ChannelSecurity, ipc_dir: Path | None, host: str = ""
         options.setdefault("security", msgspec.to_builtins(sec))
     if ipc_dir is not None:
         options.setdefault("endpoint", f"ipc://{ipc_dir}/weights")
-    elif host:
+    elif host and host != "127.0.0.1":  # (on loopback the transport's own default is that already)
         options.setdefault("endpoint", f"tcp://{host}:*")
     return msgspec.structs.replace(weights, transport=msgspec.structs.replace(weights.transport, options=options))
 
