@@ -363,10 +363,12 @@ class RolloutWorker:
         if self.scoring.concurrent(group.assignment.task):  # a judge: scored off this loop (`_scored` later)
             self.scoring.submit(gid, group.assignment.task, group.task, results)
             return
+        outcome: list[float] | SampleError
         try:
-            self._scored(gid, [self.domains.score(group.assignment.task, group.task, r) for r in results])
+            outcome = [self.domains.score(group.assignment.task, group.task, r) for r in results]
         except SampleError as e:
-            self._scored(gid, e)
+            outcome = e
+        self._scored(gid, outcome)
 
     def _scored(self, gid: str, outcome: list[float] | SampleError) -> None:
         """A group's rewards are in (or its scoring failed: the group is dropped, counted by reason)."""
