@@ -93,3 +93,22 @@ def test_role_names_and_missing_server_keys(keys):
         sec.client("learner")
     off = ChannelSecurity()
     assert off.server() is None and off.client("buffer") is None and off.permits(None, ["driver"])
+
+
+def test_a_folder_another_user_made_is_refused_for_keys_and_sockets(tmp_path):
+    """owner_only_folder (the run's keys, a weight relay's sockets): made 0700, or refused by name when
+    another user owns it (one who made it first could read the keys or stand in for our sockets)."""
+    import os
+
+    from tidal.core.security import owner_only_folder
+
+    mine = owner_only_folder(tmp_path / "mine" / "keys")
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    if os.getuid() != 0:
+        pytest.skip("making a folder another user owns needs root (chown)")
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(SecurityError, match=r"theirs belongs to another user \(uid 65534\)"):
+        make_role_keys(theirs, ["learner"])
+    assert not (theirs / "learner.key_secret").exists()

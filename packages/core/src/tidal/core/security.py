@@ -365,12 +365,23 @@ def public_key(keys_dir: str | os.PathLike[str], name: str) -> str:
     return _load(Path(keys_dir) / f"{name}.key", want_secret=False)[0].decode()
 
 
+def owner_only_folder(folder: str | os.PathLike[str]) -> Path:
+    """`folder`, made if missing and set owner-only (0700). One another user made first is refused
+    (SecurityError): it could hold files or sockets of theirs in our place."""
+    folder = Path(folder)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():
+        raise SecurityError(f"{folder} belongs to another user (uid {folder.stat().st_uid}): remove it, or use a "
+                            f"folder of your own")
+    os.chmod(folder, 0o700)
+    return folder
+
+
 def make_role_keys(keys_dir: str | os.PathLike[str], names: Iterable[str]) -> Path:
-    """One CURVE key pair per role name in `keys_dir` (made 0700; secret files 0600, written under an
-    owner-only umask). A role whose pair exists keeps it: a restarted role, or a resumed run, reuses its keys."""
-    keys_dir = Path(keys_dir)
-    keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(keys_dir, 0o700)
+    """One CURVE key pair per role name in `keys_dir` (made 0700 by `owner_only_folder`; secret files 0600,
+    written under an owner-only umask). A role whose pair exists keeps it: a restarted role, or a resumed
+    run, reuses its keys."""
+    keys_dir = owner_only_folder(keys_dir)
     old = os.umask(0o077)
     try:
         for name in names:

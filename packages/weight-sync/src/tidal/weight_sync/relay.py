@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -39,11 +38,11 @@ import numpy as np
 
 from tidal.core.channels import pub, sub
 from tidal.core.config import ConfigStruct, load_config
-from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
+from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError, SecurityError
 from tidal.core.net import on_this_node
 from tidal.core.process import role_main, setup_role_process
 from tidal.core.protocol import TOPIC_WEIGHTS, WeightsAvailable
-from tidal.core.security import AuthGuard, ChannelSecurity
+from tidal.core.security import AuthGuard, ChannelSecurity, owner_only_folder
 from tidal.weight_sync.buckets import Bucket
 from tidal.weight_sync.errors import WeightSyncError
 from tidal.weight_sync.transport_zmq import ZmqReceiverTransport, ZmqSenderTransport
@@ -199,12 +198,10 @@ def _own_folder(endpoint: str) -> None:
     could hold a socket of theirs in our place)."""
     if not endpoint.startswith("ipc://"):
         return
-    folder = Path(endpoint[len("ipc://"):]).parent
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if folder.stat().st_uid != os.getuid():
-        raise ConfigError(f"{folder} (for the relay's socket {endpoint}) belongs to another user: remove it, or "
-                          f"put the sockets in a folder of your own", field="serve")
-    os.chmod(folder, 0o700)
+    try:
+        owner_only_folder(Path(endpoint[len("ipc://"):]).parent)
+    except SecurityError as e:  # a restart would meet it again: refused as configuration
+        raise ConfigError(f"the relay's socket {endpoint}: {e}", field="serve") from None
 
 
 def main(argv: list[str] | None = None) -> int:
