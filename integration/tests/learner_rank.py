@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="samples carry MoE routing; the learner replays it")
     ap.add_argument("--grads", default="", help="rank 0 writes the first step's full gradients here")
     ap.add_argument("--metrics", default="", help="rank 0 writes every step's metrics here (JSON lines)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA of this rank (learner.lora); the adapters are written")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -71,7 +72,12 @@ def main() -> None:
     if args.backend.startswith("deepspeed"):  # deepspeed2 / deepspeed3: the ZeRO stage
         be = registry.create("train_backend", "deepspeed", args.model, cfg, zero_stage=int(args.backend[-1]))
     else:
-        be = registry.create("train_backend", args.backend, args.model, cfg, **({"ep": args.ep} if args.ep > 1 else {}))
+        extra = {"ep": args.ep} if args.ep > 1 else {}
+        if args.lora:
+            from tidal.learner.config import LoraOptions
+
+            extra["lora"] = LoraOptions(rank=args.lora, alpha=2.0 * args.lora)
+        be = registry.create("train_backend", args.backend, args.model, cfg, **extra)
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
                                       correction=PluginRef(name=args.correction) if args.correction else None),
                       routing_replay=args.replay)
@@ -92,7 +98,7 @@ def main() -> None:
     step = args.start
     if args.load:
         step = load_checkpoint(args.load, be)["step"]
-    vocab = be.model.config.vocab_size
+    vocab = be._module().config.vocab_size
     for _ in range(args.steps):
         samples = batch(step, vocab, groups=args.groups, routing=routing)
         mine = [s for s in samples if int(s.group_id.split("-")[1]) % world == rank]

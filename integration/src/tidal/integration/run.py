@@ -54,6 +54,7 @@ from tidal.core.protocol import Metrics
 from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role, one_line
+from tidal.integration.learner.lora import check_lora
 from tidal.integration.learner.parallel import check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
@@ -132,6 +133,7 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         security=sec["learner"],
         weights=_weights(msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights,
                          sec["learner"], ipc_dir, ports.host if ports is not None else ""))
+    check_lora(learner, nproc_learner)  # as the learner would at start, before any role starts
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
                        backend=learner.backend.name, attn=learner.backend.options.attn)

@@ -36,7 +36,14 @@ from tidal.integration.learner.parallel import (
     ep_named_weights,
     ep_save,
 )
-from tidal.learner.config import BackendConfig, OptimConfig
+from tidal.integration.learner.lora import (
+    CHECKPOINT_OPTIONS,
+    LOAD_OPTIONS,
+    add_lora,
+    adapter_weights,
+    merged_weights,
+)
+from tidal.learner.config import BackendConfig, LoraOptions, OptimConfig
 from tidal.moe_fsdp.fsdp import shard_moe_model
 from tidal.moe_fsdp.hf import convert_hf_moe, is_hf_sparse_moe
 from tidal.seqpar.hf import ATTENTION_NAME, VARLEN_ATTENTION, register_varlen_attention
@@ -95,8 +102,10 @@ class _Backend:
         """True: checkpoints through save_native / load_native, not torch.distributed.checkpoint."""
         return False
 
-    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu") -> None:
+    def __init__(self, model: str | torch.nn.Module, cfg: BackendConfig, device: str = "cpu",
+                 lora: LoraOptions | None = None) -> None:
         self.cfg = cfg
+        self.lora = lora  # adapters train, the base is frozen (lora.py); refused for the sharded backends
         self.device = torch.device(device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -119,13 +128,16 @@ class _Backend:
         if cfg.grad_checkpointing:
             enable = getattr(module, "activation_checkpointing_enable", None) or module.gradient_checkpointing_enable
             enable()
+        if lora is not None:
+            module = add_lora(module, lora)
         module.train()
         self.model = self._wrap(module)
         self._build_optimizer()
 
     def _build_optimizer(self) -> None:
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay, **self._optim_impl())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o))
 
@@ -204,19 +216,47 @@ class _Backend:
         return {"train/grad_norm": float(norm), "train/lr": float(lr), "train/skipped_nonfinite": float(skipped)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full weights (the critic head stays here: generators do not have it)."""
+        """What generators are sent: the policy's full weights, or with LoRA its adapters alone (the critic
+        head stays here: generators do not have it)."""
+        if self.lora is not None:
+            yield from adapter_weights(self.model)
+            return
         for name, p in self.model.state_dict().items():
             if not name.startswith("value_head."):
                 yield name, p.detach()
 
-    # checkpoint state (torch.distributed.checkpoint-compatible)
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as a Hugging Face folder holds it: full weights (with LoRA, the adapters merged)."""
+        if self.lora is not None:
+            yield from merged_weights(self.model)
+            return
+        yield from self.named_weights()
+
+    # checkpoint state (torch.distributed.checkpoint-compatible); with LoRA the trainable parameters only
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, **self._sd_options())
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.lora is not None:
+            self._check_adapter_state(state["model"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       **({"options": LOAD_OPTIONS} if self.lora is not None else {}))
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def _sd_options(self) -> dict[str, Any]:
+        return {"options": CHECKPOINT_OPTIONS} if self.lora is not None else {}
+
+    def _check_adapter_state(self, model_sd: dict[str, Any]) -> None:
+        """A LoRA checkpoint holds exactly this model's trainable parameters (one written with another
+        `learner.lora`, or by full fine-tuning, is refused by name)."""
+        want = set(get_state_dict(self.model, self.optimizer, options=CHECKPOINT_OPTIONS)[0])
+        if set(model_sd) != want:
+            extra, missing = sorted(set(model_sd) - want), sorted(want - set(model_sd))
+            raise ValueError(f"this checkpoint does not hold the adapters learner.lora = {self.lora} trains: "
+                             f"{len(missing)} of them missing (e.g. {missing[:2]}), {len(extra)} other tensors "
+                             f"(e.g. {extra[:2]}). It was written with another learner.lora, or by full "
+                             f"fine-tuning: resume with the settings it was written with")
 
     def save_native(self, path: str) -> None:
         raise NotImplementedError(f"the {self.name} backend checkpoints through torch.distributed.checkpoint "

@@ -22,6 +22,7 @@ from tidal.core.plugins import registry
 from tidal.core.protocol import Batch
 from tidal.integration.learner.backends import has_sinks, pick_attention
 from tidal.integration.learner.data import Sample
+from tidal.integration.learner.lora import check_lora
 from tidal.integration.learner.objective import Objective
 from tidal.integration.learner.parallel import (
     check_parallel,
@@ -65,7 +66,8 @@ def _build_backend(cfg: LearnerConfig, objective: Objective, rank: int, world: i
     """The train backend and sequence parallelism (collective), the parallel layout checked before the
     model is loaded: (the backend, the options it was built with (a value head added for a critic), the
     SP group or None)."""
-    if cfg.parallel != ParallelConfig():  # refused before the model is loaded
+    check_lora(cfg, world)  # refused before the model is loaded
+    if cfg.parallel != ParallelConfig():
         check_parallel(cfg.parallel, world=world, config=model_config(cfg.model), backend=cfg.backend.name,
                        attn=cfg.backend.options.attn)
     torch.manual_seed(cfg.seed)
@@ -75,7 +77,8 @@ def _build_backend(cfg: LearnerConfig, objective: Objective, rank: int, world: i
         options = msgspec.structs.replace(options, value_head=True)
     # ep: the backend splits MoE experts over a (dp, ep) mesh (checked above by check_parallel)
     backend = registry.create("train_backend", cfg.backend.name, cfg.model, options, cfg.device,
-                              **ep_backend_options(cfg.parallel, cfg.backend.name, world))
+                              **ep_backend_options(cfg.parallel, cfg.backend.name, world),
+                              **({"lora": cfg.lora} if cfg.lora is not None else {}))
     sp = setup_sequence_parallel(cfg.parallel, backend)  # collective; None when sp = 1
     if sp is not None:
         m = sp.mesh

@@ -302,6 +302,9 @@ class WeightsAvailable(_Msg):
     base_version: int = -1  # for delta updates: version the delta applies to; -1 = full weights
     location: str = ""  # transport-specific address: endpoint, shm name, folder, group name
     lora_only: bool = False  # True when only LoRA adapter tensors are included
+    # lora_only: the adapters' scale (alpha / rank); a receiver's layer weight is W + lora_scale * B @ A.
+    # 0 = not given (a sender of an older release): the receiver must be told the scale otherwise
+    lora_scale: float = 0.0
 
 
 class WeightsRequest(_Msg):

@@ -121,7 +121,9 @@ def export_hf(path: str | Path, backend: Any, source_model: str | Path) -> Path 
     collective); rank 0 writes."""
     rank0 = _rank() == 0
     state = {}
-    for name, t in backend.named_weights():  # every rank iterates to the end (the gathers are collective)
+    # the full policy: `export_weights` where the backend has it (LoRA: adapters merged), else what it sends
+    weights = getattr(backend, "export_weights", backend.named_weights)
+    for name, t in weights():  # every rank iterates to the end (the gathers are collective)
         if rank0:
             state[name] = t.cpu()
     if not rank0:

@@ -94,6 +94,29 @@ class WeightsConfig(ConfigStruct):
     reannounce_s: float = 2.0  # re-announce the latest version this often, for generators that (re)joined late
 
 
+class LoraOptions(ConfigStruct):
+    """`learner.lora`: train low-rank adapters (PEFT's LoRA) instead of the full weights. Only the adapters
+    get gradients and optimizer state, checkpoints hold them, and generators are sent them alone (the
+    announcement carries `alpha / rank`, the scale of W + scale * B @ A)."""
+
+    rank: int = 8  # r: the adapters' inner dimension
+    alpha: float = 16.0  # scale = alpha / rank
+    # module names (the last part of the path) that get adapters: Linear layers only
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    dropout: float = 0.0  # on the adapters' input while training (the learner's logprobs become noisy above 0)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or not self.alpha > 0 or not self.target_modules or not 0 <= self.dropout < 1:
+            raise ValueError(f"learner.lora needs rank >= 1, alpha > 0, at least one of target_modules and "
+                             f"0 <= dropout < 1; got rank={self.rank}, alpha={self.alpha}, "
+                             f"target_modules={self.target_modules}, dropout={self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class LearnerConfig(ConfigStruct):
     model: str = ""  # local Hugging Face folder to start from
     reference_model: str = ""  # KL penalty's frozen reference, or distillation's teacher (same tokenizer); "" = the starting model
@@ -114,6 +137,9 @@ class LearnerConfig(ConfigStruct):
     # sequence parallelism { sp = P, sp_mode = "ulysses" | "ring" | "hybrid" }: the ranks form dp x sp, each
     # packed row split over the P ranks of an SP group (tidal-seqpar); ep: expert parallelism
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    # LoRA { rank, alpha, target_modules, dropout }: adapters train, the base weights stay frozen; unset =
+    # full fine-tuning. The single backend, one rank (fsdp2, deepspeed, sp and ep refuse it for now)
+    lora: LoraOptions | None = None
     checkpoint_dir: str = ""  # resume from <dir>/latest when present; "" = no checkpoints
     # steps between checkpoints (with checkpoint_dir); trained batches are acknowledged to the buffer at
     # each one, so a learner killed in between is served them again on resume; 0 = only at the end

@@ -116,7 +116,8 @@ class Learner:
         self.recorder = BatchRecorder(cfg.record_batches, self.dp_rank) \
             if cfg.record_batches and (sp is None or sp.leader) else None
         self.publisher = Publisher(cfg.publish, cfg.weights, wait_for_subscriber_s=cfg.wait_for_subscriber_s,
-                                   security=cfg.security) if self.rank == 0 else None
+                                   security=cfg.security, lora_scale=cfg.lora.scale if cfg.lora else 0.0) \
+            if self.rank == 0 else None
         self.last_step_end = 0.0  # time.time() when the previous step ended (the learner free again)
         trainer.before_update = self.wait_published  # the weights in flight are packed first
         self.stopped = False

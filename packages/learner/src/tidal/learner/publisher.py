@@ -31,7 +31,9 @@ log = logging.getLogger("tidal.learner")
 
 class Publisher:
     def __init__(self, endpoint: str, weights: WeightsConfig, *, wait_for_subscriber_s: float = 0.0,
-                 security: ChannelSecurity | None = None) -> None:
+                 security: ChannelSecurity | None = None, lora_scale: float = 0.0) -> None:
+        """`lora_scale` > 0: the backend's weights are LoRA adapters (`learner.lora`), sent alone and
+        announced with that scale (alpha / rank)."""
         self.cfg = weights
         # with a run's keys: only its workers, weight relays and driver subscribe (refusals: auth/refused in our metrics),
         # and they trust only this key, so no one else can announce weights
@@ -43,7 +45,10 @@ class Publisher:
         if wait_for_subscriber_s > 0 and not self.pub.wait_for_subscriber(TOPIC_METRICS, wait_for_subscriber_s):
             log.warning("no metrics subscriber on %s within %.0f s; publishing anyway", endpoint, wait_for_subscriber_s)
         self._lock = threading.Lock()  # the PUB socket is shared with the re-announcer thread
-        self.sender = registry.create("weight_transport", weights.transport.name).sender(dict(weights.transport.options)) \
+        options = dict(weights.transport.options)
+        if lora_scale > 0:
+            options.update(lora_only=True, lora_scale=lora_scale)
+        self.sender = registry.create("weight_transport", weights.transport.name).sender(options) \
             if weights.every > 0 else None
         self._announced: WeightsAvailable | None = None  # the latest, re-published every reannounce_s
         self._sending: Future | None = None

@@ -59,6 +59,7 @@ class WeightSender:
         delta: bool = False,
         anchor_every: int = 10,
         lora_only: bool = False,
+        lora_scale: float = 0.0,
         include: Callable[[str], bool] | None = None,
         **transport_options: Any,
     ) -> None:
@@ -76,6 +77,9 @@ class WeightSender:
         self.delta = delta
         self.anchor_every = max(1, anchor_every)
         self.lora_only = lora_only
+        if lora_scale and not lora_only:
+            raise ValueError("lora_scale is the scale of LoRA adapters: it needs lora_only=True")
+        self.lora_scale = float(lora_scale)  # announced: receivers merge W + lora_scale * B @ A
         self.include = include or (is_lora if lora_only else None)
         self.version = -1
         self.last_stats: dict[str, float] = {}
@@ -107,6 +111,7 @@ class WeightSender:
             base_version=self.version if self.delta and not anchor else -1,
             location=location,
             lora_only=self.lora_only,
+            lora_scale=self.lora_scale,
         )
         self.transport.write_manifest(ann)
         self.version = version

@@ -55,6 +55,7 @@ from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTens
 from tidal.core.protocol import WeightsAvailable
 from tidal.rollout.engines.attention import ATTN_IMPL, _ctx, _KVCache, _register_attention
 from tidal.rollout.engines.common import generate
+from tidal.rollout.engines.lora import AdapterError, AdapterMerger
 from tidal.rollout.engines.packing import _Seq, pack_step
 from tidal.rollout.engines.sampling import kept_mask_bits, process_logits, sample
 from tidal.rollout.engines.stops import stop_string_ended, stop_window
@@ -111,6 +112,7 @@ class EmbeddedEngine:
         _register_attention()
         self.device = torch.device(device)
         self.model = self._load(model, dtype)
+        self._adapters = AdapterMerger(dict(self.model.named_parameters()))  # LoRA payloads (learner.lora)
         # stop strings need decoding: the model folder's tokenizer, loaded by the first request that has
         # some, so that requests without any pay nothing
         self._tokenizer = tokenizer
@@ -252,9 +254,17 @@ class EmbeddedEngine:
         """Submit `requests` and yield their results as each finishes (not in submission order)."""
         return generate(self, requests, timeout)
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
+    def update_weights(self, weights: NamedTensors, version: int, lora_scale: float | None = None) -> None:
         """Load `weights` between two decode steps and tag later tokens with `version`. Blocks until done;
-        raises (and keeps the old weights) on a name or shape that does not match the model."""
+        raises (and keeps the old weights) on a name or shape that does not match the model. `lora_scale`:
+        `weights` are LoRA adapters (engines/lora.py), merged into the base weights with that scale."""
+        if lora_scale is not None:
+            try:
+                weights = self._adapters.merged(weights, lora_scale)  # here: the engine does not pause for it
+            except AdapterError as e:
+                raise EngineError(f"weight update to version {version}: {e}; nothing was loaded") from None
+        elif self._adapters.base:
+            self._adapters.forget()  # full weights: adapters that come later merge into these
         upd = _Update(list(weights), version)
         with self._lock:
             self._check_alive()
@@ -268,7 +278,9 @@ class EmbeddedEngine:
         """Fetch the announced version through its transport (by name, from the plugin registry), verify
         it, and load it between two steps. Returns the version now held; on a failed transfer the old
         weights stay and the error propagates (the sender has been told by the receiver)."""
-        return self._receivers.receive(announcement, lambda named: self.update_weights(named, announcement.version))
+        scale = announcement.lora_scale if announcement.lora_only else None
+        return self._receivers.receive(announcement,
+                                       lambda named: self.update_weights(named, announcement.version, scale))
 
     def cancel_receive(self) -> None:
         """Give up a `receive_weights` in progress (from another thread): it raises the transport's
