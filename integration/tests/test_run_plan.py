@@ -151,3 +151,20 @@ def test_an_objective_pairing_is_refused_before_any_role_starts_and_none_unsets_
     assert e.value.field == "learner.train.advantage.name"
     cfg = load_recipe(None, [*oapl, 'learner.train.correction={ name = "tis" }', "learner.train.correction=none"])
     assert cfg.learner.train.correction is None
+
+
+def test_lora_reaches_the_learner_and_the_vllm_engine_and_is_refused_where_it_cannot_train(tmp_path):
+    lora = ["learner.lora.rank=4", "learner.lora.alpha=8"]
+    cfg = load_recipe(None, [f'model="{tmp_path}"', *lora, 'rollout.engine.name="vllm"'])
+    by = {r.name: json.loads(r.config.read_text()) for r in plan(cfg, tmp_path / "run")[0]}
+    assert by["learner"]["lora"]["rank"] == 4 and by["learner"]["lora"]["alpha"] == 8
+    assert by["rollout-0"]["engine"]["options"]["lora_rank"] == 4  # vLLM starts with its LoRA support
+    with pytest.raises(ConfigError, match="lora_rank = 2 is below learner.lora.rank = 4"):
+        plan(load_recipe(None, [f'model="{tmp_path}"', *lora, 'rollout.engine.name="vllm"',
+                                "rollout.engine.options.lora_rank=2"]), tmp_path / "run2")
+    with pytest.raises(ConfigError, match="'fsdp2' backend") as e:
+        plan(load_recipe(None, [f'model="{tmp_path}"', *lora, 'learner.backend.name="fsdp2"']), tmp_path / "run3", 2)
+    assert e.value.field == "learner.lora" and "2 learner ranks" in str(e.value)
+    embedded = {r.name: json.loads(r.config.read_text())
+                for r in plan(load_recipe(None, [f'model="{tmp_path}"', *lora]), tmp_path / "run4")[0]}
+    assert "lora_rank" not in embedded["rollout-0"]["engine"]["options"]  # it merges whatever it is sent

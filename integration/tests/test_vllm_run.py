@@ -38,7 +38,10 @@ def _require_vllm() -> None:
         pytest.skip(f"vLLM is not installed in this environment ({why}); tools/vllm_env.sh runs this tier")
 
 
-def test_tidal_run_with_the_vllm_engine_finishes_with_evaluations(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tidal_run_with_the_vllm_engine_finishes_with_evaluations(tmp_path, lora):
+    """`lora`: learner.lora trains adapters, sent alone; vLLM (started with its LoRA support by the run)
+    serves each version as an adapter of its own."""
     _require_vllm()
     from tidal.rollout.tiny import build_tiny_model
 
@@ -55,7 +58,8 @@ def test_tidal_run_with_the_vllm_engine_finishes_with_evaluations(tmp_path):
             "rollout.engine.options.kv_cache_bytes=268435456",
             "rollout.engine.options.max_num_seqs=32",
             "rollout.engine.options.engine_kwargs.enforce_eager=true",
-            "launch.start_timeout_s=600"]
+            "launch.start_timeout_s=600",
+            *(["learner.lora.rank=4", "learner.lora.alpha=8"] if lora else [])]
     log = run_dir.with_suffix(".log")
     proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -82,6 +86,11 @@ def test_tidal_run_with_the_vllm_engine_finishes_with_evaluations(tmp_path):
     # applied is skipped (CI once saw 1, 3, 4): ask for increasing versions that reach the gate's floor
     applied = [int(v) for v in re.findall(r"weights version (\d+) applied", worker_log)]
     assert applied == sorted(set(applied)) and applied and applied[-1] >= VERSIONS - 2, applied
+    if lora:  # the adapters alone were sent (and checkpointed): a few percent of the model's bytes
+        sent = [json.loads(line)["scalars"].get("weights/bytes") for line in (run_dir / "metrics.jsonl").open()
+                if '"weights/bytes"' in line]
+        dense = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        assert sent and max(sent) < 0.1 * dense, (sent, dense)
 
 
 def _role_logs(run_dir: Path, chars: int = 2000) -> str:

@@ -167,9 +167,21 @@ def _workers(cfg: RunConfig, run_dir: Path, ep: dict[str, str], sec: dict[str, C
             # what the model wrote: RUN_DIR/samples/rollout-<i>.jsonl (`tidal samples RUN_DIR`)
             transcripts=msgspec.structs.replace(cfg.rollout.transcripts,
                                                 dir=cfg.rollout.transcripts.dir or str(run_dir / "samples")),
-            engine=msgspec.structs.replace(cfg.rollout.engine, options={"seed": cfg.seed + 1000 * (i + 1),
-                                                                        **cfg.rollout.engine.options})))
+            engine=msgspec.structs.replace(cfg.rollout.engine, options=_engine_options(cfg, i))))
     return out
+
+
+def _engine_options(cfg: RunConfig, i: int) -> dict[str, Any]:
+    """Worker `i`'s engine options: its seed, and with `learner.lora` on vLLM the adapters' rank (vLLM
+    serves adapters only when it starts with LoRA support; the embedded engine merges them as they come)."""
+    options = {"seed": cfg.seed + 1000 * (i + 1), **cfg.rollout.engine.options}
+    lora = cfg.learner.lora
+    if lora is not None and cfg.rollout.engine.name == "vllm":
+        if options.setdefault("lora_rank", lora.rank) < lora.rank:
+            raise ConfigError(f"rollout.engine.options.lora_rank = {options['lora_rank']} is below learner.lora.rank "
+                              f"= {lora.rank}: vLLM could not load the adapters; leave it out (the run sets it)",
+                              field="rollout.engine.options.lora_rank")
+    return options
 
 
 def _relay_role(cfg: RunConfig, ep: dict[str, str], sec: ChannelSecurity, relay: dict[str, str], roles_dir: Path) -> Role:

@@ -24,6 +24,12 @@ A weight update pauses generation with ``pause_generation(mode="keep")``, has th
 tidal-weight-sync's receiver (found by transport name in the plugin registry, so this package never
 imports tidal-weight-sync) and load it with vLLM's `load_weights`, labels the version, and resumes.
 
+LoRA (`lora_rank` > 0, set by `tidal run` from `learner.lora`): vLLM starts with its LoRA support, and an
+adapter-only announcement (`WeightsAvailable.lora_only`) is fetched here, written as a PEFT adapter folder
+(engines/lora.py) and used, as a `LoRARequest` of its own, by every request submitted after it. A request
+keeps the adapter it was submitted with, so each of its tokens is labelled with the version it started
+under (``recompute`` and ``retry`` resubmit in-flight requests under the new adapter).
+
 Partial-rollout modes: ``continue`` keeps in-flight requests on their KV cache; ``recompute`` aborts
 them and resubmits prompt + tokens so far as a new prefix under the new weights, stitching the
 results; ``retry`` resubmits from the prompt; ``drop`` finishes them with reason ``"abort"``.
@@ -34,9 +40,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,10 +57,13 @@ from tidal.core.interfaces import GenerationRequest, GenerationResult, NamedTens
 from tidal.core.protocol import WeightsAvailable
 from tidal.rollout.engines.common import generate
 from tidal.rollout.engines.embedded import PARTIAL_MODES, EngineError, PartialMode
+from tidal.rollout.engines.lora import AdapterError, write_adapter
+from tidal.rollout.engines.weights import ReceiverPool
 
 log = logging.getLogger("tidal.rollout.vllm")
 
 EXTENSION = "tidal.rollout.engines.vllm_worker.TidalWorkerExtension"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank accepts
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -80,7 +91,7 @@ def _eos_ids(path: Path) -> set[int]:
 
 def _engine_args(path: Path, *, dtype: str, max_model_len: int | None, max_num_seqs: int, seed: int,
                  return_sampling_mask: bool, return_routing: bool, kv_cache_bytes: int | None,
-                 engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+                 engine_kwargs: dict[str, Any] | None, lora_rank: int = 0) -> dict[str, Any]:
     """vLLM's `AsyncEngineArgs`, configured the way RL needs (see the module docstring); `engine_kwargs`
     override any of them."""
     args = dict(
@@ -96,6 +107,11 @@ def _engine_args(path: Path, *, dtype: str, max_model_len: int | None, max_num_s
         kv_cache_bytes = 1 << 30
     if kv_cache_bytes is not None:
         args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    if lora_rank > 0:  # two adapters at once: the new version's, and the one in-flight requests keep
+        fits = [r for r in LORA_RANKS if r >= lora_rank]
+        if not fits:
+            raise EngineError(f"lora_rank {lora_rank} is above what vLLM serves ({LORA_RANKS[-1]})")
+        args.update(enable_lora=True, max_lora_rank=fits[0], max_loras=2)
     args.update(engine_kwargs or {})
     return args
 
@@ -111,6 +127,7 @@ class _Pending:
     masks: list[list[int]] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
     attempt: int = 0
+    adapter_version: int | None = None  # with LoRA: the version whose adapter this attempt runs (all its tokens')
     resubmit: bool = False  # aborted by a weight update, to be resubmitted (recompute / retry)
     task: asyncio.Task | None = None
 
@@ -135,6 +152,7 @@ class VLLMEngine:
         kv_cache_bytes: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         start_timeout: float = 600.0,
+        lora_rank: int = 0,
     ) -> None:
         if partial_mode not in PARTIAL_MODES:
             raise EngineError(f"partial_mode {partial_mode!r} is not one of {', '.join(PARTIAL_MODES)}")
@@ -154,6 +172,10 @@ class VLLMEngine:
         self.return_routing = return_routing
         self._transport_options = weight_transport_options or {}
         self._version = version
+        self.lora_rank = lora_rank  # > 0: adapters arrive (learner.lora), each a LoRARequest
+        self._lora: Any = None  # the newest adapter's LoRARequest; None = the base weights
+        self._adapters = Path(tempfile.mkdtemp(prefix="tidal-lora-")) if lora_rank > 0 else None
+        self._receivers = ReceiverPool(self._transport_options)  # adapter payloads are fetched in this process
         self._pending: dict[str, _Pending] = {}
         self._results: list[GenerationResult] = []
         self._cond = threading.Condition()
@@ -165,7 +187,7 @@ class VLLMEngine:
         self._thread.start()
         args = _engine_args(path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             seed=seed, return_sampling_mask=return_sampling_mask, return_routing=return_routing,
-                            kv_cache_bytes=kv_cache_bytes, engine_kwargs=engine_kwargs)
+                            kv_cache_bytes=kv_cache_bytes, engine_kwargs=engine_kwargs, lora_rank=lora_rank)
         self.stop_strings = not args["skip_tokenizer_init"]  # whether requests may carry stop strings
         self.setup_info = self._call(self._start(args), timeout=start_timeout)
 
@@ -233,10 +255,11 @@ class VLLMEngine:
         # older than these; in "continue" mode later tokens attend to it across updates. A lower bound: an
         # update between submission and prefill (or a preemption that recomputes) makes the KV newer
         kv_floor = self._version
+        pend.adapter_version = self._version if self.lora_rank > 0 else None
         final = None
         try:
             async for out in self.llm.generate({"prompt_token_ids": pend.prompt}, self._sampling(pend),
-                                               request_id=f"{rid}#{attempt}"):
+                                               request_id=f"{rid}#{attempt}", lora_request=self._lora):
                 final = out
         except asyncio.CancelledError:
             return
@@ -265,6 +288,8 @@ class VLLMEngine:
         for span in spans:
             for i in range(span.start, min(span.end, len(ids))):
                 versions[i] = int(span.version)
+        if pend.adapter_version is not None:  # LoRA: the adapter it was submitted with, to the end
+            versions = [pend.adapter_version] * len(ids)
         pend.versions.extend(versions)
         pend.kv_versions.extend(min(kv_floor, v) for v in versions)
         mask = getattr(comp, "sampling_mask", None)
@@ -314,24 +339,62 @@ class VLLMEngine:
         """Submit `requests` and yield their results as each finishes (not in submission order)."""
         return generate(self, requests, timeout)
 
-    def update_weights(self, weights: NamedTensors, version: int) -> None:
+    def update_weights(self, weights: NamedTensors, version: int, lora_scale: float | None = None) -> None:
         """Load tensors held in this process (they are serialised to the worker; for large models prefer
-        `receive_weights`, which fetches inside the worker)."""
+        `receive_weights`, which fetches inside the worker). `lora_scale`: `weights` are LoRA adapters."""
+        if lora_scale is not None:
+            self._call(self._update(version, self._adapter(self._write_adapter(weights, version, lora_scale), version)))
+            return
         packed = []
         for name, t in weights:
             t = t.detach().cpu().contiguous()
             raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
             packed.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), raw))
-        self._call(self._update(version, "tidal_load_weights", (packed,)))
+        self._call(self._update(version, self._rpc(version, "tidal_load_weights", (packed,))))
 
     def receive_weights(self, announcement: WeightsAvailable) -> int:
-        if announcement.version <= self._version:
+        ann = announcement
+        if ann.version <= self._version:
             return self._version
-        payload = msgspec.msgpack.encode(announcement)
-        self._call(self._update(announcement.version, "tidal_receive_weights", (payload, self._transport_options)))
+        if ann.lora_only:  # fetched here (a few MB at most), handed to vLLM as an adapter folder
+            folder: list[Path] = []
+            self._receivers.receive(ann, lambda named: folder.append(
+                self._write_adapter(named, ann.version, ann.lora_scale)))
+            self._call(self._update(ann.version, self._adapter(folder[0], ann.version)))
+            return self._version
+        payload = msgspec.msgpack.encode(ann)
+        self._call(self._update(ann.version, self._rpc(ann.version, "tidal_receive_weights",
+                                                       (payload, self._transport_options))))
         return self._version
 
-    async def _update(self, version: int, method: str, args: tuple) -> None:
+    def _write_adapter(self, weights: NamedTensors, version: int, scale: float) -> Path:
+        if self._adapters is None:
+            raise EngineError(f"weight update to version {version} holds LoRA adapters, but this engine started "
+                              f"without LoRA: give it lora_rank (tidal run does, from learner.lora)")
+        try:
+            folder = write_adapter(self._adapters / f"v{version}", weights, scale)
+        except AdapterError as e:
+            raise EngineError(f"weight update to version {version}: {e}; nothing was loaded") from None
+        for old in sorted(self._adapters.iterdir(), key=lambda p: int(p.name[1:]))[:-3]:
+            shutil.rmtree(old, ignore_errors=True)  # in-flight requests may still load the previous one or two
+        return folder
+
+    def _adapter(self, folder: Path, version: int) -> Callable[[], Awaitable[None]]:
+        async def use() -> None:
+            from vllm.lora.request import LoRARequest  # optional (tidal-rollout[vllm]); present once it runs
+
+            self._lora = LoRARequest(f"tidal-v{version}", version + 1, str(folder))
+        return use
+
+    def _rpc(self, version: int, method: str, args: tuple) -> Callable[[], Awaitable[None]]:
+        async def call() -> None:
+            replies = await self.llm.collective_rpc(method, args=args)
+            failed = [r["error"] for r in replies if not r.get("ok")]
+            if failed:
+                raise EngineError(f"weight update to version {version} failed in the vLLM worker: {failed[0]}")
+        return call
+
+    async def _update(self, version: int, apply: Callable[[], Awaitable[None]]) -> None:
         assert self._update_lock is not None
         async with self._update_lock:
             t0 = time.perf_counter()
@@ -347,10 +410,7 @@ class VLLMEngine:
                     if pend.task is not None:
                         await asyncio.wait({pend.task}, timeout=30)
             try:
-                replies = await self.llm.collective_rpc(method, args=args)
-                failed = [r["error"] for r in replies if not r.get("ok")]
-                if failed:
-                    raise EngineError(f"weight update to version {version} failed in the vLLM worker: {failed[0]}")
+                await apply()
                 self._version = version
                 await self.llm.update_weight_version(str(version))
             finally:
@@ -403,6 +463,9 @@ class VLLMEngine:
             self.llm.shutdown()
             self.llm = None  # drop it now, while its modules are alive (its __del__ shuts down again)
         finally:
+            self._receivers.close()
+            if self._adapters is not None:
+                shutil.rmtree(self._adapters, ignore_errors=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
             with self._cond:
