@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tidal.core.errors import ConfigError
-from tidal.core.plugins import registry
 from tidal.core.interfaces import GenerationRequest
+from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.lora import check_lora
 from tidal.integration.learner.trainer import Trainer
@@ -30,9 +30,9 @@ from tidal.learner.config import (
 from tidal.rollout.engines.embedded import EmbeddedEngine, EngineError
 from tidal.rollout.engines.logprobs import teacher_forced_logprobs
 
-sys.path.insert(0, str(Path(__file__).parent))
-from learner_rank import batch  # noqa: E402  (the backend tests' synthetic batches)
-from test_learner_backends import max_diff, run  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: the backend tests' helpers are not importable
+from learner_rank import batch  # their synthetic batches
+from test_learner_backends import max_diff, run
 
 pytestmark = pytest.mark.timeout(300)
 LORA = LoraOptions(rank=4, alpha=8.0)
@@ -169,3 +169,22 @@ def test_what_cannot_train_adapters_yet_is_refused(change, match):
 def test_targets_that_are_missing_or_not_linear_are_refused(model, targets, match):
     with pytest.raises(ConfigError, match=match):
         backend(model, LoraOptions(rank=2, target_modules=targets))
+
+
+def test_a_lora_checkpoint_exports_as_the_merged_model(trained, model, tmp_path):
+    """`tidal export` of a LoRA run: the checkpoint's adapters merged into the starting model's weights, the
+    same model the learner's own export writes (PEFT's merge, layer by layer)."""
+    import msgspec
+    from safetensors.torch import load_file
+
+    from tidal.integration.export import export_run
+
+    be, _, _ = trained
+    run_dir = tmp_path / "run"
+    (run_dir / "roles").mkdir(parents=True)
+    cfg = LearnerConfig(model=str(model), lora=LORA, checkpoint_dir=str(run_dir / "checkpoints"))
+    (run_dir / "roles" / "learner.json").write_bytes(msgspec.json.encode(cfg))
+    save_checkpoint(run_dir / "checkpoints" / "latest", be, {"step": 3, "version": 3})
+    out = load_file(str(export_run(run_dir, "latest") / "model.safetensors"))
+    live = dict(be.export_weights())
+    assert set(live) <= set(out) and max((out[k] - live[k]).abs().max().item() for k in live) <= 1e-6

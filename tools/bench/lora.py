@@ -30,6 +30,7 @@ from typing import Any
 
 
 def run_once(kind: str, a: argparse.Namespace, out: Path, i: int) -> dict[str, Any]:
+    import msgspec
     import torch
 
     from tidal.integration.demo import demo_config
@@ -42,8 +43,9 @@ def run_once(kind: str, a: argparse.Namespace, out: Path, i: int) -> dict[str, A
     lora = [f"learner.lora.rank={a.rank}", f"learner.lora.alpha={a.alpha}",
             f"learner.lora.target_modules={json.dumps(a.targets.split(','))}",
             f"learner.backend.options.optim.lr={a.lr}"] if kind == "lora" else []
-    cfg, _ = demo_config(out, [f'model="{a.model}"', f'run_dir="{run_dir}"', f"seed={a.seed + i}",
-                               "monitor.progress=off", "monitor.tensorboard=false", *lora])
+    cfg, _ = demo_config(out, [f'run_dir="{run_dir}"', f"seed={a.seed + i}", "monitor.progress=off",
+                               "monitor.tensorboard=false", *lora])
+    cfg = msgspec.structs.replace(cfg, model=a.model)  # the demo's config names its own warm start folder
     check(cfg)
     t0 = time.time()
     result = run(cfg)

@@ -351,8 +351,8 @@ def _add_export_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                     "tokenizer and generation config of the model the run started from. A learner that stops "
                     "cleanly (its last version, or Ctrl-C / SIGTERM to `tidal run`) already writes RUN_DIR/model. "
                     "Checkpoints of the deepspeed backend and of expert parallelism are in their own format and "
-                    "cannot be exported here. LoRA: the learner trains full weights only, so there is no adapter "
-                    "to merge.",
+                    "cannot be exported here. LoRA (learner.lora): the checkpoint's adapters are merged into the "
+                    "starting model's weights, so the folder is a whole model.",
         epilog="Example: tidal export runs/arith-20261204-101500 --checkpoint best --out /models/arith-best")
     p.add_argument("run_dir", help="the run folder")
     p.add_argument("--checkpoint", default="latest",

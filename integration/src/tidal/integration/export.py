@@ -6,14 +6,15 @@
 The run folder says where its checkpoints are and which model the learner started from (its config,
 tokenizer and generation config are copied): `roles/learner.json`. A learner that stops cleanly writes
 `<run>/model` itself (`learner.export_dir`); this is for any other checkpoint, or a run that crashed.
-LoRA: the learner trains full weights only (no LoRA adapters to merge), so a checkpoint always holds
-the whole model.
+LoRA (`learner.lora`): a checkpoint holds the adapters alone; they are merged into the starting model's
+weights (W + alpha / rank * B @ A), so the folder is a whole model, as the learner's own export is.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -87,4 +88,26 @@ def export_run(run_dir: str | Path, which: str = "latest", out: str | Path | Non
     cfg = learner_config(run_dir)
     ckpt = find_checkpoint(run_dir, which)
     out = Path(out) if out else Path(run_dir) / f"model-{ckpt.name}"
-    return write_hf(out, checkpoint_weights(ckpt, cfg.model), cfg.model)
+    weights = checkpoint_weights(ckpt, cfg.model)
+    if cfg.lora is not None:
+        weights = merged_into_base(weights, cfg.model, cfg.lora.scale)
+    return write_hf(out, weights, cfg.model)
+
+
+def merged_into_base(adapters: dict[str, Any], model: str | Path, scale: float) -> dict[str, Any]:
+    """A LoRA checkpoint's adapters merged into the weights of `model` (the folder the run started from)."""
+    # heavy: torch and safetensors, as above
+    from safetensors.torch import load_file
+
+    from tidal.rollout.engines.lora import AdapterMerger
+
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"the run trained LoRA adapters on {model}, whose weights (*.safetensors) are "
+                                f"needed to merge them and are not there")
+    base = {k: v for f in files for k, v in load_file(str(f)).items()}
+    lora = [(n, t) for n, t in adapters.items() if "lora_" in n]
+    if not lora:
+        raise ValueError("the run's learner.lora is set but its checkpoint holds no adapter (lora_A / lora_B) tensors")
+    base.update(AdapterMerger(base).merged(lora, scale))
+    return base

@@ -26,6 +26,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tidal.integration.learner.lora import (
+    CHECKPOINT_OPTIONS,
+    LOAD_OPTIONS,
+    adapter_weights,
+    add_lora,
+    merged_weights,
+)
 from tidal.integration.learner.parallel import (
     ParallelConfig,
     check_ep_model,
@@ -35,13 +42,6 @@ from tidal.integration.learner.parallel import (
     ep_mesh,
     ep_named_weights,
     ep_save,
-)
-from tidal.integration.learner.lora import (
-    CHECKPOINT_OPTIONS,
-    LOAD_OPTIONS,
-    add_lora,
-    adapter_weights,
-    merged_weights,
 )
 from tidal.learner.config import BackendConfig, LoraOptions, OptimConfig
 from tidal.moe_fsdp.fsdp import shard_moe_model

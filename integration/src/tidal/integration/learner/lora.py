@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -64,7 +65,8 @@ def add_lora(module: torch.nn.Module, opts: LoraOptions) -> torch.nn.Module:
         raise ConfigError(f"learner.lora.target_modules {not_linear} are not Linear layers: the generators "
                           f"merge adapters into Linear weights only; choose among {sorted(_linear_names(module))}",
                           field="learner.lora.target_modules")
-    config = LoraConfig(r=opts.rank, lora_alpha=opts.alpha, lora_dropout=opts.dropout,
+    # lora_alpha is annotated int in PEFT, which computes the scale as lora_alpha / r in float: 2.5 stays 2.5
+    config = LoraConfig(r=opts.rank, lora_alpha=opts.alpha, lora_dropout=opts.dropout,  # type: ignore[arg-type]
                         target_modules=list(opts.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(module, config)
     head = getattr(module, "value_head", None)
@@ -91,10 +93,10 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """The full policy with the adapters merged (W + scale * B @ A), under the base model's names; the
     training model is left as it is (merged copies are made one layer at a time)."""
     # heavy: peft, as above
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
 
     base = model.get_base_model()  # type: ignore[operator]
-    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLinear)}  # only Linear targets
     for name, t in base.state_dict().items():
         if "lora_" in name or name.startswith("value_head."):
             continue
