@@ -188,3 +188,53 @@ def test_a_lora_checkpoint_exports_as_the_merged_model(trained, model, tmp_path)
     out = load_file(str(export_run(run_dir, "latest") / "model.safetensors"))
     live = dict(be.export_weights())
     assert set(live) <= set(out) and max((out[k] - live[k]).abs().max().item() for k in live) <= 1e-6
+
+
+@pytest.mark.slow  # a whole tidal run, ~40 s
+def test_a_lora_run_sends_only_adapters_and_writes_the_merged_model(model, tmp_path, tidal_cli):
+    """`tidal run` with learner.lora and the embedded engine: the worker applies every version it is sent
+    (adapters alone, a few percent of the model's bytes), the checkpoint holds the adapters, and the run's
+    model folder is the merged policy, which differs from the starting model only in the adapted layers."""
+    import json
+    import os
+    import re
+
+    from safetensors.torch import load_file
+
+    from tidal.rollout.tiny import build_tiny_model
+
+    # the random tiny model earns no reward on the drill, so GRPO would give no gradient: distillation to
+    # another random model of the same vocabulary does, at every token
+    teacher = build_tiny_model(tmp_path / "teacher", seed=9)
+    run_dir = tmp_path / "run"
+    rc, out = tidal_cli.run((model, dict(os.environ)), run_dir, "workers=1", "budget.versions=6", "eval.every=0",
+                            "learner.lora.rank=4", "learner.lora.alpha=8", "learner.backend.options.optim.lr=1e-2",
+                            'learner.lora.target_modules=["q_proj","v_proj"]', "learner.checkpoint_every=3",
+                            'learner.train.loss={name="distillation"}', f'learner.reference_model="{teacher}"')
+    assert rc == 0, out[-4000:] + tidal_cli.logs(run_dir)
+    assert json.loads((run_dir / "final.json").read_text())["versions"] == 6
+    worker = (run_dir / "logs" / "rollout-0.log").read_text()
+    applied = [int(v) for v in re.findall(r"weights version (\d+) applied", worker)]
+    assert applied and applied[-1] >= 4 and "rejected" not in worker, worker[-3000:]
+    sent = [json.loads(line)["scalars"]["weights/bytes"] for line in (run_dir / "metrics.jsonl").open()
+            if '"weights/bytes"' in line]
+    dense = (model / "model.safetensors").stat().st_size
+    assert sent and max(sent) < 0.03 * dense, (sent, dense)
+    held = torch.load(run_dir / "checkpoints" / "latest" / "state.pt", weights_only=True)["model"]
+    assert held and all("lora_" in n for n in held)
+    base, trained = load_file(str(model / "model.safetensors")), load_file(str(run_dir / "model" / "model.safetensors"))
+    changed = {k for k in base if not torch.equal(base[k], trained[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+
+
+def test_adapters_get_gradients_under_gradient_checkpointing(model):
+    """With grad_checkpointing the frozen embeddings would cut every checkpointed segment off the graph (no
+    adapter gradient at all); the backend makes their output require a gradient."""
+    be = registry.create("train_backend", "single", str(model), BackendConfig(grad_checkpointing=True), lora=LORA)
+    trainer = Trainer(be, TrainConfig(micro_batch_tokens=64))
+    grads: dict[str, float] = {}
+    trainer.before_update = lambda: grads.update(
+        (n, float(p.grad.abs().sum())) for n, p in be.model.named_parameters() if p.grad is not None)
+    trainer.step(batch(0, be._module().config.vocab_size))
+    b = [n for n in grads if ".lora_B." in n]
+    assert len(b) == 14 and all(grads[n] > 0 for n in b), grads

@@ -130,6 +130,8 @@ class _Backend:
             enable()
         if lora is not None:
             module = add_lora(module, lora)
+            if cfg.grad_checkpointing:  # the frozen embeddings' output must carry a gradient into each segment
+                module.enable_input_require_grads()
         module.train()
         self.model = self._wrap(module)
         self._build_optimizer()
