@@ -36,6 +36,9 @@ class Observation(msgspec.Struct, kw_only=True):
 
     messages: list[ChatMessage] = []
     token_ids: list[int] | None = None
+    # `messages` is the whole conversation anew, not what follows the last action (an agent that rewrote its
+    # history): the worker closes the sample there and starts a new one from a fresh render (a split)
+    restart: bool = False
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -69,6 +72,9 @@ class Episode(Protocol):
         when it cannot verify: the worker counts it as an error, never as a zero reward; so is any other
         value (None, NaN, a string such as "1.0")."""
         ...
+
+    # optional: `close()`, called once when the environment process forgets the episode (finished, failed,
+    # closed by the worker, or the process stopping): for an episode that holds a process or a socket
 
 
 @runtime_checkable

@@ -392,6 +392,7 @@ class EpisodeReply(_Msg):
     # "env_restarted" (another episode's request got stuck and the pool killed the process: this one is not
     # at fault, and may be retried), "env_died" (the process died by itself while serving it)
     error_kind: str = ""
+    restart: bool = False  # `messages` is the whole conversation anew (an agent rewrote it): the sample splits
 
 
 Message = (

@@ -66,6 +66,15 @@ def multiply(**options: Any) -> Any:
     return Multiply(**options)
 
 
+@declare(signature="tidal.rollout.agent.env:AgentEnv")
+def agent(**options: Any) -> Any:
+    """An agent program written for the OpenAI API, each episode one run of it against the policy's endpoint."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
+    from tidal.rollout.agent.env import AgentEnv
+
+    return AgentEnv(**options)
+
+
 @declare(signature="tidal.rollout.tools.calculator:Calculator")
 def calculator(**options: Any) -> Any:
     """Arithmetic expressions through an AST walker (never eval), bounded."""
@@ -150,7 +159,8 @@ def tidal_engines() -> dict[str, Any]:
 
 @hookimpl
 def tidal_envs() -> dict[str, Any]:
-    return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse, "multiply": multiply}
+    return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse, "multiply": multiply,
+            "agent": agent}
 
 
 @hookimpl

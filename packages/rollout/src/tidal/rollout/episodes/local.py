@@ -49,4 +49,4 @@ class LocalEpisodes:
         return out
 
     def close(self) -> None:
-        self.host.episodes.clear()
+        self.host.forget_all()  # closing each (an agent episode's process)

@@ -6,7 +6,8 @@ each turn the tokens the engine sampled (trained: loss mask 1, the sampler's log
 the tokens the renderer appended for the environment's answer (not trained: loss mask 0, logprob 0,
 version `NO_VERSION`). The next turn is generated from exactly that sequence; nothing is re-tokenised.
 
-When a renderer cannot extend what was sampled (its template renders the history differently), the
+When a renderer cannot extend what was sampled (its template renders the history differently), or the
+environment sends the whole conversation anew (`EpisodeReply.restart`: an agent that rewrote its history), the
 sample closes there and a new segment of the same episode starts from a fresh render (counted as a
 split): segment k > 0 has the id ``segment_id(<sample id>, k)`` and the episode's reward, like segment 0.
 
@@ -283,9 +284,13 @@ class MultiTurn:
         when the answer and one more token of action would not fit the sample's budget (the answer is
         then not appended: no action follows it, so nothing would train on it)."""
         seg = run.segments[-1]
-        run.conversation.extend(r.messages)
+        if r.restart:  # the whole conversation anew (an agent rewrote its history): split here
+            run.conversation = list(r.messages)
+        else:
+            run.conversation.extend(r.messages)
         try:
-            ext = list(r.token_ids) if r.token_ids is not None else run.renderer.extend(run.last_action, r.messages)
+            ext = None if r.restart else (list(r.token_ids) if r.token_ids is not None
+                                          else run.renderer.extend(run.last_action, r.messages))
             if ext is None:
                 fresh = self.make_renderer()
                 prompt = fresh.start(run.conversation, run.tools)

@@ -164,19 +164,38 @@ class EpisodeHost:
         if isinstance(msg, EpisodeStep):
             return self._answer(msg.episode_id, msg.seq, self._step, msg)
         if isinstance(msg, EpisodeClose):
-            self.episodes.pop(msg.episode_id, None)
+            self.forget(msg.episode_id)
         return None
+
+    def forget(self, episode_id: str) -> None:
+        """Drop an episode, closing it when it has `close()` (an agent's process, a socket)."""
+        op = self.episodes.pop(episode_id, None)
+        if op is not None:
+            self._close(op.episode, episode_id)
+
+    def _close(self, episode: Any, episode_id: str) -> None:
+        close = getattr(episode, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as e:  # a failing close costs nothing else: the episode is gone either way
+            log.warning("%s: closing episode %s failed: %s", self.name, episode_id, _describe(e))
+
+    def forget_all(self) -> None:
+        for episode_id in list(self.episodes):
+            self.forget(episode_id)
 
     def _answer(self, episode_id: str, seq: int, handler: Callable[[Any], EpisodeReply], msg: Any) -> EpisodeReply:
         try:
             return handler(msg)
         except _Failed as f:
-            self.episodes.pop(episode_id, None)
+            self.forget(episode_id)
             return self.error(episode_id, seq, f.kind, str(f), f.__cause__, f.reward, logged=f.logged)
 
     def error(self, episode_id: str, seq: int, kind: str, text: str, cause: BaseException | None,
               reward: float = 0.0, logged: bool = False) -> EpisodeReply:
-        self.episodes.pop(episode_id, None)
+        self.forget(episode_id)
         key = (kind, type(cause).__name__)
         if key not in self._logged and not logged:  # the traceback once per kind; later ones are counted by the pool
             self._logged.add(key)
@@ -189,11 +208,14 @@ class EpisodeHost:
             raise _Failed("bad_request", f"episode {msg.episode_id!r} is already open on {self.name}")
         env = self.env(msg.domain)
         task = Task(prompt=msg.prompt, answer=msg.answer, domain=msg.domain, metadata=dict(msg.metadata))
+        episode = None
         try:
             episode = env.episode(task)
             obs = episode.reset()
             tools, stop = list(episode.tools), [str(x) for x in episode.stop]
         except Exception as e:
+            if episode is not None:  # it may have started something before it failed
+                self._close(episode, msg.episode_id)
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
         self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain)
         messages, dropped = cap_messages(obs.messages, self.max_observation_chars)
@@ -222,7 +244,8 @@ class EpisodeHost:
             messages, dropped = cap_messages(obs.messages if obs else [], self.max_observation_chars)
             info.update(observation_info(dropped))
             return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info,
-                                messages=messages, token_ids=obs.token_ids if obs else None)
+                                messages=messages, token_ids=obs.token_ids if obs else None,
+                                restart=bool(obs.restart) if obs else False)
         env = self.envs[op.domain]  # a single-turn env's reward is its score(): name that in an error
         scorer = env.env.score if isinstance(env, SingleTurnEpisodes) else op.episode.outcome
         try:
@@ -233,7 +256,7 @@ class EpisodeHost:
         except Exception as e:
             raise _Failed("verifier_error", f"outcome() failed: {_describe(e)}", reward) from e
         outcome = self._reward(value, "outcome()", scorer, op, msg.episode_id, reward)
-        del self.episodes[msg.episode_id]
+        self.forget(msg.episode_id)
         return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,
                             outcome=outcome)
 
@@ -283,6 +306,7 @@ class EnvProcess:
                     continue
                 self.serve(msg)
         finally:
+            self.host.forget_all()
             self.ch.close(linger=0)
         return 0
 

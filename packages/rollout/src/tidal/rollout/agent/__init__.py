@@ -1,0 +1,1 @@
+"""Agents written for the OpenAI API, trained as Tidal episodes (the `agent` environment)."""
