@@ -104,7 +104,9 @@ class SlotProcesses:
         slot.error_path.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "tidal.rollout.episodes.process", "--config", str(self._config_path),
                 "--name", slot.name, "--identity", slot.identity.decode()]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", ERROR_FILE_ENV: str(slot.error_path), **self.environ}
+        # TIDAL_LOG_DIR: where what an episode starts logs (the `agent` environment's agent processes)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", ERROR_FILE_ENV: str(slot.error_path),
+               "TIDAL_LOG_DIR": str(slot.log_path.parent), **self.environ}
         with open(slot.log_path, "ab") as out:  # its own session: a kill reaches what it started too
             slot.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env)
