@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "openai-agent"
 sys.path.insert(0, str(Path(__file__).parent))
 from fresh_tidal import env_logs, tidal_run
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "openai-agent"
 
 
 @pytest.mark.slow
