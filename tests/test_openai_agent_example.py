@@ -43,12 +43,14 @@ def test_tidal_run_trains_the_openai_client_agent_running_from_its_own_venv(tmp_
     rc, log, _ = tidal_run(sys.executable, tmp_path, run_dir, f'model="{model}"', 'monitor.progress="log"',
                            "monitor.tensorboard=false", "workers=1", domains, "budget.versions=3", "eval.every=3",
                            "eval.size=8", "sampling.max_tokens=8", "rollout.episodes.processes=2",
+                           # each episode starts the agent (python + import openai, ~1 s of CPU): 8 a version
+                           "group_size=4", "batch_groups=2",
                            recipe=ROOT / "integration" / "recipes" / "agent.toml")
     assert rc == 0, log[-4000:] + env_logs(run_dir)
     final = json.loads((run_dir / "final.json").read_text())
     assert final["status"] == "completed" and final["versions"] == 3 and final["errors"] == {}, final
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     worker = [r["scalars"] for r in rows if r["source"] == "rollout-0" and "rollout/episodes/episodes" in r["scalars"]]
-    assert worker and worker[-1]["rollout/episodes/episodes"] >= 64 and worker[-1]["rollout/episodes/failed"] == 0
+    assert worker and worker[-1]["rollout/episodes/episodes"] >= 24 and worker[-1]["rollout/episodes/failed"] == 0
     agents = sorted((run_dir / "logs").glob("agent-*.log"))  # one per episode: what each agent printed
-    assert len(agents) >= 64 and all(a.read_text().strip() for a in agents[:8]), [a.read_text() for a in agents[:3]]
+    assert len(agents) >= 24 + 16, len(agents)  # the trained episodes, and two held-out rounds of 8
