@@ -9,6 +9,7 @@ from OPENAI_BASE_URL and OPENAI_API_KEY, as for any OpenAI-compatible server).
   until an answer has no tool call.
 - ``rewrite``: after the first answer, calls again with its own history rewritten (the answer dropped).
 - ``reward``: one call, then posts reward 0.25 to ``/v1/tidal/reward`` and exits.
+- ``text``: three calls to /v1/completions, each prompt the previous one, its answer and " next:".
 - ``crash``: exits with code 3 before any call.
 - ``silent``: sleeps without calling.
 """
@@ -30,13 +31,22 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
 
 def main() -> None:
     mode, prompt = sys.argv[1], sys.argv[2]
+    print(f"probe: {mode}", flush=True)
     if mode == "crash":
-        print("probe: crashing on purpose", flush=True)
+        print("crashing on purpose", flush=True)
         sys.exit(3)
     if mode == "silent":
         time.sleep(60)
         return
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+    if mode == "text":
+        text = prompt
+        for turn in range(3):
+            r = client.completions.create(model="policy", prompt=text, max_tokens=5)
+            print(json.dumps({"turn": turn, "content": r.choices[0].text, "finish_reason": r.choices[0].finish_reason,
+                              "tool_calls": []}), flush=True)
+            text += r.choices[0].text + " next:"
+        return
     messages: list = [{"role": "user", "content": prompt}]
     extra = {"tools": TOOLS} if mode == "tools" else {}
     for turn in range(6):

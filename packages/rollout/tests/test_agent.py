@@ -81,9 +81,25 @@ def test_a_rewritten_history_restarts_the_conversation_and_a_posted_reward_is_th
         r.endpoint.close()
 
 
+def test_a_text_completion_agent_adds_only_its_new_text(tmp_path):
+    e = AgentEnv(command=[sys.executable, PROBE, "text", "{prompt}"], tasks={"name": "arithmetic"},
+                 log_dir=str(tmp_path))
+    ep = e.episode(Task(prompt="2+2=", answer="4"))
+    try:
+        assert ep.reset().text == "2+2="
+        step = ep.step("4")
+        assert step.observation.text == " next:" and not step.observation.restart and not step.observation.messages
+        assert ep.step(" 5").observation.text == " next:"
+        assert ep.step("6").done and ep.outcome() == 0.0  # arithmetic's score of the last answer, "6"
+    finally:
+        ep.close()
+        e.endpoint.close()
+    assert [s["content"] for s in agent_saw(tmp_path)] == ["4", " 5", "6"]
+
+
 def test_an_agent_that_crashes_or_never_calls_fails_its_episode_with_its_output(tmp_path):
     e = env("crash", tmp_path)
-    with pytest.raises(RuntimeError, match=r"exited \(code 3\) before its first call: probe: crashing on purpose"):
+    with pytest.raises(RuntimeError, match=r"exited \(code 3\) before its first call: probe: crash\ncrashing on purpose"):
         e.episode(Task(prompt="1*1=", answer="1")).reset()
     silent = env("silent", tmp_path, timeout_s=1.0)
     ep = silent.episode(Task(prompt="1*1=", answer="1"))
@@ -115,8 +131,9 @@ def test_the_endpoint_refuses_unknown_keys_streams_text_prompts_and_bad_rewards(
         assert _post(url + "/chat/completions", chat, "nope")[0] == 401
         assert _post(url + "/chat/completions", {**chat, "stream": True}, "k1")[0] == 400
         assert _post(url + "/chat/completions", {**chat, "n": 2}, "k1")[0] == 400
-        code, body = _post(url + "/completions", {"prompt": "hi"}, "k1")
-        assert code == 501 and "re-tokenises" in body["error"]["message"]
+        assert _post(url + "/completions", {"prompt": [1, 2, 3]}, "k1")[0] == 400  # token ids: not served
+        code, body = _post(url + "/completions", {"prompt": "hi", "echo": True}, "k1")
+        assert code == 400 and "echo" in body["error"]["message"]
         assert _post(url + "/tidal/reward", {"reward": float("nan")}, "k1")[0] == 400
         assert _post(url + "/tidal/reward", {"reward": "1.0"}, "k1")[0] == 400
         assert _post(url + "/tidal/reward", {"reward": 1}, "k1") == (200, {"ok": True, "reward": 1.0})
@@ -137,8 +154,11 @@ def test_the_tokens_an_agent_was_answered_with_are_the_tokens_the_engine_sampled
     rewrite = Domain(name="rewrite", env=PluginRef(name="agent", options={
         "command": [sys.executable, PROBE, "rewrite", "{prompt}"], "tasks": {"name": "arithmetic"},
         "log_dir": str(tmp_path)}))
+    text = Domain(name="text", env=PluginRef(name="agent", options={
+        "command": [sys.executable, PROBE, "text", "{prompt}"], "tasks": {"name": "arithmetic"},
+        "log_dir": str(tmp_path)}))
     sampling = SamplingParams(temperature=1.0, max_tokens=5, seed=3)
-    pool = LocalEpisodes([turns, rewrite])
+    pool = LocalEpisodes([turns, rewrite, text])
     results: dict[str, list[int]] = {}
     with EmbeddedEngine(str(tiny_model), max_num_seqs=8, seed=0) as engine:
         poll = engine.poll
@@ -150,25 +170,42 @@ def test_the_tokens_an_agent_was_answered_with_are_the_tokens_the_engine_sampled
 
         engine.poll = recording_poll
         tasks = [Task(prompt=f"{i}+{i}=", answer=str(2 * i), domain="turns") for i in range(3)]
-        runs = run_episodes(engine, tok, pool, "turns", tasks, sampling, EpisodesConfig(max_tokens=200),
-                            lambda: PlainRenderer(tok), timeout=120)
-        (split,) = run_episodes(engine, tok, pool, "rewrite", tasks[:1], sampling, EpisodesConfig(max_tokens=200),
+
+        def episodes(domain: str, n: int) -> tuple[list, dict[str, list[int]]]:
+            results.clear()  # request ids repeat across calls (local-00000:0/0, ...): each call's own
+            runs = run_episodes(engine, tok, pool, domain, tasks[:n], sampling, EpisodesConfig(max_tokens=200),
                                 lambda: PlainRenderer(tok), timeout=120)
+            return runs, dict(results)
+
+        runs, sampled_by_id = episodes("turns", 3)
+        (split,), _ = episodes("rewrite", 1)
+        (plain,), text_sampled = episodes("text", 1)
     pool.close()
+    decoded = {tok.decode(s, skip_special_tokens=True) for s in sampled_by_id.values()}
     for run in runs:
         assert run is not None and run.turns == 3
         (seg,) = run.segments
-        sampled = [results[f"{run.id}/{k}"] for k in range(3)]
+        sampled = [sampled_by_id[f"{run.id}/{k}"] for k in range(3)]
         assert [t for t, m in zip(seg.ids, seg.mask, strict=True) if m] == [t for s in sampled for t in s]
         assert all(v == NO_VERSION for v, m in zip(seg.versions, seg.mask, strict=True) if not m)
         text = tok.decode(seg.prompt + seg.ids, skip_special_tokens=True)
         assert text.count("next\n") == 2  # the agent's two user turns, as observations
-    answered = [s["content"] for s in agent_saw_all(tmp_path)]
-    decoded = {tok.decode(s, skip_special_tokens=True) for s in results.values()}
-    assert set(answered) <= decoded  # the agent got the sampled text
+    answered = [s["content"] for s in agent_saw_all(tmp_path, "turns")]
+    assert len(answered) == 9 and set(answered) <= decoded  # the agents got the sampled text
     assert split is not None and len(split.segments) == 2 and split.info["history_rewrites"] == 1
+    # /v1/completions: the sample is the agent's text exactly, its prompt's additions appended as they are
+    (seg,) = plain.segments
+    sampled = [text_sampled[f"{plain.id}/{k}"] for k in range(3)]
+    assert [t for t, m in zip(seg.ids, seg.mask, strict=True) if m] == [t for s in sampled for t in s]
+    answers = [tok.decode(s, skip_special_tokens=True) for s in sampled]
+    assert tok.decode(seg.prompt + seg.ids, skip_special_tokens=True) == "0+0=" + " next:".join(answers)
 
 
-def agent_saw_all(tmp_path) -> list[dict]:
-    return [json.loads(line) for log in tmp_path.glob("agent-*.log") for line in log.read_text().splitlines()
-            if line.startswith("{")]
+def agent_saw_all(tmp_path, mode: str) -> list[dict]:
+    """What every agent of `mode` printed (its first line names the mode)."""
+    out = []
+    for log in tmp_path.glob("agent-*.log"):
+        lines = log.read_text().splitlines()
+        if lines and lines[0] == f"probe: {mode}":
+            out += [json.loads(line) for line in lines[1:] if line.startswith("{")]
+    return out

@@ -36,8 +36,11 @@ class Observation(msgspec.Struct, kw_only=True):
 
     messages: list[ChatMessage] = []
     token_ids: list[int] | None = None
-    # `messages` is the whole conversation anew, not what follows the last action (an agent that rewrote its
-    # history): the worker closes the sample there and starts a new one from a fresh render (a split)
+    # plain text appended as it is, tokenised alone (no renderer, no separator): an agent on /v1/completions,
+    # whose prompt is text that extends what was sampled
+    text: str | None = None
+    # `messages` (or `text`) is the whole conversation anew, not what follows the last action (an agent that
+    # rewrote its history): the worker closes the sample there and starts a new one from a fresh render (a split)
     restart: bool = False
 
 

@@ -393,6 +393,7 @@ class EpisodeReply(_Msg):
     # at fault, and may be retried), "env_died" (the process died by itself while serving it)
     error_kind: str = ""
     restart: bool = False  # `messages` is the whole conversation anew (an agent rewrote it): the sample splits
+    text: str | None = None  # an observation of plain text, appended as it is (tokenised alone, no renderer)
 
 
 Message = (

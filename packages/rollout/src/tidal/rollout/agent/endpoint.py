@@ -11,8 +11,10 @@ cannot feed a run. Routes:
   and ``n`` > 1 are refused (400): one sampled answer per call is what is trained.
 - ``POST /v1/tidal/reward`` ``{"reward": R}``: the episode's outcome, when the agent scores itself (else its
   environment's verifier scores the last answer). A reward that is not a finite number gets 400.
-- ``POST /v1/completions``: 501. A text prompt cannot be matched to the tokens already sampled without
-  tokenising it again, which the episode never does; use the chat route.
+- ``POST /v1/completions``: a text prompt (a string), answered with a ``text_completion``. The episode
+  compares texts: a prompt that extends the previous prompt and its answer adds only its new text (that
+  text alone is tokenised); any other prompt restarts the sample. ``echo``, ``suffix``, ``stream`` and
+  ``n`` > 1 are refused (400), and so is a prompt of token ids.
 - ``GET /v1/models``: the one model served.
 
 A call waits for its answer as long as the episode's turn takes; when the episode ends first (its turn
@@ -50,9 +52,11 @@ class CallRefused(Exception):
 
 @dataclass
 class Call:
-    """One chat request of an agent, waiting for its answer (a response body, or CallRefused)."""
+    """One request of an agent, waiting for its answer (a response body, or CallRefused); `kind` is "chat"
+    (/v1/chat/completions) or "text" (/v1/completions)."""
 
     body: dict[str, Any]
+    kind: str = "chat"
     answer: Future = field(default_factory=Future)
 
 
@@ -145,6 +149,12 @@ class AgentEndpoint:
         return body
 
     async def _chat(self, request: Request) -> JSONResponse:
+        return await self._call(request, "chat")
+
+    async def _completions(self, request: Request) -> JSONResponse:
+        return await self._call(request, "text")
+
+    async def _call(self, request: Request, kind: str) -> JSONResponse:
         try:
             body = await self._json(request)
             session = self._session(request, body)
@@ -153,7 +163,16 @@ class AgentEndpoint:
                                        "whole; call without streaming")
             if int(body.get("n") or 1) != 1:
                 raise CallRefused(400, "n must be 1: the episode trains one answer per call")
-            call = Call(body)
+            if kind == "text":
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    body["prompt"] = prompt = prompt[0]
+                if not isinstance(prompt, str) or not prompt:
+                    raise CallRefused(400, "prompt must be one non-empty string (token ids and batches of prompts "
+                                           "are not served)")
+                if body.get("echo") or body.get("suffix"):
+                    raise CallRefused(400, "echo and suffix are not served: the answer is the sampled text alone")
+            call = Call(body, kind)
             session.inbox.put(call)
             return JSONResponse(await asyncio.wrap_future(call.answer))
         except CallRefused as e:
@@ -170,11 +189,6 @@ class AgentEndpoint:
             return JSONResponse({"ok": True, "reward": float(value)})
         except CallRefused as e:
             return JSONResponse(error_body(e.message, e.kind), status_code=e.status)
-
-    async def _completions(self, request: Request) -> JSONResponse:
-        return JSONResponse(error_body(
-            "/v1/completions is not served: its text prompt would have to be tokenised again to match what was "
-            "sampled, and an episode never re-tokenises. Use /v1/chat/completions", "not_implemented"), status_code=501)
 
     async def _models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "tidal"}]})

@@ -27,7 +27,9 @@ into what the rollout worker already drives, token in, token out:
 Sampling settings in a call (temperature, top_p, max_tokens, ...) are not applied: the run samples with the
 recipe's, which the learner's logprobs assume; calls that carry them are counted (``sampling_ignored``).
 The agent is the user's own program and runs unsandboxed, as the user; the model's text reaches only the
-agent. `/v1/completions` is not served (see the endpoint).
+agent. An agent on ``/v1/completions`` sends text: a prompt that extends the previous prompt and its
+answer adds its new text as an observation appended as it is (`Observation.text`: tokenised alone, no
+renderer), any other prompt restarts the sample; one episode speaks one of the two APIs.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class AgentEpisode:
         self.proc: subprocess.Popen | None = None
         self.last_answer = ""
         self.turn = 0
+        self.kind = "chat"  # the first call's: "chat" (/v1/chat/completions) or "text" (/v1/completions)
+        self.text = ""  # a text episode's prompt and answers so far, as the agent was given them
 
     # ------------------------------------------------------------------ the agent's process
 
@@ -187,14 +191,24 @@ class AgentEpisode:
         if call is None:
             raise RuntimeError(f"the agent exited (code {self.proc.returncode if self.proc else '?'}) before its "
                                f"first call: {self._tail()}")
+        self.kind, self.pending = call.kind, call  # the API this episode speaks: "chat" or "text"
+        if call.kind == "text":
+            self.text = self._read(call)
+            return Observation(text=self.text)
         messages = self._read(call)
         self.tools = _tools(call.body)
-        self.history, self.pending = messages, call
+        self.history = messages
         return Observation(messages=[self._message(m) for m in messages])
 
-    def _read(self, call: Call) -> list[dict[str, Any]]:
-        """The call's messages (a refused call is answered with its error, and fails the episode)."""
+    def _read(self, call: Call) -> Any:
+        """The call's messages, or a text call's prompt (a refused call is answered with its error, and fails
+        the episode)."""
         try:
+            if call.kind != self.kind:
+                began = "/v1/completions" if self.kind == "text" else "/v1/chat/completions"
+                raise CallRefused(400, f"this episode began on {began}: one episode speaks one API")
+            if call.kind == "text":
+                return call.body["prompt"]  # a non-empty string (the endpoint checked)
             messages = call.body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise CallRefused(400, "messages must be a non-empty list of message objects")
@@ -220,16 +234,22 @@ class AgentEpisode:
         assert self.pending is not None
         self.turn += 1
         info = {"sampling_ignored": float(any(k in self.pending.body for k in SAMPLING_KEYS))}
-        message, calls = self._answer(action, info)
-        self.pending.answer.set_result(self._completion(message, calls))
-        self.history.append(message)
+        if self.kind == "text":
+            self.pending.answer.set_result(self._text_completion(action))
+            self.text += action
+        else:
+            message, calls = self._answer(action, info)
+            self.pending.answer.set_result(self._completion(message, calls))
+            self.history.append(message)
         self.last_answer, self.pending = action, None
         call = self._next()
         if call is None:
             return StepResult(done=True, info=info)
-        messages = self._read(call)
+        read = self._read(call)
         self.pending = call
-        n = len(self.history)
+        if self.kind == "text":
+            return StepResult(observation=self._text_observation(read, info), info=info)
+        messages, n = read, len(self.history)
         if len(messages) > n and all(same(a, b) for a, b in zip(self.history, messages[:n], strict=False)):
             new, restart = messages[n:], False
         else:  # the agent rewrote what it was given: the conversation starts over
@@ -238,6 +258,20 @@ class AgentEpisode:
         self.history = messages
         return StepResult(observation=Observation(messages=[self._message(m) for m in new], restart=restart),
                           info=info)
+
+    def _text_observation(self, prompt: str, info: dict[str, float]) -> Observation:
+        """A text call's new prompt: what it adds after the previous prompt and answer, or all of it anew."""
+        if len(prompt) > len(self.text) and prompt.startswith(self.text):
+            obs = Observation(text=prompt[len(self.text):])
+        else:  # the agent rewrote the text it was given: the sample starts over
+            obs, info["history_rewrites"] = Observation(text=prompt, restart=True), 1.0
+        self.text = prompt
+        return obs
+
+    def _text_completion(self, action: str) -> dict[str, Any]:
+        return {"id": f"cmpl-{self.key[-8:]}-{self.turn}", "object": "text_completion", "created": int(time.time()),
+                "model": self.env.model, "choices": [{"index": 0, "text": action, "logprobs": None,
+                                                      "finish_reason": "stop"}]}
 
     def _answer(self, action: str, info: dict[str, float]) -> tuple[dict[str, Any], int]:
         try:

@@ -219,11 +219,11 @@ class MultiTurn:
         self._count_info(run, r)
         if r.seq == 0:
             run.tools, run.max_turns, run.stop = list(r.tools), max(1, r.max_turns or 1), list(r.stop)
-            run.conversation = list(r.messages)
+            run.conversation = list(r.messages) if r.text is None else [ChatMessage(role="user", content=r.text)]
             try:
                 run.renderer = self.make_renderer()
-                prompt = (list(r.token_ids) if r.token_ids is not None
-                          else run.renderer.start(run.conversation, run.tools))
+                prompt = (list(r.token_ids) if r.token_ids is not None else self._encode(r.text)
+                          if r.text is not None else run.renderer.start(run.conversation, run.tools))
             except Exception as e:
                 self._fail(run, "render_error", f"rendering the first observation failed: {type(e).__name__}: {e}")
             run.segments.append(Segment(prompt=prompt))
@@ -284,16 +284,14 @@ class MultiTurn:
         when the answer and one more token of action would not fit the sample's budget (the answer is
         then not appended: no action follows it, so nothing would train on it)."""
         seg = run.segments[-1]
-        if r.restart:  # the whole conversation anew (an agent rewrote its history): split here
-            run.conversation = list(r.messages)
-        else:
-            run.conversation.extend(r.messages)
+        new = list(r.messages) if r.text is None else [ChatMessage(role="user", content=r.text)]
+        run.conversation = new if r.restart else [*run.conversation, *new]  # restart: an agent rewrote its history
         try:
-            ext = None if r.restart else (list(r.token_ids) if r.token_ids is not None
-                                          else run.renderer.extend(run.last_action, r.messages))
+            ext = None if r.restart else (list(r.token_ids) if r.token_ids is not None else self._encode(r.text)
+                                          if r.text is not None else run.renderer.extend(run.last_action, r.messages))
             if ext is None:
                 fresh = self.make_renderer()
-                prompt = fresh.start(run.conversation, run.tools)
+                prompt = self._encode(r.text) if r.text is not None else fresh.start(run.conversation, run.tools)
         except Exception as e:  # a renderer (or the tokenizer under it) that cannot write this answer
             self._fail(run, "render_error", f"rendering the environment's answer failed: {type(e).__name__}: {e}")
         if ext is not None:
@@ -305,6 +303,10 @@ class MultiTurn:
         run.renderer = fresh
         run.segments.append(Segment(prompt=prompt))
         return True
+
+    def _encode(self, text: str | None) -> list[int]:
+        """A plain-text observation's tokens, as it is (nothing before it is tokenised again)."""
+        return list(self.tokenizer.encode(text or "", add_special_tokens=False))
 
     def _generate(self, run: EpisodeRun) -> None:
         a = self.assignments[run.group_id]

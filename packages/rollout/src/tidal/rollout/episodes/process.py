@@ -42,13 +42,21 @@ import msgspec
 
 from tidal.core.channels import dealer, make_hello
 from tidal.core.config import ConfigStruct, Domain, domains_by_key, load_config
-from tidal.core.episodes import AGENT, Episode, NotAReward, SingleTurnEpisodes, is_episodic
+from tidal.core.episodes import AGENT, Episode, NotAReward, Observation, SingleTurnEpisodes, is_episodic
 from tidal.core.errors import ChannelTimeout, ConfigError, ProtocolError
 from tidal.core.interfaces import Task
 from tidal.core.plugin_failure import PluginBuildError
 from tidal.core.plugins import registry
 from tidal.core.process import role_main, setup_role_process
-from tidal.core.protocol import Control, EpisodeClose, EpisodeOpen, EpisodeReply, EpisodeStep, Hello
+from tidal.core.protocol import (
+    ChatMessage,
+    Control,
+    EpisodeClose,
+    EpisodeOpen,
+    EpisodeReply,
+    EpisodeStep,
+    Hello,
+)
 from tidal.core.security import ChannelSecurity
 from tidal.rollout.episodes.checks import BadReward, RewardCheck, cap_messages, observation_info
 
@@ -218,9 +226,19 @@ class EpisodeHost:
                 self._close(episode, msg.episode_id)
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
         self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain)
-        messages, dropped = cap_messages(obs.messages, self.max_observation_chars)
-        return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=messages, token_ids=obs.token_ids,
+        messages, text, dropped = self._capped(obs)
+        return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=messages, token_ids=obs.token_ids, text=text,
                             tools=tools, max_turns=env.max_turns, stop=stop, info=observation_info(dropped))
+
+    def _capped(self, obs: Observation | None) -> tuple[list[ChatMessage], str | None, int]:
+        """An observation's messages and text within max_observation_chars (and the characters dropped)."""
+        if obs is None:
+            return [], None, 0
+        if obs.text is None:
+            messages, dropped = cap_messages(obs.messages, self.max_observation_chars)
+            return messages, None, dropped
+        (m,), dropped = cap_messages([ChatMessage(role="user", content=obs.text)], self.max_observation_chars)
+        return [], m.content, dropped
 
     def _step(self, msg: EpisodeStep) -> EpisodeReply:
         op = self.episodes.get(msg.episode_id)
@@ -241,10 +259,10 @@ class EpisodeHost:
             done, info[MAX_TURNS_REACHED] = True, 1.0
         obs = result.observation
         if not done:
-            messages, dropped = cap_messages(obs.messages if obs else [], self.max_observation_chars)
+            messages, text, dropped = self._capped(obs)
             info.update(observation_info(dropped))
             return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info,
-                                messages=messages, token_ids=obs.token_ids if obs else None,
+                                messages=messages, token_ids=obs.token_ids if obs else None, text=text,
                                 restart=bool(obs.restart) if obs else False)
         env = self.envs[op.domain]  # a single-turn env's reward is its score(): name that in an error
         scorer = env.env.score if isinstance(env, SingleTurnEpisodes) else op.episode.outcome
