@@ -72,9 +72,17 @@ class AgentEnv:
         self.inner = registry.build("env", tasks["name"], tasks.get("options") or {}, field="tasks")
         self.verify = getattr(self.inner, "verify", None) or self.inner.score
         self.parser: ToolParser = registry.build("tool_parser", parser, parser_options or {}, field="parser")
-        self.log_dir = Path(log_dir or os.environ.get("TIDAL_LOG_DIR") or tempfile.mkdtemp(prefix="tidal-agent-"))
+        self._log_dir = log_dir  # "" = the environment process's log folder (TIDAL_LOG_DIR), else a temporary one
         self._endpoint: AgentEndpoint | None = None
         self.domain = getattr(self.inner, "domain", tasks["name"])
+
+    @property
+    def log_dir(self) -> Path:
+        """Where each agent's output goes (agent-<key>.log); decided by the first episode, not at build (the
+        driver builds the environment to check it, and starts no agent)."""
+        if not self._log_dir:
+            self._log_dir = os.environ.get("TIDAL_LOG_DIR") or tempfile.mkdtemp(prefix="tidal-agent-")
+        return Path(self._log_dir)
 
     @property
     def endpoint(self) -> AgentEndpoint:
