@@ -47,15 +47,26 @@ def test_tool_calls_reach_the_agent_as_function_calls_and_its_results_come_back_
         assert not step.done and not step.observation.restart and step.info["tool_calls"] == 1
         assert [(m.role, m.name, m.content) for m in step.observation.messages] == [
             ("tool", "calculator", "<result>408</result>")]
-        assert ep.step("408").done  # no call in it: the agent's final answer, and it exits
+        assert ep.step("Answer: 408").done  # no call in it: the agent's final answer, and it exits
         assert ep.outcome() == 1.0  # multiply's verifier on the last answer
     finally:
         ep.close()
         e.endpoint.close()
+    # a named reward plugin scores the last answer instead: exact_match wants "408" alone
+    strict = env("tools", tmp_path / "strict", reward={"name": "exact_match"})
+    (tmp_path / "strict").mkdir()
+    ep = strict.episode(Task(prompt="12*34=", answer="408", domain="multiply"))
+    try:
+        ep.reset()
+        ep.step("<calc>12*34</calc>")
+        assert ep.step("Answer: 408").done and ep.outcome() == 0.0
+    finally:
+        ep.close()
+        strict.endpoint.close()
     saw = agent_saw(tmp_path)
     assert saw[0]["finish_reason"] == "tool_calls" and saw[0]["tool_calls"] == [
         {"name": "calculator", "arguments": json.dumps({"expression": "12*34"})}]
-    assert saw[1] == {"turn": 1, "content": "408", "finish_reason": "stop", "tool_calls": []}
+    assert saw[1] == {"turn": 1, "content": "Answer: 408", "finish_reason": "stop", "tool_calls": []}
 
 
 def test_a_rewritten_history_restarts_the_conversation_and_a_posted_reward_is_the_outcome(tmp_path):

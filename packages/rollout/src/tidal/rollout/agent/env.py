@@ -20,7 +20,8 @@ into what the rollout worker already drives, token in, token out:
   (the agent edited or dropped messages) restarts the conversation: the worker closes the sample there and
   starts a new one from a fresh render (``splits``, and ``history_rewrites`` in the episode's info);
 - the episode ends when the agent exits: its outcome is the reward it posted (``POST /v1/tidal/reward``),
-  else what the `tasks` environment's verifier says of the last answer. An agent that exits with an error
+  else what the `reward` plugin (``{name, options}``, e.g. ``judge``) or, without one, the `tasks`
+  environment's verifier says of the last answer. An agent that exits with an error
   before its first call, does not call within `timeout_s`, or sends a call the episode cannot read fails
   the episode (``env_error``), never a zero reward.
 
@@ -61,7 +62,8 @@ class AgentEnv:
 
     def __init__(self, command: list[str], tasks: dict[str, Any], parser: str = "json",
                  parser_options: dict[str, Any] | None = None, max_turns: int = 8, timeout_s: float = 20.0,
-                 model: str = "tidal-policy", cwd: str = "", log_dir: str = "") -> None:
+                 model: str = "tidal-policy", cwd: str = "", log_dir: str = "",
+                 reward: dict[str, Any] | None = None) -> None:
         if not command or not all(isinstance(c, str) for c in command):
             raise ValueError(f"command is the agent's argv, a list of strings; got {command!r}")
         if not isinstance(tasks, dict) or not tasks.get("name"):
@@ -71,6 +73,10 @@ class AgentEnv:
         self.cwd = cwd or None
         self.inner = registry.build("env", tasks["name"], tasks.get("options") or {}, field="tasks")
         self.verify = getattr(self.inner, "verify", None) or self.inner.score
+        # `reward` = {name, options}: a reward plugin (`tidal plugins reward`: judge, exact_match, ...) scores the
+        # agent's last answer instead of the tasks environment's verifier
+        self.reward = registry.build("reward", reward["name"], reward.get("options") or {}, field="reward") \
+            if reward else None
         self.parser: ToolParser = registry.build("tool_parser", parser, parser_options or {}, field="parser")
         self._log_dir = log_dir  # "" = the environment process's log folder (TIDAL_LOG_DIR), else a temporary one
         self._endpoint: AgentEndpoint | None = None
@@ -307,6 +313,8 @@ class AgentEpisode:
     def outcome(self) -> float:
         if self.session.reward is not None:
             return real_reward(self.session.reward, "the agent's posted reward")
+        if self.env.reward is not None:
+            return real_reward(self.env.reward(self.task, self.last_answer), "the reward plugin")
         return real_reward(self.env.verify(self.task, self.last_answer), "the tasks environment's verifier")
 
     def close(self) -> None:
