@@ -26,6 +26,9 @@ TINY = {
     "pipeline.py": ["--versions", "4", "--batch-groups", "2", "--workers", "1", "--train-ms", "1"],
     "control_plane.py": ["--workers", "2,3", "--versions", "20", "--step-ms", "400"],
     "tool_ceiling.py": ["--steps", "5", "--eval-size", "8"],
+    # its own tiny warm start (20 SFT steps) in the test's folder; one run of each system, 3 versions
+    "lora.py": ["--repeats", "1", "--sft-steps", "20", "--model", "{tmp}/none", "--out", "{tmp}/lora",
+                "--set", "budget.versions=3", "--set", "eval.every=3", "--set", "eval.size=16"],
     # both workloads, TRL and Tidal async + sync; warm starts go to the test's own folder ({tmp}), not runs/
     "vs_trl.py": ["--workload", "both", "--steps", "4", "--eval-size", "16", "--eval-every", "2", "--sft-steps", "20",
                   "--minutes", "3", "--out", "{tmp}/vs_trl"],

@@ -1,8 +1,12 @@
 """LoRA (`learner.lora`) against full fine-tuning on the demo's task and budget, in one process.
 
-    uv run tidal demo                                   # once: the warm start (runs/demo/model-sft)
     uv run python tools/bench/lora.py [--model runs/demo/model-sft] [--repeats 2]
     uv run python tools/bench/lora.py --rank 2 --alpha 4 --targets q_proj,k_proj,v_proj,o_proj,down_proj --lr 1e-3
+    uv run python tools/bench/lora.py --repeats 1 --sft-steps 20 --model none --out /tmp/l --set budget.versions=3
+
+The warm start is `--model` (what `tidal demo` writes to runs/demo/model-sft); where that folder does not
+exist the demo's warm start is built in `--out` first (`--sft-steps`, default the demo's 1000). `--set`
+overrides the recipe of both systems (repeatable).
 
 Each system runs the demo's RL phase (integration/recipes/arithmetic.toml with the demo's overrides: its
 120 versions of 64 samples, its held-out evaluation every 10 versions) from the same warm start, the two
@@ -44,7 +48,7 @@ def run_once(kind: str, a: argparse.Namespace, out: Path, i: int) -> dict[str, A
             f"learner.lora.target_modules={json.dumps(a.targets.split(','))}",
             f"learner.backend.options.optim.lr={a.lr}"] if kind == "lora" else []
     cfg, _ = demo_config(out, [f'run_dir="{run_dir}"', f"seed={a.seed + i}", "monitor.progress=off",
-                               "monitor.tensorboard=false", *lora])
+                               "monitor.tensorboard=false", *a.set, *lora])
     cfg = msgspec.structs.replace(cfg, model=a.model)  # the demo's config names its own warm start folder
     check(cfg)
     t0 = time.time()
@@ -64,6 +68,15 @@ def run_once(kind: str, a: argparse.Namespace, out: Path, i: int) -> dict[str, A
             "payload_bytes": mean(sent), "optim_elements": optim, "run_dir": str(run_dir)}
 
 
+def build_warm_start(out: Path, sft_steps: int) -> Path:
+    """The demo's warm start (its tiny model and SFT) in `out`, reused when its stamp matches."""
+    from tidal.integration.demo import demo_config, warm_start
+
+    cfg, opts = demo_config(out, [f"sft.steps={sft_steps}"] if sft_steps else [])
+    warm_start(cfg, opts, out)
+    return Path(cfg.model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="runs/demo/model-sft", help="the warm start (tidal demo writes it)")
@@ -74,13 +87,14 @@ def main() -> None:
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,down_proj")
     ap.add_argument("--lr", type=float, default=1e-3, help="LoRA's learning rate (full fine-tuning: the recipe's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sft-steps", type=int, default=0, help="the warm start built when --model does not exist")
+    ap.add_argument("--set", action="append", default=[], help="a recipe override for both systems (repeatable)")
     a = ap.parse_args()
-    if not (Path(a.model) / "config.json").is_file():
-        raise SystemExit(f"no warm start at {a.model}: run `uv run tidal demo` first (it writes runs/demo/model-sft), "
-                         f"or pass --model")
-    a.model = str(Path(a.model).resolve())
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if not (Path(a.model) / "config.json").is_file():
+        a.model = str(build_warm_start(out, a.sft_steps))
+    a.model = str(Path(a.model).resolve())
     res: dict[str, list[dict]] = {"full": [], "lora": []}
     for i in range(a.repeats):
         for kind in (("full", "lora") if i % 2 == 0 else ("lora", "full")):
