@@ -92,6 +92,23 @@ def test_a_rewritten_history_restarts_the_conversation_and_a_posted_reward_is_th
         r.endpoint.close()
 
 
+def test_a_call_left_waiting_when_the_episode_ends_is_answered_409(tmp_path):
+    """At its turn limit the environment process ends an episode whose agent has already called again:
+    that call is answered (409, the episode ended), not left hanging in the server."""
+    e = AgentEnv(command=[sys.executable, PROBE, "turns", "{prompt}"], tasks={"name": "arithmetic"},
+                 log_dir=str(tmp_path), max_turns=1)
+    ep = e.episode(Task(prompt="2+2=", answer="4"))
+    try:
+        ep.reset()
+        assert not ep.step("4").done  # the agent called again (its user turn "next")
+        waiting = ep.pending
+        ep.close()
+        assert waiting is not None and waiting.answer.exception().status == 409
+    finally:
+        ep.close()
+        e.endpoint.close()
+
+
 def test_a_text_completion_agent_adds_only_its_new_text(tmp_path):
     e = AgentEnv(command=[sys.executable, PROBE, "text", "{prompt}"], tasks={"name": "arithmetic"},
                  log_dir=str(tmp_path))

@@ -318,6 +318,10 @@ class AgentEpisode:
         return real_reward(self.env.verify(self.task, self.last_answer), "the tasks environment's verifier")
 
     def close(self) -> None:
+        if self.pending is not None and not self.pending.answer.done():  # its turn limit, a failure, the run
+            self.pending.answer.set_exception(CallRefused(409, "the episode ended before this call was answered "
+                                                               "(its turn limit, a failure, or the run stopping)",
+                                                          "episode_ended"))
         self.env.endpoint.end(self.key, "closed")
         if self.proc is not None and self.proc.poll() is None:
             try:
