@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="samples carry MoE routing; the learner replays it")
     ap.add_argument("--grads", default="", help="rank 0 writes the first step's full gradients here")
     ap.add_argument("--metrics", default="", help="rank 0 writes every step's metrics here (JSON lines)")
+    ap.add_argument("--every-rank", action="store_true", help="ranks > 0 write their weights too (<out>.rank<k>)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA of this rank (learner.lora); the adapters are written")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,11 +119,11 @@ def main() -> None:
 
             os.kill(os.getpid(), signal.SIGKILL)
     state = {n: t.contiguous().clone() for n, t in be.named_weights()}
-    if rank == 0:
+    if rank == 0 or args.every_rank:
         from safetensors.torch import save_file
 
-        save_file(state, args.out)
-        if args.grads:
+        save_file(state, args.out if rank == 0 else f"{args.out}.rank{rank}")
+        if args.grads and rank == 0:
             save_file(grads, args.grads)
     if dist.is_initialized():
         dist.barrier()  # no rank tears gloo down while another still has work in flight (CI saw 'terminate called without an active exception' from deepspeed3's rank 1)

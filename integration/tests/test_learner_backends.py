@@ -57,16 +57,20 @@ def single_run(model, tmp_path_factory):
 
 
 # DeepSpeed's two (about 90 s with its first-use C++ build) run in the slow tier, which CI runs too
-@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("deepspeed2", marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend", ["fsdp2", "single", pytest.param("deepspeed2", marks=pytest.mark.slow),
                                      pytest.param("deepspeed3", marks=pytest.mark.slow)])
-def test_sharded_backends_on_two_ranks_match_single(model, single_run, tmp_path, backend):
-    """Same batches, same seed, 3 AdamW steps (lr 1e-3, warmup + cosine), fp32. Tolerance 1e-5 absolute
-    (1 % of one step's largest update): the sharded backends reduce gradients across ranks in another
-    order than one process sums them (fp32 differences ~1e-7 relative), and Adam's per-element
-    m / sqrt(v) magnifies those for elements whose gradients are near zero. Measured: ~3e-6 for all three.
-    deepspeed2 / deepspeed3 are ZeRO stages 2 and 3 (DeepSpeed compiles a small C++ op on first use)."""
-    run(backend, model, tmp_path / f"{backend}.safetensors", world=2)
+def test_two_ranks_match_one(model, single_run, tmp_path, backend):
+    """Same batches, same seed, 3 AdamW steps (lr 1e-3, warmup + cosine), fp32, each rank given half of
+    each batch. Tolerance 1e-5 absolute (1 % of one step's largest update): the ranks' gradients are
+    reduced in another order than one process sums them (fp32 differences ~1e-7 relative), and Adam's
+    per-element m / sqrt(v) magnifies those for elements whose gradients are near zero. Measured: ~3e-6.
+    deepspeed2 / deepspeed3 are ZeRO stages 2 and 3 (DeepSpeed compiles a small C++ op on first use).
+    single on 2 ranks is plain data parallelism (`tidal run --nproc 2` with the default backend): the
+    trainer averages the replicas' gradients, and every rank ends with the same weights as one process."""
+    run(backend, model, tmp_path / f"{backend}.safetensors", "--every-rank", world=2)
     assert max_diff(single_run, tmp_path / f"{backend}.safetensors") <= 1e-5
+    if backend == "single":  # each replica's own weights, not only rank 0's (the one that publishes)
+        assert max_diff(tmp_path / "single.safetensors", tmp_path / "single.safetensors.rank1") == 0.0
 
 
 @pytest.mark.parametrize(("backend", "world"), [("single", 1),

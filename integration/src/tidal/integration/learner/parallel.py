@@ -262,21 +262,36 @@ class SequenceParallel:
         return Shard(local, [s.to(dev) for s in sel], mesh)
 
     def reduce_grads(self, backend: Any) -> None:
-        """Average gradients over all ranks, as FSDP2 does, for a backend that does not (single): with the
-        trainer's scaling (×world) that makes every replica's gradient the whole batch's."""
-        if getattr(backend, "reduces_grads", False):
-            return
-        # heavy: torch; the driver imports this module to check a recipe's layout
-        import torch
-        import torch.distributed as dist
+        """Average gradients over all ranks, as FSDP2 does, for a backend that does not (single)."""
+        average_grads(backend, self.world)
 
-        for p in backend.model.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(self.world)
+
+def average_grads(backend: Any, world: int) -> None:
+    """Average gradients over all `world` ranks, as FSDP2 does, for a backend that does not (single, the
+    replicas of plain data parallelism): with the trainer's scaling (x world) that makes every replica's
+    gradient the whole batch's, so every replica takes the same step. One all-reduce per dtype over the
+    flattened gradients (a parameter no micro-batch reached counts as zero)."""
+    if getattr(backend, "reduces_grads", False) or world <= 1:
+        return
+    # heavy: torch; the driver imports this module to check a recipe's layout
+    import torch
+    import torch.distributed as dist
+
+    params = [p for p in backend.model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[Any, list[Any]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def setup_sequence_parallel(par: ParallelConfig, backend: Any) -> SequenceParallel | None:

@@ -36,7 +36,7 @@ from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
 from tidal.integration.learner.data import Micro, Sample, kv_lags, pack, pad_rows, token_logprobs
 from tidal.integration.learner.objective import Objective
-from tidal.integration.learner.parallel import SequenceParallel, Shard
+from tidal.integration.learner.parallel import SequenceParallel, Shard, average_grads
 from tidal.learner.config import TrainConfig
 from tidal.moe_fsdp.replay import replay_routing, router_routes, routing_mismatch, used_routes
 from tidal.staleness.correction import CorrectionInputs
@@ -346,6 +346,8 @@ class Trainer:
         metrics = {k: v / world for k, v in self._global_dict(sums).items()}
         if self.sp is not None:
             self.sp.reduce_grads(be)
+        else:  # data-parallel replicas of a backend that does not reduce (single): one gradient, one step
+            average_grads(be, world)
         if self.before_update is not None:
             self.before_update()
         # a step whose loss (summed over every rank, so all agree) or gradient norm is not finite changes
