@@ -27,7 +27,15 @@ import msgspec
 from tidal.core.interfaces import Environment, Task
 from tidal.core.protocol import ChatMessage, ToolSpec
 
-AGENT = "agent"  # the role of the policy being trained (the self-play issue adds others)
+AGENT = "agent"  # the role of a single-agent episode
+# Multi-role episodes (self-play: two players of a game). The episode names its roles (`Episode.roles`, in
+# turn order) and says on each observation whose turn it is (`Observation.role`); each role sees its own
+# observations and its turns become its own sample. `outcome()` returns every role's reward (a mapping).
+# Task metadata the worker sets when it opens such an episode:
+SCRIPTED_KEY = "tidal.scripted"  # roles (comma-separated) the environment plays itself, with its scripted player
+# Trajectory metadata of a multi-role episode's samples:
+ROLE_KEY = "tidal.role"  # the role (seat) the sample's tokens played
+OPPONENT_KEY = "tidal.opponent"  # who sat in the other seats: "live", "v<version>" (a snapshot), "scripted"
 
 
 class Observation(msgspec.Struct, kw_only=True):
@@ -42,6 +50,8 @@ class Observation(msgspec.Struct, kw_only=True):
     # `messages` (or `text`) is the whole conversation anew, not what follows the last action (an agent that
     # rewrote its history): the worker closes the sample there and starts a new one from a fresh render (a split)
     restart: bool = False
+    # a multi-role episode: the role that acts next and is shown this observation ("" = the only role)
+    role: str = ""
 
 
 class StepResult(msgspec.Struct, kw_only=True):
@@ -59,7 +69,7 @@ class Episode(Protocol):
     """One attempt at one task: single use, stepped by one driver, never shared between samples."""
 
     tools: Sequence[ToolSpec]  # the tools the model may call in this episode (shown by the renderer)
-    roles: Sequence[str]  # who acts; (AGENT,) for single-agent episodes
+    roles: Sequence[str]  # who acts, in turn order; (AGENT,) for single-agent episodes
     stop: Sequence[str]  # strings that end a turn holding a tool call (its parser's); the sample keeps them
 
     def reset(self) -> Observation:
@@ -73,7 +83,8 @@ class Episode(Protocol):
     def outcome(self) -> float:
         """The final reward once done (the verifier): a real finite number (bool, int or float). Raises
         when it cannot verify: the worker counts it as an error, never as a zero reward; so is any other
-        value (None, NaN, a string such as "1.0")."""
+        value (None, NaN, a string such as "1.0"). A multi-role episode returns a mapping, role -> reward
+        (every role of `roles`; each a real finite number)."""
         ...
 
     # optional: `close()`, called once when the environment process forgets the episode (finished, failed,

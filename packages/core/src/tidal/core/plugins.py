@@ -116,6 +116,11 @@ class TidalSpecs:
         raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
 
     @hookspec
+    def tidal_opponents(self) -> Mapping[str, Factory]:
+        """Opponent samplers of self-play runs: who plays the other seats of each group (e.g. "mirror", "pool")."""
+        raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
+
+    @hookspec
     def tidal_launchers(self) -> Mapping[str, Factory]:
         """Launchers that start and watch a run's roles (`Launcher`): e.g. "local", "ray"."""
         raise NotImplementedError("a hook spec: pluggy calls the plugins\' implementations, never this")
@@ -137,6 +142,7 @@ KINDS: dict[str, str] = {
     "weight_transport": "tidal_weight_transports",
     "train_backend": "tidal_train_backends",
     "launcher": "tidal_launchers",
+    "opponent": "tidal_opponents",
 }
 
 
@@ -156,6 +162,7 @@ BUILTIN_PROVIDERS: dict[str, str] = {
     "weight_transport": "tidal-weight-sync",
     "train_backend": "tidal",
     "launcher": "tidal",
+    "opponent": "tidal",
 }
 
 

@@ -18,10 +18,12 @@ import msgspec
 from tidal.core.arrays import Array
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 6  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
+PROTOCOL_MINOR = 7  # 1: TrajectoryGroup, Ack.refused, Batch.ready_at; 2: Ack.reason, Assignment.prompt/.domain,
 #                     SamplingParams.stop, Trajectory.sampling; 3: Ack.version, Error.protocol;
 #                     4: EpisodeOpen/EpisodeStep/EpisodeClose/EpisodeReply (environment processes);
-#                     5: Trajectory.kv_versions; 6: BASELINE_KEY (a greedy member asked by metadata)
+#                     5: Trajectory.kv_versions; 6: BASELINE_KEY (a greedy member asked by metadata);
+#                     7: WeightsAvailable.lora_scale, EpisodeReply.restart/.text, multi-role episodes
+#                        (EpisodeReply.role/.roles/.outcomes, Ack.scores)
 PROTOCOL_VERSION: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
@@ -128,6 +130,9 @@ class Ack(_Msg):
     # kind "assignment" with ok True: samples of the group left out (failed episodes of a group trained on its
     # survivors): settled, never delivered; `detail` then says why the first was left out
     left_out: int = 0
+    # kind "assignment" with ok True, a multi-role (self-play) group: the live policy's reward in each of its
+    # episodes (1 a win, ...), which the controller's opponent sampler rates the group's opponent by
+    scores: list[float] = []
 
 
 # --------------------------------------------------------------------------- control plane
@@ -394,6 +399,10 @@ class EpisodeReply(_Msg):
     error_kind: str = ""
     restart: bool = False  # `messages` is the whole conversation anew (an agent rewrote it): the sample splits
     text: str | None = None  # an observation of plain text, appended as it is (tokenised alone, no renderer)
+    # multi-role episodes (self-play): the role that acts next, shown this observation ("" = the only role)
+    role: str = ""
+    roles: list[str] = []  # seq 0: the episode's roles (seats), in turn order; [] = one role
+    outcomes: dict[str, float] = {}  # when done, a multi-role episode's reward of each role (`outcome` is unset)
 
 
 Message = (
