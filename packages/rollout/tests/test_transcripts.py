@@ -18,6 +18,7 @@ from tidal.rollout.episodes.multiturn import (
     EpisodeRun,
     EpisodesConfig,
     MultiTurn,
+    Seat,
     Segment,
     run_episodes,
 )
@@ -80,11 +81,11 @@ def test_long_texts_are_cut_and_the_file_stops_at_max_mb(tmp_path, caplog):
 def test_an_episode_with_tool_calls_step_rewards_and_versions():
     seg = Segment(prompt=[1, 2], versions=[4, 4, -1, 5], step_rewards=[0.0, 0.5])
     seg.finish = "stop"
-    run = EpisodeRun(group_id="unitconv-0000003", index=1, id="unitconv-0000003:1", segments=[seg],
-                     conversation=[ChatMessage(role="user", content="Convert 3 km to m"),
-                                   ChatMessage(role="assistant", content="<call>unit_factor km m</call>"),
-                                   ChatMessage(role="tool", content="<result>1000</result>", name="unit_factor"),
-                                   ChatMessage(role="assistant", content="3000")],
+    seat = Seat(segments=[seg], conversation=[ChatMessage(role="user", content="Convert 3 km to m"),
+                                              ChatMessage(role="assistant", content="<call>unit_factor km m</call>"),
+                                              ChatMessage(role="tool", content="<result>1000</result>", name="unit_factor"),
+                                              ChatMessage(role="assistant", content="3000")])
+    run = EpisodeRun(group_id="unitconv-0000003", index=1, id="unitconv-0000003:1", seats={"": seat},
                      turns=2, outcome=1.0, turn_versions=[4, 5])
     r = episode_record(run, "rollout-0", "unitconv")
     assert r["episode_id"] == "unitconv-0000003:1" and r["group_id"] == "unitconv-0000003"

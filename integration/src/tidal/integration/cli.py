@@ -285,14 +285,16 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                     "loop; 2 on more), the buffer, the learner and the controller as real processes: about 1 minute "
                     "on 2 CPU cores, most of it the warm start. Prints held-out accuracy before and after and the "
                     "report's path; the trained model is written to OUT/run/model.",
-        epilog="Its RL phase is the recipe integration/recipes/arithmetic.toml (tools.toml with --task tools), "
+        epilog="Its RL phase is the recipe integration/recipes/arithmetic.toml (tools.toml with --task tools, "
+               "selfplay.toml with --task selfplay), "
                "shipped in the package. Overrides: any recipe field (budget.versions=30 workers=1 mode=sync), "
                "model_build.* (hidden, layers, ...) and sft.* (steps, batch, lr).")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings")
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools"],
-                   help="arithmetic (single turn, the default) or tools: multi-turn episodes where the model learns "
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "tools", "selfplay"],
+                   help="arithmetic (single turn, the default); tools: multi-turn episodes where the model learns "
                         "to call a calculator for 3x2-digit products (about 3 minutes; its RL "
-                        "phase stops after 7 min at most)")
+                        "phase stops after 7 min at most); selfplay: the model plays nim against a pool of its "
+                        "own snapshots and is evaluated by its win-rate against a scripted player (10 min)")
     p.add_argument("--out", default="", help="folder for the model, the warm start and the run "
                                              "(default runs/demo, or runs/demo-TASK)")
     p.add_argument("--log-level", default="WARNING")

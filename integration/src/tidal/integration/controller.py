@@ -28,6 +28,7 @@ import numpy as np
 from tidal.algos.plugin import GREEDY_BASELINE
 from tidal.core.arrays import Array
 from tidal.core.channels import SubChannel, make_hello, poll, router, sub
+from tidal.core.episodes import OPPONENT_KEY
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -53,6 +54,7 @@ from tidal.integration.drops import Drops
 from tidal.integration.evaluation import Evaluations
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
+from tidal.integration.selfplay import SelfPlay
 from tidal.integration.workers import WorkerState
 from tidal.rollout.engines.stops import split_stops
 from tidal.rollout.worker.process import EVAL_KEY
@@ -76,6 +78,9 @@ class Controller(Evaluations):
         self.rng = random.Random(cfg.seed)
         self._build_domains()
         self._build_sampling(tokenizer)
+        sp = cfg.selfplay
+        self.selfplay = SelfPlay(sp.opponent, sp.eval_opponent, run_dir, self.domains, cfg.seed) \
+            if sp.opponent is not None else None
         self.workers: dict[str, WorkerState] = {}
         self.requeued: deque[Assignment] = deque()  # training work of lost workers (sent for credit)
         self.eval_waiting: deque[Assignment] = deque()  # evaluation work with no live worker (sent without)
@@ -163,6 +168,8 @@ class Controller(Evaluations):
         """Handle what arrived within `timeout`, then hand out what the gate allows."""
         self._take(poll([self.ch, self.learner_sub, self.buffer_sub], timeout=timeout))
         self._advance_version()
+        if self.selfplay is not None:
+            self.selfplay.poll()
         self._dispatch()
         self._finish_evals()
 
@@ -245,6 +252,8 @@ class Controller(Evaluations):
         """A training group came back: its delivered samples count for the gate, the rest return capacity.
         Samples left out (failed episodes of a group trained on its survivors) never reach the buffer."""
         self.drops.settled(msg.ok, msg.reason, msg.detail, msg.left_out if msg.ok else 0)
+        if msg.ok and msg.scores and self.selfplay is not None and OPPONENT_KEY in a.metadata:
+            self.selfplay.record(a.metadata[OPPONENT_KEY], list(msg.scores))
         if msg.ok:
             left_out = min(max(msg.left_out, 0), a.num_samples)
             if left_out < a.num_samples:
@@ -368,6 +377,9 @@ class Controller(Evaluations):
         self.next_group += 1
         self.numbering.record(Numbering(next_group=self.next_group, tasks=dict(self.tasks_drawn)))
         metadata = dict(task.metadata)
+        opponent = self.selfplay.opponent(d.name, self.learner_version) if self.selfplay is not None else None
+        if opponent is not None:  # a game: who plays the seats the live policy does not
+            metadata[OPPONENT_KEY] = opponent
         if self.cfg.learner.train.advantage.name in GREEDY_BASELINE:  # ReMax: the last member decoded greedily
             metadata[BASELINE_KEY] = "greedy"
         return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
@@ -470,9 +482,12 @@ class Controller(Evaluations):
                 "controller/drop_rate": self.drops.rate()[0],  # share of the window's training groups dropped
                 **{f"controller/tasks_skipped/{k}": float(v) for k, v in self.tasks_skipped.items()},
                 "controller/auth_refused": float(self.auth.refused),
-                **{f"controller/protocol_errors/{k}": float(v) for k, v in self.protocol_errors.items()}}
+                **{f"controller/protocol_errors/{k}": float(v) for k, v in self.protocol_errors.items()},
+                **(self.selfplay.metrics() if self.selfplay is not None else {})}
 
     def close(self) -> None:
+        if self.selfplay is not None:
+            self.selfplay.close()
         self.auth.close()
         for ch in (self.ch, self.learner_sub, self.buffer_sub):
             ch.close()

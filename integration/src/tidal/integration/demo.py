@@ -38,6 +38,7 @@ from tidal.integration.report import report
 from tidal.integration.run import run
 from tidal.rollout import tiny
 from tidal.rollout.envs.multiply import demonstration
+from tidal.rollout.envs.nim import demonstration as nim_demonstration
 
 log = logging.getLogger("tidal.demo")
 
@@ -58,6 +59,8 @@ DEMO_MODEL = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermedia
 DEMO_SFT = {"steps": 1000, "batch": 64, "lr": 1e-3, "carry_slip": 0.6}
 TOOLS_MODEL = {**DEMO_MODEL, "alphabet": "TOOL_ALPHABET"}  # the char alphabet plus < > _ (tidal.rollout.tiny)
 TOOLS_SFT = {"steps": 600, "batch": 64, "lr": 1e-3, "tool_rate": 0.2}
+# self-play (nim): the warm start learns the game's format from random legal moves, none of its strategy
+SELFPLAY_SFT = {"steps": 300, "batch": 64, "lr": 1e-3}
 
 
 class DemoTask(NamedTuple):
@@ -67,7 +70,8 @@ class DemoTask(NamedTuple):
 
 
 TASKS = {"arithmetic": DemoTask("arithmetic.toml", DEMO_MODEL, DEMO_SFT),
-         "tools": DemoTask("tools.toml", TOOLS_MODEL, TOOLS_SFT)}
+         "tools": DemoTask("tools.toml", TOOLS_MODEL, TOOLS_SFT),
+         "selfplay": DemoTask("selfplay.toml", DEMO_MODEL, SELFPLAY_SFT)}
 
 
 def demo_overrides(task: str) -> list[str]:
@@ -75,6 +79,8 @@ def demo_overrides(task: str) -> list[str]:
     if task == "arithmetic":
         # the demo's run is named for it; its worker count follows this machine (demo_workers)
         return ['name="demo"', f"workers={demo_workers()}"]
+    if task == "selfplay":
+        return ['name="demo-selfplay"', f"workers={demo_workers()}"]
     return ['name="demo-tools"']  # its recipe's 2 workers: its episodes also run in environment processes
 
 
@@ -154,9 +160,11 @@ def warm_start(cfg: RunConfig, opts: DemoOptions, out: Path) -> dict[str, Any]:
         base = tiny.build_tiny_model(out / "model-init", seed=cfg.seed, **model_opts)
         print(f"[2/4] warm start: {sft_cfg.steps} SFT steps on {domain.env.name} {domain.env.options}"
               + (f" (the demonstrator calls the tool {100 * tool_rate:.0f}% of the time)" if tool_rate is not None
+                 else " (random legal moves: the format, not the strategy)" if domain.env.name == "nim"
                  else ""), flush=True)
-        stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps),
-                    demonstrate=None if tool_rate is None else _tool_demonstrator(tool_rate))
+        demonstrate = _tool_demonstrator(tool_rate) if tool_rate is not None else \
+            nim_demonstration if domain.env.name == "nim" else None
+        stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps), demonstrate=demonstrate)
         start_acc = _warm_accuracy(cfg, env)
         print(f"      SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
               f"{100 * start_acc:.1f}% (greedy)", flush=True)

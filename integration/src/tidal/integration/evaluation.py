@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tidal.core.episodes import OPPONENT_KEY, SEAT_KEY
 from tidal.core.protocol import Ack, Assignment, Metrics, eval_group_id
 from tidal.learner.best import pin_best
 from tidal.rollout.worker.process import EVAL_KEY
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from tidal.integration.domains import DomainTasks
     from tidal.integration.recipe import RunConfig
     from tidal.integration.resume import ResumePoint
+    from tidal.integration.selfplay import SelfPlay
     from tidal.integration.workers import WorkerState
 
 log = logging.getLogger("tidal.controller")
@@ -61,6 +63,7 @@ class Evaluations:
         eval_sampling: SamplingParams
         eval_waiting: deque[Assignment]
         eval_attempts: dict[str, int]
+        selfplay: SelfPlay | None
 
         def live_workers(self) -> list[WorkerState]: ...
         def _encode(self, text: str, d: DomainTasks) -> Array | None: ...
@@ -103,7 +106,7 @@ class Evaluations:
                 expected[gid] = d.name
                 self._send_eval(Assignment(group_id=gid, prompt_ids=ids, num_samples=1, task=d.name,
                                            answer=task.answer, sampling=self.eval_sampling,
-                                           metadata={**task.metadata, EVAL_KEY: str(version)},
+                                           metadata={**task.metadata, EVAL_KEY: str(version), **self._seat(d, i)},
                                            prompt=task.prompt, domain=task.domain))
         if not expected:  # every prompt was unencodable (logged, counted): nothing to wait for
             log.warning("evaluation at version %d skipped: no held-out prompt could be encoded", version)
@@ -114,6 +117,15 @@ class Evaluations:
 
     def _eval_workers(self, version: int) -> list[WorkerState]:
         return [w for w in self.live_workers() if w.version >= version]
+
+    def _seat(self, d: DomainTasks, i: int) -> dict[str, str]:
+        """A held-out game's opponent (selfplay.eval_opponent) and the live policy's seat, which alternates
+        over the held-out games (roles[i % len(roles)]); {} for a domain that is no game."""
+        opponent = self.selfplay.eval_for(d.name) if self.selfplay is not None else None
+        if opponent is None:
+            return {}
+        roles = self.selfplay.games[d.name]
+        return {OPPONENT_KEY: opponent, SEAT_KEY: roles[i % len(roles)]}
 
     def _send_eval(self, a: Assignment) -> None:
         ready = self._eval_workers(int(a.metadata[EVAL_KEY])) or self.live_workers()

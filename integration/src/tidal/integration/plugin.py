@@ -1,6 +1,7 @@
 """The integration layer's built-ins, registered like any plugin: train backends (``single``,
-``fsdp2``, ``deepspeed``), launchers (``local``, ``ray``) and the benchmark engine ``simulated``.
-Factories import torch only when called."""
+``fsdp2``, ``deepspeed``), launchers (``local``, ``ray``), the benchmark engine ``simulated`` and the
+self-play opponent samplers (``mirror``, ``lagged``, ``pool``, ``fixed``). Factories import torch only
+when called."""
 
 from __future__ import annotations
 
@@ -54,3 +55,26 @@ def tidal_engines() -> dict[str, Any]:
         return SimulatedEngine(model, **options)
 
     return {"simulated": simulated}
+
+
+# the one list of opponent samplers: name -> class in tidal.integration.opponents
+_OPPONENT_CLASSES = {"mirror": "MirrorSampler", "lagged": "LaggedSampler", "pool": "PoolSampler",
+                     "fixed": "FixedSampler"}
+
+
+def _opponent(name: str):
+    def make(**options: Any) -> Any:
+        from tidal.integration import opponents
+
+        return getattr(opponents, _OPPONENT_CLASSES[name])(**options)
+
+    make.__doc__ = f"The {name} opponent sampler of self-play runs (tidal.integration.opponents)."
+    # pfsp_weighting shapes only the pfsp rule; the metrics' window changes no pick
+    acts_with = {"pfsp_weighting": {"rule": "pfsp"}} if name == "pool" else None
+    return declare(make, signature=f"tidal.integration.opponents:{_OPPONENT_CLASSES[name]}", acts_with=acts_with,
+                   metric_only=("window",))
+
+
+@hookimpl
+def tidal_opponents() -> dict[str, Any]:
+    return {name: _opponent(name) for name in _OPPONENT_CLASSES}

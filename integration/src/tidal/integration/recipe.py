@@ -121,6 +121,17 @@ class LaunchConfig(ConfigStruct):
     check_envs: bool = True
 
 
+class SelfPlayConfig(ConfigStruct):
+    """Self-play: who plays the seats of a multi-role (game) domain that the live policy does not."""
+
+    # an `opponent` plugin (`tidal plugins opponent`): mirror, lagged, pool, fixed; unset = not a self-play
+    # run (a multi-role domain is then played by the live policy in every seat, as mirror would)
+    opponent: PluginRef | None = None
+    # who the held-out games are played against: "scripted" (the environment's scripted player: a fixed
+    # yardstick, so eval/accuracy is the win-rate against it), "live", or "v<version>"
+    eval_opponent: str = "scripted"
+
+
 class RunConfig(ConfigStruct):
     name: str = "run"  # the run's name: its default folder and its reports
     run_dir: str = ""  # "" = runs/<name>-<date>-<time>
@@ -143,6 +154,7 @@ class RunConfig(ConfigStruct):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     monitor: MonitorConfig = msgspec.field(default_factory=MonitorConfig)
     launch: LaunchConfig = msgspec.field(default_factory=LaunchConfig)
+    selfplay: SelfPlayConfig = msgspec.field(default_factory=SelfPlayConfig)
 
     @property
     def batch_samples(self) -> int:
@@ -421,6 +433,12 @@ def set_by_the_run(cfg: RunConfig):
          (None, "the learner, or with launcher.options.weights_relay each node's relay", "")),
         ("rollout.domains", cfg.rollout.domains, w.domains,
          (cfg.domains, "from the top-level `[[domains]]`", "; list each domain under the top-level `[[domains]]`")),
+        ("learner.snapshot_every", cfg.learner.snapshot_every, lr.snapshot_every,
+         (None, "from `selfplay.opponent` (its `every`)", "; set the opponent's `every`")),
+        ("learner.snapshot_dir", cfg.learner.snapshot_dir, lr.snapshot_dir,
+         (None, "<run_dir>/snapshots with `selfplay.opponent`", "")),
+        ("rollout.episodes.snapshot_dir", cfg.rollout.episodes.snapshot_dir, w.episodes.snapshot_dir,
+         (None, "<run_dir>/snapshots with `selfplay.opponent`", "")),
     )
     if cfg.mode == "sync":
         yield ("learner.weights.every", cfg.learner.weights.every, lr.weights.every,

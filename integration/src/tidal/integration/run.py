@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -60,6 +61,7 @@ from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
 from tidal.integration.resume import ResumePoint, hold_lock, resume_point, wait_roles_gone
 from tidal.integration.samples import to_tensorboard
+from tidal.integration.selfplay import SNAPSHOTS, roles_of, snapshot_every
 from tidal.integration.supervisor import Supervisor, error_file, write_final
 from tidal.learner.config import ParallelConfig
 from tidal.rollout.tiny import load_tokenizer
@@ -133,6 +135,9 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         security=sec["learner"],
         weights=_weights(msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights,
                          sec["learner"], ipc_dir, ports.host if ports is not None else ""))
+    snapshots = _selfplay(cfg, run_dir)
+    if snapshots:  # self-play: the learner writes the opponents' snapshots there every N versions
+        learner = msgspec.structs.replace(learner, snapshot_every=snapshots[1], snapshot_dir=snapshots[0])
     check_lora(learner, nproc_learner)  # as the learner would at start, before any role starts
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),
@@ -143,15 +148,35 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
              _role("learner", "learner", "tidal.integration.learner", learner, roles_dir, learner_threads)]
     relay = {"serve": f"ipc://{relay_dir}/weights", "publish": f"ipc://{relay_dir}/announce"} if relay_dir else {}
     roles += [_role(w.name, "rollout", "tidal.rollout.worker.process", w, roles_dir, worker_threads)
-              for w in _workers(cfg, run_dir, ep, sec, relay)]
+              for w in _workers(cfg, run_dir, ep, sec, relay, snapshots[0] if snapshots else "")]
     if relay:
         roles.append(_relay_role(cfg, ep, sec["relay"], relay, roles_dir))
     return roles, ep
 
 
+def _selfplay(cfg: RunConfig, run_dir: Path) -> tuple[str, int] | None:
+    """With `selfplay.opponent`: (the snapshot folder, every how many versions the learner writes one);
+    refused when no domain is a game (an environment with `roles`) or the eval opponent is no opponent."""
+    sp = cfg.selfplay
+    if sp.opponent is None:
+        return None
+    sampler = registry.build("opponent", sp.opponent.name, sp.opponent.options, field="selfplay.opponent")
+    games = [d.key for i, d in enumerate(cfg.domains)
+             if roles_of(registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"))]
+    if not games:
+        raise ConfigError(f"selfplay.opponent = {sp.opponent.name!r} but no domain is a game of several roles "
+                          f"(an environment with `roles`, e.g. nim): remove [selfplay] or add such a domain",
+                          field="selfplay.opponent")
+    if not (sp.eval_opponent in ("scripted", "live") or re.fullmatch(r"v\d+", sp.eval_opponent)):
+        raise ConfigError(f"selfplay.eval_opponent = {sp.eval_opponent!r}: give \"scripted\", \"live\" or "
+                          f"\"v<version>\"", field="selfplay.eval_opponent")
+    return str(run_dir / SNAPSHOTS), snapshot_every(sampler)
+
+
 def _workers(cfg: RunConfig, run_dir: Path, ep: dict[str, str], sec: dict[str, ChannelSecurity],
-             relay: dict[str, str]) -> list[Any]:
-    """The rollout workers' configs; with `relay` (its endpoints) each takes weights from its node's relay."""
+             relay: dict[str, str], snapshot_dir: str = "") -> list[Any]:
+    """The rollout workers' configs; with `relay` (its endpoints) each takes weights from its node's relay;
+    with `snapshot_dir` (self-play) each serves the opponents' snapshots from there."""
     out = []
     for i in range(cfg.workers):
         out.append(msgspec.structs.replace(
@@ -162,7 +187,7 @@ def _workers(cfg: RunConfig, run_dir: Path, ep: dict[str, str], sec: dict[str, C
             weight_transport=_receiver_security(cfg.rollout.weight_transport, sec[f"rollout-{i}"],
                                                 "relay" if relay else "learner"),
             # its environment processes (multi-turn domains) log beside the roles
-            episodes=msgspec.structs.replace(cfg.rollout.episodes,
+            episodes=msgspec.structs.replace(cfg.rollout.episodes, snapshot_dir=snapshot_dir,
                                              log_dir=cfg.rollout.episodes.log_dir or str(run_dir / "logs")),
             # what the model wrote: RUN_DIR/samples/rollout-<i>.jsonl (`tidal samples RUN_DIR`)
             transcripts=msgspec.structs.replace(cfg.rollout.transcripts,

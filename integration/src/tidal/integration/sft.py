@@ -177,7 +177,8 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
                      seed: int = 0, max_tokens: int = 24, stop: tuple[str, ...] = ("\n",),
                      episode_tokens: int = 128, renderer: str = "plain") -> dict[str, float]:
     """Held-out accuracy of `model_path` on a multi-turn environment: one episode per eval task, played
-    to its end in this process (embedded engine, the environment in-process: `LocalEpisodes`).
+    to its end in this process (embedded engine, the environment in-process: `LocalEpisodes`); a game's
+    against its scripted player (accuracy = the win-rate).
     Returns {"accuracy", "tool_calls_per_episode", "tool_error_rate", "turns_per_episode", "failed"}."""
     tok = load_tokenizer(model_path)
     env = registry.build("env", env_name, env_options)
@@ -187,7 +188,8 @@ def episode_accuracy(model_path: str | Path, env_name: str, env_options: dict, n
     try:
         runs = run_episodes(engine, tok, pool, env_name, tasks,
                             SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=list(stop), seed=seed),
-                            EpisodesConfig(max_tokens=episode_tokens), lambda: registry.build("renderer", renderer, {}, tok))
+                            EpisodesConfig(max_tokens=episode_tokens), lambda: registry.build("renderer", renderer, {}, tok),
+                            roles=tuple(getattr(env, "roles", ())))
     finally:
         engine.close()
     done = [r for r in runs if r is not None]

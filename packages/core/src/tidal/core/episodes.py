@@ -33,9 +33,18 @@ AGENT = "agent"  # the role of a single-agent episode
 # observations and its turns become its own sample. `outcome()` returns every role's reward (a mapping).
 # Task metadata the worker sets when it opens such an episode:
 SCRIPTED_KEY = "tidal.scripted"  # roles (comma-separated) the environment plays itself, with its scripted player
+# Assignment metadata: the role the live policy plays in every episode of the group (evaluation sets it per
+# held-out game); unset, sample i of a group plays roles[i % len(roles)]
+SEAT_KEY = "tidal.seat"
 # Trajectory metadata of a multi-role episode's samples:
 ROLE_KEY = "tidal.role"  # the role (seat) the sample's tokens played
 OPPONENT_KEY = "tidal.opponent"  # who sat in the other seats: "live", "v<version>" (a snapshot), "scripted"
+
+
+def snapshot_name(version: int) -> str:
+    """The file name of the self-play snapshot of policy `version` in a run's snapshot folder (the learner
+    writes it, rollout workers load it, the controller lists the folder)."""
+    return f"v{version:06d}.safetensors"
 
 
 class Observation(msgspec.Struct, kw_only=True):

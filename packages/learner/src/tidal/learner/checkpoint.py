@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from tidal.core.episodes import snapshot_name
 from tidal.learner.best import link
 
 SINGLE_FILE = "state.pt"  # a one-process checkpoint's model + optimizer + scheduler
@@ -129,6 +130,34 @@ def export_hf(path: str | Path, backend: Any, source_model: str | Path) -> Path 
     if not rank0:
         return None
     return write_hf(path, state, source_model)
+
+
+def snapshot_path(folder: str | Path, version: int) -> Path:
+    """Where the self-play snapshot of `version` lives (the rollout workers read the same name)."""
+    return Path(folder) / snapshot_name(version)
+
+
+def write_snapshot(folder: str | Path, backend: Any, version: int) -> Path | None:
+    """The current weights as one safetensors file, `snapshot_path(folder, version)` (self-play opponents).
+    Every rank must call it (the gathers are collective); rank 0 writes, to a temporary name renamed when
+    complete, so a reader never sees half a file."""
+    # heavy: safetensors' torch half; only writing a snapshot needs it
+    from safetensors.torch import save_file
+
+    rank0 = _rank() == 0
+    state = {}
+    weights = getattr(backend, "export_weights", backend.named_weights)
+    for name, t in weights():
+        if rank0:
+            state[name] = t.detach().to("cpu", copy=True).contiguous()
+    if not rank0:
+        return None
+    path = snapshot_path(folder, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata={"version": str(version)})
+    os.replace(tmp, path)
+    return path
 
 
 def write_hf(path: str | Path, state: dict[str, torch.Tensor], source_model: str | Path) -> Path:

@@ -154,6 +154,11 @@ class LearnerConfig(ConfigStruct):
     # Hugging Face folder (safetensors, config, tokenizer, generation config); "" = not written.
     # `tidal run` sets it to <run_dir>/model
     export_dir: str = ""
+    # self-play: frozen snapshots of the policy every N versions (and version 0 at a fresh start), written
+    # as <snapshot_dir>/v<version>.safetensors (whole weights, a LoRA run's merged) for the rollout workers
+    # to play against; 0 = none. `tidal run` sets both from the recipe's `selfplay.opponent`
+    snapshot_every: int = 0
+    snapshot_dir: str = ""
     max_steps: int = 0  # stop after this many steps; 0 = run until stopped
     simulate_s_per_sample: float = 0.0  # benchmarks only: extra sleep per trained sample (tools/bench/pipeline.py)
     record_trained_ids: bool = False  # keep every trained trajectory id in the checkpoint (audits, fault tests)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tidal.core.arrays import Array
 from tidal.core.errors import ConfigError
 from tidal.core.protocol import TOPIC_METRICS, Batch, Metrics
-from tidal.learner.checkpoint import Checkpointer, export_hf
+from tidal.learner.checkpoint import Checkpointer, export_hf, write_snapshot
 from tidal.learner.config import LearnerConfig
 from tidal.learner.metrics import step_metrics
 from tidal.learner.publisher import Publisher
@@ -65,7 +65,9 @@ class Trainer(Protocol):
     def step(self, work: Any) -> dict[str, float]: ...
 
     # optional: `published(version)`, called after the weights of `version` were handed to the publisher;
-    # `at_version(version)`, called before each step with the policy version the step trains from
+    # `at_version(version)`, called before each step with the policy version the step trains from;
+    # `state_dict()` / `load_state_dict(state)`: JSON-able state of its own that checkpoints keep (under
+    # "trainer" in progress.json, rank 0's, restored on every rank), e.g. an advantage estimator's baselines
 
 
 class SequenceShare(Protocol):
@@ -142,6 +144,8 @@ class Learner:
             self.samples_trained = int(progress.get("samples_trained", 0))
             self.trained_ids = list(progress.get("trained_ids", []))
             self.trained.extend(progress.get("trained", []))
+            if "trainer" in progress and hasattr(self.trainer, "load_state_dict"):
+                self.trainer.load_state_dict(progress["trainer"])
             log.info("resumed from %s at step %d (version %d)", self.checkpointer.latest, self.step, self.version)
 
     def _source(self, prepare: Prepare, connect: Connect | None) -> BatchSource:
@@ -201,9 +205,11 @@ class Learner:
         now (with what an earlier background one recorded), or with a later request."""
         # every rank's (any rank may be served one again), once each (after a resume every rank holds all)
         trained = list(dict.fromkeys(self.gather_ids(list(self.trained))))
+        own = self.trainer.state_dict() if hasattr(self.trainer, "state_dict") else {}  # the same on every rank
         progress = {"step": self.step, "version": self.version, "trained": trained,
                     "samples_trained": self.samples_trained,
-                    **({"trained_ids": list(self.trained_ids)} if self.cfg.record_trained_ids else {})}
+                    **({"trained_ids": list(self.trained_ids)} if self.cfg.record_trained_ids else {}),
+                    **({"trainer": own} if own else {})}
         covers, self.unacked = self.unacked, []
         ready = self.checkpointer.save(progress, covers, background)
         if background:
@@ -247,6 +253,19 @@ class Learner:
         published = getattr(self.trainer, "published", None)
         if published is not None:  # a trainer that anchors to the weights it published (lag_logprobs)
             published(self.version)
+
+    def snapshot(self, first: bool = False) -> None:
+        """Self-play: the frozen snapshot of this version when `snapshot_every` asks for one (collective).
+        `first`: the start of the loop, which writes version 0 (the starting policy, the pool's first
+        opponent) on a fresh start and nothing on a resume (its version was written before)."""
+        every, folder = self.cfg.snapshot_every, self.cfg.snapshot_dir
+        if not every or not folder or (first and self.version > 0) or self.version % every:
+            return
+        t0 = time.perf_counter()
+        path = write_snapshot(folder, self.backend, self.version)
+        if path is not None:
+            log.info("snapshot of version %d written to %s (%.0f ms)", self.version, path,
+                     (time.perf_counter() - t0) * 1e3)
 
     def wait_published(self) -> None:
         """Block until the weights being sent in the background are packed and announced (before the

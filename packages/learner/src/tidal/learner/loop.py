@@ -28,6 +28,7 @@ def run(learner: Learner) -> int:
         # resumed from a checkpoint: the generators (started over, or resumed with the run) get its
         # weights now, not after the next step (which waits for samples made with them)
         learner.publish_weights()
+    learner.snapshot(first=True)
     try:
         while cfg.max_steps == 0 or learner.step < cfg.max_steps:
             if not learner.everyone(not learner.stopped):
@@ -82,6 +83,7 @@ def train_one(learner: Learner) -> dict[str, float] | None:
     t_ckpt = time.perf_counter()
     if cfg.weights.every and learner.step % cfg.weights.every == 0:
         learner.publish_weights()
+    learner.snapshot()
     t_end = time.perf_counter()
     metrics.update({"train/ack_checkpoint_s": t_ckpt - t_train, "train/publish_s": t_end - t_ckpt})
     timing = {"train/step_s": t_end - t0, "train/wait_batch_s": t_batch - t0, "train/compute_s": t_train - t_batch,

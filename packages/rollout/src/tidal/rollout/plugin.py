@@ -1,8 +1,9 @@
 """tidal-rollout's built-ins, registered through the `tidal` entry point like any third-party plugin:
 engines (``embedded``, ``vllm``), environments (``arithmetic``, ``countdown``, ``reverse``; the episodic
-``multiply``), reward functions (``exact_match``, the LLM ``judge``), tools (``calculator``, ``python``) and tool-call parsers
-(``tags``, ``json``). Factories import their modules only when called, so scanning plugins imports no torch; each declares
-the signature its options are checked against (`tidal.core.plugin_options`).
+``multiply``; the two-player game ``nim``, for self-play), reward functions (``exact_match``, the LLM
+``judge``), tools (``calculator``, ``python``) and tool-call parsers (``tags``, ``json``). Factories import their
+modules only when called, so scanning plugins imports no torch; each declares the signature its options are
+checked against (`tidal.core.plugin_options`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def multiply(**options: Any) -> Any:
     from tidal.rollout.envs.multiply import Multiply
 
     return Multiply(**options)
+
+
+@declare(signature="tidal.rollout.envs.nim:Nim", acts_with={"scripted_epsilon": {"scripted": "optimal"}})
+def nim(**options: Any) -> Any:
+    """Nim, a two-player game for self-play: take 1..max_take stones, the last stone wins (+1/-1 per role)."""
+    # imported when called, like every factory here: scanning plugins stays cheap and imports no torch
+    from tidal.rollout.envs.nim import Nim
+
+    return Nim(**options)
 
 
 @declare(signature="tidal.rollout.agent.env:AgentEnv")
@@ -160,7 +170,7 @@ def tidal_engines() -> dict[str, Any]:
 @hookimpl
 def tidal_envs() -> dict[str, Any]:
     return {"arithmetic": arithmetic, "countdown": countdown, "reverse": reverse, "multiply": multiply,
-            "agent": agent}
+            "nim": nim, "agent": agent}
 
 
 @hookimpl

@@ -34,8 +34,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -98,6 +98,8 @@ class _Open:
     max_turns: int
     domain: str
     turns: int = 0
+    roles: tuple[str, ...] = ()  # a multi-role episode's (self-play); () = one role
+    role_turns: dict[str, int] = field(default_factory=dict)  # multi-role: max_turns counts each role's own
 
 
 class _Failed(Exception):
@@ -225,10 +227,13 @@ class EpisodeHost:
             if episode is not None:  # it may have started something before it failed
                 self._close(episode, msg.episode_id)
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
-        self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain)
+        roles = tuple(str(r) for r in getattr(episode, "roles", ()))
+        roles = roles if len(roles) > 1 else ()
+        self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain, roles=roles)
         messages, text, dropped = self._capped(obs)
         return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=messages, token_ids=obs.token_ids, text=text,
-                            tools=tools, max_turns=env.max_turns, stop=stop, info=observation_info(dropped))
+                            tools=tools, max_turns=env.max_turns, stop=stop, info=observation_info(dropped),
+                            roles=list(roles), role=obs.role if roles else "")
 
     def _capped(self, obs: Observation | None) -> tuple[list[ChatMessage], str | None, int]:
         """An observation's messages and text within max_observation_chars (and the characters dropped)."""
@@ -255,15 +260,20 @@ class EpisodeHost:
         reward = self._reward(result.reward, "step()", op.episode.step, op, msg.episode_id)
         op.turns += 1
         done = bool(result.done)
-        if not done and op.turns >= op.max_turns:
-            done, info[MAX_TURNS_REACHED] = True, 1.0
         obs = result.observation
+        if op.roles:  # each role's own actions count against max_turns
+            op.role_turns[msg.role] = op.role_turns.get(msg.role, 0) + 1
+            if not done and obs is not None and op.role_turns.get(obs.role, 0) >= op.max_turns:
+                done, info[MAX_TURNS_REACHED] = True, 1.0
+        elif not done and op.turns >= op.max_turns:
+            done, info[MAX_TURNS_REACHED] = True, 1.0
         if not done:
             messages, text, dropped = self._capped(obs)
             info.update(observation_info(dropped))
             return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info,
                                 messages=messages, token_ids=obs.token_ids if obs else None, text=text,
-                                restart=bool(obs.restart) if obs else False)
+                                restart=bool(obs.restart) if obs else False,
+                                role=obs.role if obs is not None and op.roles else "")
         env = self.envs[op.domain]  # a single-turn env's reward is its score(): name that in an error
         scorer = env.env.score if isinstance(env, SingleTurnEpisodes) else op.episode.outcome
         try:
@@ -273,6 +283,15 @@ class EpisodeHost:
                                    reward) from None
         except Exception as e:
             raise _Failed("verifier_error", f"outcome() failed: {_describe(e)}", reward) from e
+        if op.roles:  # a multi-role episode: every role's reward
+            if not isinstance(value, Mapping) or set(map(str, value)) != set(op.roles):
+                raise _Failed("verifier_error", f"outcome() of a multi-role episode must map each of its roles "
+                                                f"{list(op.roles)} to a reward; got {value!r:.120}", reward)
+            outcomes = {str(k): self._reward(v, f"outcome()[{k!r}]", scorer, op, msg.episode_id, reward)
+                        for k, v in value.items()}
+            self.forget(msg.episode_id)
+            return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,
+                                outcomes=outcomes)
         outcome = self._reward(value, "outcome()", scorer, op, msg.episode_id, reward)
         self.forget(msg.episode_id)
         return EpisodeReply(episode_id=msg.episode_id, seq=msg.seq, reward=reward, info=info, done=True,

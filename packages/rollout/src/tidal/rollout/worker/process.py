@@ -102,6 +102,7 @@ class _Group:
     eval: bool = False  # an evaluation group: scored trajectories go back to the controller, not the buffer
     episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
     left_out: list[str] = field(default_factory=list)  # why each failed episode was left out (survivors)
+    scores: list[float] = field(default_factory=list)  # self-play: the live seat's reward per episode (Ack.scores)
 
 
 class RolloutWorker:
@@ -289,7 +290,10 @@ class RolloutWorker:
                        f"member (ReMax's); choose another advantage estimator for it")
             return
         if group.episodic:
-            self._multiturn().start(a, task)
+            try:
+                self._multiturn().start(a, task, roles=tuple(getattr(self.domains.env(a.task), "roles", ())))
+            except ValueError as e:  # an opponent this worker cannot seat
+                self._drop(group, "env_error", str(e))
             return
         requests = list(iter_requests(a))
         for i, r in enumerate(requests):
@@ -299,7 +303,7 @@ class RolloutWorker:
     def _multiturn(self) -> MultiTurn:
         if self.multiturn is None:
             self.multiturn = start_multiturn(self.cfg.name, self.cfg.episodes, self.cfg.domains, self.engine,
-                                             self.tokenizer)
+                                             self.tokenizer, model=self.cfg.model)
         return self.multiturn
 
     def _poll_episodes(self) -> None:
@@ -314,6 +318,8 @@ class RolloutWorker:
                 continue
             if gid is not None and gid in self.groups:
                 self._deliver(self.groups[gid], [])
+        for res in mt.poll_snapshots():  # the opponent seats' turns (self-play)
+            self._on_result(res)
 
     def _episode_failed(self, e: EpisodeFailed) -> None:
         """`episodes.on_error` through `MultiTurn.on_failure`: retried, waited out, delivered on the
@@ -430,6 +436,7 @@ class RolloutWorker:
         gid = group.assignment.group_id
         members = self.multiturn.trajectories(gid, self.cfg.name)
         group.left_out = self.multiturn.left_out(gid)
+        group.scores = self.multiturn.scores(gid)
         if not group.eval:
             self.transcripts.write_episodes(group.assignment, self.multiturn.runs)
         self.multiturn.forget(gid)
@@ -482,7 +489,7 @@ class RolloutWorker:
             if group.left_out:
                 self.counters["groups_trained_on_survivors"] += 1
             self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], left_out=len(group.left_out),
-                               detail=group.left_out[0] if group.left_out else ""))
+                               detail=group.left_out[0] if group.left_out else "", scores=group.scores))
 
     # ------------------------------------------------------------------ reporting
 
@@ -546,6 +553,8 @@ class RolloutWorker:
     def _close(self, ctl_linger: float | None = None) -> None:
         if self.multiturn is not None:
             self.multiturn.pool.close()
+            if self.multiturn.snapshots is not None:
+                self.multiturn.snapshots.close()
         self._results.close()
         self.scoring.close()
         self.engine.close()
