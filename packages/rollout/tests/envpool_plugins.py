@@ -15,6 +15,9 @@
 - ``raising_step``: its step raises.
 - ``raising_verifier``: done after one step, then `outcome()` raises.
 - ``dies_on_open``: the process exits as an episode starts (a crash loop).
+- ``duel``: two roles, "a" and "b", alternately `moves` turns each, any text accepted; "a" wins (+1, "b"
+  -1) when its actions hold more characters in all. A role named in the task's ``tidal.scripted`` is played
+  by the environment (it answers "x"); every action each role took is kept by role (`DuelEpisode.log`).
 - ``flaky``: done after one step; the episodes this env object makes are numbered as opened, and those
   numbered in `fail` have an `outcome()` that raises (the author's text names the episode number).
 """
@@ -26,7 +29,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from tidal.core.episodes import AGENT, Observation, StepResult
+from tidal.core.episodes import AGENT, SCRIPTED_KEY, Observation, StepResult
 from tidal.core.interfaces import Task
 from tidal.core.plugins import hookimpl
 from tidal.core.protocol import ChatMessage, ToolSpec
@@ -212,6 +215,54 @@ class Flaky(_Env):
         return FlakyEpisode(task, self.opened - 1, self.opened - 1 in self.fail)
 
 
+class DuelEpisode(_Episode):
+    roles = ("a", "b")
+
+    def __init__(self, task: Task, moves: int) -> None:
+        super().__init__(task)
+        self.moves, self.turn = moves, 0
+        self.scripted = {r for r in task.metadata.get(SCRIPTED_KEY, "").split(",") if r}
+        self.log: dict[str, list[str]] = {"a": [], "b": []}
+
+    def _next(self) -> Observation | None:
+        """Play scripted turns, then the observation of the role to move (None: the duel is over)."""
+        while self.turn < 2 * self.moves:
+            role = self.roles[self.turn % 2]
+            if role not in self.scripted:
+                return Observation(text=f"{self.task.prompt} {role} {self.turn}:", role=role)
+            self.log[role].append("x")
+            self.turn += 1
+        return None
+
+    def reset(self) -> Observation:
+        obs = self._next()
+        assert obs is not None
+        return obs
+
+    def step(self, action: str, role: str = AGENT) -> StepResult:
+        expected = self.roles[self.turn % 2]
+        if role != expected:
+            raise ValueError(f"role {role!r} moved on {expected!r}'s turn")
+        self.log[role].append(action)
+        self.turn += 1
+        obs = self._next()
+        return StepResult(observation=obs, done=obs is None)
+
+    def outcome(self) -> dict[str, float]:
+        a, b = (sum(map(len, self.log[r])) for r in self.roles)
+        return {"a": 1.0 if a > b else -1.0, "b": -1.0 if a > b else 1.0}
+
+
+class Duel(_Env):
+    roles = ("a", "b")
+
+    def __init__(self, moves: int = 2) -> None:
+        self.moves = moves
+
+    def episode(self, task: Task) -> DuelEpisode:
+        return DuelEpisode(task, self.moves)
+
+
 class DiesOnOpen(_Env):
     def episode(self, task: Task) -> _Episode:
         os._exit(3)
@@ -222,4 +273,4 @@ def tidal_envs():
     return {"counting": Counting, "sleepy": _env_of(SleepyEpisode), "raising_step": _env_of(RaisingStepEpisode),
             "raising_verifier": _env_of(RaisingVerifierEpisode), "dies_on_open": DiesOnOpen,
             "sleepy_open": _env_of(SleepyOpenEpisode), "slow_build": SlowBuild, "raising_build": RaisingBuild,
-            "flooding": Flooding, "bad_reward": BadReward, "bad_score": BadScore, "flaky": Flaky}
+            "flooding": Flooding, "bad_reward": BadReward, "bad_score": BadScore, "flaky": Flaky, "duel": Duel}

@@ -51,6 +51,7 @@ class SnapshotEngines:
         """The engine of `version`, loaded now if it is not held (OpponentUnavailable when it cannot be)."""
         if version in self.engines:
             self.engines.move_to_end(version)
+            self._evict(keep=version)  # one kept past `held` while it was busy may go now
             return self.engines[version]
         path = self.path(version)
         if not path.is_file():
@@ -66,7 +67,7 @@ class SnapshotEngines:
             weights = load_file(str(path))
         except Exception as e:  # a truncated or foreign file: this opponent cannot be played
             raise OpponentUnavailable(f"snapshot {path} is unreadable: {type(e).__name__}: {e}") from None
-        engine = EmbeddedEngine(self.model, device=self.device, max_num_seqs=self.max_num_seqs, version=version,
+        engine = EmbeddedEngine(self.model, device=self.device, max_num_seqs=self.max_num_seqs, version=-1,
                                 tokenizer=self.tokenizer)
         try:
             engine.update_weights(list(weights.items()), version)
@@ -78,11 +79,13 @@ class SnapshotEngines:
         self.counters["load_s"] += time.perf_counter() - t0
         log.info("opponent snapshot of version %d loaded from %s in %.0f ms (%d held)", version, path,
                  (time.perf_counter() - t0) * 1e3, len(self.engines))
-        self._evict()
+        self._evict(keep=version)
         return engine
 
-    def _evict(self) -> None:
-        busy = set(self.inflight.values())
+    def _evict(self, keep: int) -> None:
+        """Close the least recently used engines past `held`, never `keep` (about to be used) nor one with
+        a turn in flight (then more than `held` stay until those turns end)."""
+        busy = {*self.inflight.values(), keep}
         for version in list(self.engines):
             if len(self.engines) <= self.held:
                 return
