@@ -193,8 +193,12 @@ def _warm_accuracy(cfg: RunConfig, env) -> float:
     stats = episode_accuracy(cfg.model, d.env.name, dict(d.env.options), n=cfg.eval.size, seed=cfg.seed,
                              max_tokens=cfg.sampling.max_tokens, stop=tuple(cfg.sampling.stop),
                              episode_tokens=ep.max_tokens, renderer=ep.renderer.name)
-    print(f"      warm start: {stats['tool_calls_per_episode']:.2f} tool calls per episode, tool errors "
-          f"{100 * stats['tool_error_rate']:.1f}%, {stats['turns_per_episode']:.2f} turns", flush=True)
+    if d.env.name == "nim":  # a game: held-out accuracy is the win-rate against the scripted player
+        print(f"      warm start: {stats['turns_per_episode']:.2f} moves per game; held-out accuracy = games won "
+              f"against the scripted player ({d.env.options.get('scripted', 'random')})", flush=True)
+    else:
+        print(f"      warm start: {stats['tool_calls_per_episode']:.2f} tool calls per episode, tool errors "
+              f"{100 * stats['tool_error_rate']:.1f}%, {stats['turns_per_episode']:.2f} turns", flush=True)
     return stats["accuracy"]
 
 

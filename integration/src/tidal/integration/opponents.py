@@ -32,7 +32,7 @@ _SNAPSHOT = re.compile(r"v(0|[1-9][0-9]*)")
 _AGAINST = ("pool", "live", "scripted")  # the groups of results the win-rate metrics report
 
 
-def snapshot_name(version: int) -> str:
+def snapshot_opponent(version: int) -> str:
     """The opponent name of the frozen snapshot of `version`: ``"v<version>"``."""
     return f"v{version}"
 
@@ -244,7 +244,7 @@ class LaggedSampler(_Sampler):
         self._live = max(self._live, live_version)
         self._prune()
         target = self._target(live_version)
-        return self._picked(LIVE if target is None else snapshot_name(target))
+        return self._picked(LIVE if target is None else snapshot_opponent(target))
 
     def keep(self, version: int) -> bool:
         return version >= 0 and version % self.every == 0
@@ -329,13 +329,13 @@ class PoolSampler(_Sampler):
         versions, weights = self._weighted()
         total = sum(weights)
         return {LIVE: self.live_prob,
-                **{snapshot_name(v): (1 - self.live_prob) * w / total for v, w in zip(versions, weights, strict=True)}}
+                **{snapshot_opponent(v): (1 - self.live_prob) * w / total for v, w in zip(versions, weights, strict=True)}}
 
     def pick(self, live_version: int, rng: random.Random) -> str:
         if not self._pool or rng.random() < self.live_prob:
             return self._picked(LIVE)
         versions, weights = self._weighted()
-        return self._picked(snapshot_name(rng.choices(versions, weights)[0]))
+        return self._picked(snapshot_opponent(rng.choices(versions, weights)[0]))
 
     # ------------------------------------------------------------------ the pool
 
@@ -390,8 +390,8 @@ class PoolSampler(_Sampler):
         ordinal mu - 3 sigma, which would also move as the uncertainty shrinks)."""
         return {**super().metrics(), "selfplay/pool_size": float(len(self._pool)),
                 "selfplay/rating/live": self._live.mu,
-                **{f"selfplay/rating/{snapshot_name(v)}": r.mu for v, r in sorted(self._pool.items())}}
+                **{f"selfplay/rating/{snapshot_opponent(v)}": r.mu for v, r in sorted(self._pool.items())}}
 
 
 __all__ = ["LIVE", "SCRIPTED", "FixedSampler", "LaggedSampler", "MirrorSampler", "OpponentSampler", "PoolSampler",
-           "snapshot_name", "snapshot_version"]
+           "snapshot_opponent", "snapshot_version"]

@@ -6,6 +6,11 @@ the sampler's logprobs and the learner's recomputation, per version. A run with 
 adds a row: tool calls per episode and the tool-error rate, turns per episode, and what episodes cost
 (splits, truncations, drops), each from the rollout workers' counters, per metrics window.
 
+A self-play run (`selfplay.opponent`) adds a row from the controller's opponent sampler: win-rates over
+time (held-out games against the scripted player, i.e. eval/accuracy, and the training games against the
+pool's snapshots and against itself), the pool's size, and each opponent's rating (OpenSkill mu; the live
+policy's and every snapshot's while it is in the pool).
+
 The health row: throughput over time (samples trained per second by the learner, samples generated per
 second by the workers), buffer depth and the gate's samples in flight over time, and the run's events.
 Events are metrics rows with a key `event/KIND` = 1 (restart: the driver restarted a role, its name in
@@ -115,6 +120,46 @@ EVENT_STYLE = {"restart": ("tab:red", "--"), "stall": ("black", "-"), "resume": 
                "drop_rate": ("tab:orange", ":")}
 
 
+def selfplay_series(rows: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """The controller's `selfplay/*` scalars over wall-clock minutes, by key ({} for a run without)."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for r in rows:
+        if r["source"] != "controller":
+            continue
+        for k, v in r["scalars"].items():
+            if k.startswith("selfplay/"):
+                t, y = out.setdefault(k, ([], []))
+                t.append(r["elapsed"] / 60)
+                y.append(v)
+    return out
+
+
+def _plot_selfplay(ax, sp: dict[str, tuple[list[float], list[float]]], evals: list[dict]) -> None:
+    if evals:
+        ax[0].plot([r["elapsed"] / 60 for r in evals], [100 * r["scalars"]["eval/accuracy"] for r in evals], "o-",
+                   color="tab:green", label="held-out vs the eval opponent")
+    for key, color in (("selfplay/win_rate/vs_pool", "tab:blue"), ("selfplay/win_rate/vs_live", "tab:gray")):
+        if key in sp:
+            ax[0].plot(sp[key][0], [100 * v for v in sp[key][1]], lw=1, color=color,
+                       label=f"training games {key.rsplit('/', 1)[1].replace('_', ' ')}")
+    ax[0].set(title="win-rate", xlabel="wall-clock (min)", ylabel="games won (%)", ylim=(0, 100))
+    ax[0].legend(fontsize=8)
+    if "selfplay/pool_size" in sp:
+        ax[1].plot(*sp["selfplay/pool_size"], lw=1, color="tab:purple")
+    ax[1].set(title="opponent pool size", xlabel="wall-clock (min)", ylabel="snapshots")
+    ratings = sorted((k for k in sp if k.startswith("selfplay/rating/")),
+                     key=lambda k: (k != "selfplay/rating/live", int(k.rsplit("/v", 1)[-1]) if "/v" in k else 0))
+    end = max((t[-1] for t, _ in sp.values()), default=0.0)
+    for k in ratings:  # every snapshot's line while it was in the pool; the legend names the pool at the end
+        live = k == "selfplay/rating/live"
+        last = live or sp[k][0][-1] >= end
+        ax[2].plot(*sp[k], lw=2 if live else 0.8, color="black" if live else None, alpha=1.0 if last else 0.35,
+                   label=k.rsplit("/", 1)[1] if last else None)
+    ax[2].set(title="ratings (OpenSkill mu; legend: the final pool)", xlabel="wall-clock (min)", ylabel="mu")
+    if ratings:
+        ax[2].legend(fontsize=7, ncol=2)
+
+
 def events(rows: list[dict]) -> list[tuple[float, str, str]]:
     """(minutes into the run, kind, detail) of each event row: restart (detail: the role), stall, resume."""
     out = []
@@ -215,10 +260,11 @@ def _plot_training(ax, learner: list[dict], evals: list[dict]) -> None:
     ax[1, 2].set(title="mismatch KL (sampler vs learner)", xlabel="policy version", ylabel="KL")
 
 
-def _mark_events(ax, evs: list, episodes: dict) -> None:
+def _mark_events(ax, evs: list, episodes: dict, selfplay: bool = False) -> None:
     """A vertical line on every plot over wall-clock time where the run restarted a role, stalled or was
     resumed."""
-    timed = [ax[0, 0], ax[0, 1], ax[-1, 0], ax[-1, 1], ax[-1, 2]] + (list(ax[2]) if episodes else [])
+    timed = [ax[0, 0], ax[0, 1], ax[-1, 0], ax[-1, 1], ax[-1, 2]] + (list(ax[2]) if episodes else []) \
+        + (list(ax[-2]) if selfplay else [])
     for at, kind, _ in evs:
         color, style = EVENT_STYLE.get(kind, ("tab:gray", "-"))
         for a in timed:
@@ -259,17 +305,22 @@ def report(run_dir: str | Path) -> Path:
     learner = [r for r in rows if r["source"] == "learner-0"]
     evals = [r for r in rows if r["source"] == "controller" and "eval/accuracy" in r["scalars"]]
     episodes = episode_rates(rows)
+    sp = selfplay_series(rows)
     evs = events(rows)
-    nrows = 4 if episodes else 3
+    nrows = 3 + bool(episodes) + bool(sp)
     fig, ax = plt.subplots(nrows, 3, figsize=(15, 4.2 * nrows + 0.5))
     _plot_training(ax, learner, evals)
     if episodes:
         _plot_episodes(ax[2], episodes)
+    if sp:
+        _plot_selfplay(ax[-2], sp, evals)
     _plot_health(ax[-1], rows, evs)
-    _mark_events(ax, evs, episodes)
+    _mark_events(ax, evs, episodes, bool(sp))
     for a in ax.flat:
         a.grid(alpha=0.3)
     summary = _report_summary(run_dir, rows, evs, episodes)
+    if sp:  # the sampler's last word: pool, ratings, win-rates
+        summary["selfplay"] = {k.removeprefix("selfplay/"): v[1][-1] for k, v in sp.items()}
     fig.suptitle(_report_title(run_dir, summary))
     fig.tight_layout()
     png = run_dir / "report.png"

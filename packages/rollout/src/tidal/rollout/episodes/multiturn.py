@@ -263,8 +263,8 @@ class MultiTurn:
             if live not in roles:
                 raise ValueError(f"assignment {a.group_id}: seat {live!r} is not one of the roles {list(roles)}")
             run.live_role, run.opponent = live, opponent
-            if opponent == "live":
-                run.seats = {r: Seat(role=r) for r in roles}
+            if opponent == "live":  # every seat the live policy's; trained unless a seat of record is named
+                run.seats = {r: Seat(role=r, trained=SEAT_KEY not in a.metadata or r == live) for r in roles}
             elif opponent == "scripted":  # the environment plays the other seats
                 run.seats = {live: Seat(role=live)}
                 task = msgspec.structs.replace(task, metadata={**task.metadata,
