@@ -247,3 +247,47 @@ def test_the_controller_measures_its_load_its_backlog_and_how_long_a_version_tak
             w.close()
         ctl.close()
         learner.close()
+
+
+def test_selfplay_groups_carry_their_opponent_and_the_gate_counts_every_seat(tmp_path):
+    """A self-play run's controller: each training group of the game names its opponent (the pool's pick),
+    a mirror game's group holds group_size / 2 games (two samples each), held-out games are played
+    against the scripted player with the live seat alternating, and the live seat's results rate the
+    opponent the group was played against."""
+    from tidal.core.episodes import OPPONENT_KEY, SEAT_KEY
+    from tidal.core.protocol import Ack
+    from tidal.integration.recipe import recipes_dir
+    from tidal.rollout.worker.process import EVAL_KEY
+
+    recipe = recipes_dir() / "selfplay.toml"
+    cfg = load_recipe(recipe, [f"model=\"{tmp_path}\"", "eval.size=4", "selfplay.opponent.options.live_prob=0.5"])
+    ctl = Controller(cfg, endpoint="tcp://127.0.0.1:*", learner_pub="tcp://127.0.0.1:9",
+                     buffer_pub="tcp://127.0.0.1:9", run_dir=tmp_path, tokenizer=build_char_tokenizer(),
+                     emit=lambda m: None)
+    worker = dealer(ctl.ch.endpoint, identity=b"rollout-0", linger=0)
+    try:
+        (tmp_path / "snapshots").mkdir()
+        (tmp_path / "snapshots" / "v000000.safetensors").write_bytes(b"w")  # the learner's first snapshot
+        ctl.selfplay.poll(now=0.0)
+        worker.send(WorkRequest(want=12, version=0))
+        _step_until(ctl, lambda: ctl.workers.get("rollout-0") is not None and ctl.workers["rollout-0"].credits == 0)
+        got = _recv_all(worker, 12)
+        opponents = [a.metadata[OPPONENT_KEY] for a in got]
+        assert set(opponents) == {"live", "v0"}, opponents
+        assert all(a.num_samples == (4 if a.metadata[OPPONENT_KEY] == "live" else 8) for a in got)
+        granted = ctl.gate.state.in_flight
+        assert granted == 12 * cfg.group_size  # every group is group_size samples, mirror games' too
+        mirror = next(a for a in got if a.metadata[OPPONENT_KEY] == "live")
+        played = next(a for a in got if a.metadata[OPPONENT_KEY] == "v0")
+        worker.send(Ack(kind="assignment", ids=[mirror.group_id], left_out=1))  # one game failed: its 2 samples
+        worker.send(Ack(kind="assignment", ids=[played.group_id], scores=[1.0] * 8))
+        _step_until(ctl, lambda: ctl.gate.state.in_flight == granted - 16)
+        assert ctl.gate.state.accepted == 6 + 8 and ctl.gate.state.rejected == 2
+        assert ctl.selfplay.sampler.state()["pool"][0]["mu"] < ctl.selfplay.sampler.state()["live"]["mu"]
+        ctl.start_eval(0)
+        evals = [a for a in _recv_all(worker, 4) if EVAL_KEY in a.metadata]
+        assert [a.metadata[SEAT_KEY] for a in evals] == ["first", "second", "first", "second"]
+        assert {a.metadata[OPPONENT_KEY] for a in evals} == {"scripted"}
+    finally:
+        worker.close()
+        ctl.close()

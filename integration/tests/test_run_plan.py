@@ -168,3 +168,25 @@ def test_lora_reaches_the_learner_and_the_vllm_engine_and_is_refused_where_it_ca
     embedded = {r.name: json.loads(r.config.read_text())
                 for r in plan(load_recipe(None, [f'model="{tmp_path}"', *lora]), tmp_path / "run4")[0]}
     assert "lora_rank" not in embedded["rollout-0"]["engine"]["options"]  # it merges whatever it is sent
+
+
+def test_selfplay_reaches_the_learner_and_the_workers_and_is_refused_without_a_game(tmp_path):
+    from tidal.integration.recipe import recipes_dir
+
+    cfg = load_recipe(recipes_dir() / "selfplay.toml", [f'model="{tmp_path}"', "selfplay.opponent.options.every=3"])
+    by = {r.name: json.loads(r.config.read_text()) for r in plan(cfg, tmp_path / "run")[0]}
+    snapshots = str(tmp_path / "run" / "snapshots")
+    assert by["learner"]["snapshot_every"] == 3 and by["learner"]["snapshot_dir"] == snapshots
+    assert by["rollout-0"]["episodes"]["snapshot_dir"] == snapshots
+    mirror = load_recipe(recipes_dir() / "selfplay.toml", [f'model="{tmp_path}"', 'selfplay.opponent.name="mirror"',
+                                                          "selfplay.opponent.options={}"])
+    learner = next(json.loads(r.config.read_text()) for r in plan(mirror, tmp_path / "run2")[0] if r.name == "learner")
+    assert learner["snapshot_every"] == 0  # mirror plays no snapshot: none is written
+    with pytest.raises(ConfigError, match="no domain is a game") as e:  # arithmetic has one role
+        plan(load_recipe(None, [f'model="{tmp_path}"', 'selfplay.opponent.name="pool"']), tmp_path / "run3")
+    assert e.value.field == "selfplay.opponent"
+    with pytest.raises(ConfigError, match="selfplay.eval_opponent"):
+        plan(load_recipe(recipes_dir() / "selfplay.toml", [f'model="{tmp_path}"', 'selfplay.eval_opponent="best"']),
+             tmp_path / "run4")
+    with pytest.raises(ConfigError, match="snapshot_every") as e:  # the run sets it: never silently overridden
+        load_recipe(recipes_dir() / "selfplay.toml", [f'model="{tmp_path}"', "learner.snapshot_every=7"])

@@ -28,7 +28,7 @@ import numpy as np
 from tidal.algos.plugin import GREEDY_BASELINE
 from tidal.core.arrays import Array
 from tidal.core.channels import SubChannel, make_hello, poll, router, sub
-from tidal.core.episodes import OPPONENT_KEY
+from tidal.core.episodes import OPPONENT_KEY, SEAT_KEY
 from tidal.core.errors import ChannelTimeout, PeerUnreachable, PluginError, ProtocolError
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -254,15 +254,16 @@ class Controller(Evaluations):
         self.drops.settled(msg.ok, msg.reason, msg.detail, msg.left_out if msg.ok else 0)
         if msg.ok and msg.scores and self.selfplay is not None and OPPONENT_KEY in a.metadata:
             self.selfplay.record(a.metadata[OPPONENT_KEY], list(msg.scores))
+        per = self._samples_per_episode(a)  # the gate counts samples: a mirror game's episode makes one per seat
         if msg.ok:
             left_out = min(max(msg.left_out, 0), a.num_samples)
             if left_out < a.num_samples:
-                self.gate.accept(a.num_samples - left_out)
+                self.gate.accept((a.num_samples - left_out) * per)
             if left_out:
-                self.gate.reject(left_out)
+                self.gate.reject(left_out * per)
             self.counts["groups_done"] += 1
         else:
-            self.gate.reject(a.num_samples)
+            self.gate.reject(a.num_samples * per)
             self.counts["groups_dropped"] += 1
             reason = msg.reason or "unspecified"
             # the first of each reason in full; the rest are counted (a run that cannot train drops many a
@@ -270,6 +271,12 @@ class Controller(Evaluations):
             level = logging.WARNING if self.drops.by_reason[reason] == 1 else logging.DEBUG
             log.log(level, "group %s dropped on %s (%s): %s; later drops of this kind are counted "
                     "(controller/groups_dropped/%s)", gid, worker, reason, msg.detail, reason)
+
+    def _samples_per_episode(self, a: Assignment) -> int:
+        """Samples one episode of `a` delivers: every seat's in a mirror game (no seat of record), else one."""
+        if self.selfplay is None or a.metadata.get(OPPONENT_KEY) != "live" or SEAT_KEY in a.metadata:
+            return 1
+        return len(self.selfplay.games.get(a.task, ())) or 1
 
     def _on_published(self, topic: str, msg) -> None:
         if isinstance(msg, WeightsAvailable):
@@ -382,9 +389,12 @@ class Controller(Evaluations):
             metadata[OPPONENT_KEY] = opponent
         if self.cfg.learner.train.advantage.name in GREEDY_BASELINE:  # ReMax: the last member decoded greedily
             metadata[BASELINE_KEY] = "greedy"
-        return Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
-                          answer=task.answer, sampling=self.train_sampling, metadata=metadata,
-                          prompt=task.prompt, domain=task.domain)
+        a = Assignment(group_id=gid, prompt_ids=ids, num_samples=self.cfg.group_size, task=d.name,
+                       answer=task.answer, sampling=self.train_sampling, metadata=metadata,
+                       prompt=task.prompt, domain=task.domain)
+        # a mirror game's episodes are group_size samples in all (the plan checked it divides): what the gate granted
+        a.num_samples //= self._samples_per_episode(a)
+        return a
 
     def _encode(self, text: str, d: DomainTasks) -> Array | None:
         """The prompt's token ids, or None (skipped, counted) when the tokenizer cannot encode it: the

@@ -161,15 +161,24 @@ def _selfplay(cfg: RunConfig, run_dir: Path) -> tuple[str, int] | None:
     if sp.opponent is None:
         return None
     sampler = registry.build("opponent", sp.opponent.name, sp.opponent.options, field="selfplay.opponent")
-    games = [d.key for i, d in enumerate(cfg.domains)
-             if roles_of(registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"))]
+    games = {d.key: roles_of(registry.build("env", d.env.name, d.env.options, field=f"domains[{i}].env"))
+             for i, d in enumerate(cfg.domains)}
+    games = {k: roles for k, roles in games.items() if roles}
     if not games:
         raise ConfigError(f"selfplay.opponent = {sp.opponent.name!r} but no domain is a game of several roles "
                           f"(an environment with `roles`, e.g. nim): remove [selfplay] or add such a domain",
                           field="selfplay.opponent")
+    for name, roles in games.items():  # a mirror game's episode is a sample per seat: whole episodes fill a group
+        if cfg.group_size % len(roles):
+            raise ConfigError(f"group_size = {cfg.group_size} with self-play on {name!r}: a mirror game makes a sample "
+                              f"for each of its {len(roles)} seats, so group_size must be a multiple of "
+                              f"{len(roles)}", field="group_size")
     if not (sp.eval_opponent in ("scripted", "live") or re.fullmatch(r"v\d+", sp.eval_opponent)):
         raise ConfigError(f"selfplay.eval_opponent = {sp.eval_opponent!r}: give \"scripted\", \"live\" or "
                           f"\"v<version>\"", field="selfplay.eval_opponent")
+    if cfg.rollout.episodes.snapshots_held < 1:
+        raise ConfigError(f"rollout.episodes.snapshots_held must be >= 1 (snapshots a worker keeps loaded), got "
+                          f"{cfg.rollout.episodes.snapshots_held}", field="rollout.episodes.snapshots_held")
     return str(run_dir / SNAPSHOTS), snapshot_every(sampler)
 
 

@@ -101,9 +101,10 @@ class EpisodesConfig(ConfigStruct):
     min_survivors: int = 2  # on_error = "survivors": fewer finished episodes than this drop the group
     max_retries: int = 1  # reruns of one sample's episode (on_error = "retry", and infrastructure failures)
     # self-play: the frozen snapshots the opponent seats play, <snapshot_dir>/v<version>.safetensors (the
-    # learner writes them; `tidal run` sets the folder), and how many a worker keeps loaded beside the live
-    # policy (each an embedded engine; the least recently used is dropped past this)
+    # learner writes them; `tidal run` sets the folder)
     snapshot_dir: str = ""
+    # self-play: snapshots a worker keeps loaded beside the live policy, each an embedded engine of its own;
+    # past this the least recently used one with no turn in flight is closed
     snapshots_held: int = 4
 
 
