@@ -1,11 +1,13 @@
 """One learner rank for the backend tests: a fixed synthetic batch stream, k steps, optional checkpoint
 save/load, final full weights written by rank 0 (safetensors); optionally expert parallelism (`--ep`),
-recorded MoE routing replayed (`--replay`), and the first step's full gradients and every step's
-metrics written by rank 0 (`--grads`, `--metrics`)."""
+recorded MoE routing replayed (`--replay`), the first step's full gradients and every step's
+metrics written by rank 0 (`--grads`, `--metrics`), and the trainer's own state (`--state`, every rank;
+the advantage estimator's: `--advantage rae` trains on role keys "game<group // 2>/<first|second>")."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -39,7 +41,8 @@ def batch(step: int, vocab: int, groups: int = 4, g: int = 4, routing: tuple[int
                               completion=rng.integers(3, vocab, t).astype(np.int32),
                               logprobs=(-rng.random(t) * 3).astype(np.float32), versions=np.zeros(t, np.int32),
                               reward=float(rng.integers(0, 2)), loss_mask=np.ones(t, bool),
-                              routing=None if routes is None else routes.astype(np.int16)))
+                              routing=None if routes is None else routes.astype(np.int16),
+                              role_key=f"game{gi // 2}/{('first', 'second')[k % 2]}"))
     return out
 
 
@@ -56,7 +59,10 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--die-after-save", action="store_true", help="SIGKILL this rank once the checkpoint is written")
     ap.add_argument("--correction", default="")
-    ap.add_argument("--groups", type=int, default=4, help="groups per batch (fewer than ranks leaves some empty)")
+    ap.add_argument("--groups", default="4", help="groups per batch (fewer than ranks leaves some empty); a "
+                    "comma-separated list: step k has the (k mod length)-th")
+    ap.add_argument("--advantage", default="grpo")
+    ap.add_argument("--state", default="", help="every rank writes the trainer's state_dict here (JSON; <state>.rank<k>)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel degree (fsdp2)")
     ap.add_argument("--replay", action="store_true", help="samples carry MoE routing; the learner replays it")
     ap.add_argument("--grads", default="", help="rank 0 writes the first step's full gradients here")
@@ -80,6 +86,7 @@ def main() -> None:
             extra["lora"] = LoraOptions(rank=args.lora, alpha=2.0 * args.lora)
         be = registry.create("train_backend", args.backend, args.model, cfg, **extra)
     trainer = Trainer(be, TrainConfig(micro_batch_tokens=args.micro, loss=PluginRef(name=args.loss),
+                                      advantage=PluginRef(name=args.advantage),
                                       correction=PluginRef(name=args.correction) if args.correction else None),
                       routing_replay=args.replay)
     grads: dict[str, torch.Tensor] = {}
@@ -101,15 +108,14 @@ def main() -> None:
         step = load_checkpoint(args.load, be)["step"]
     vocab = be._module().config.vocab_size
     for _ in range(args.steps):
-        samples = batch(step, vocab, groups=args.groups, routing=routing)
+        groups = [int(g) for g in args.groups.split(",")]
+        samples = batch(step, vocab, groups=groups[step % len(groups)], routing=routing)
         mine = [s for s in samples if int(s.group_id.split("-")[1]) % world == rank]
         metrics = trainer.step(mine)
         step += 1
         if rank == 0:
             print(f"step {step} loss {metrics['loss/total']:.6f} grad_norm {metrics['train/grad_norm']:.6f}", flush=True)
             if args.metrics:
-                import json
-
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
     if args.save:
@@ -118,6 +124,9 @@ def main() -> None:
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+    if args.state:
+        with open(args.state if rank == 0 else f"{args.state}.rank{rank}", "w") as f:
+            json.dump(trainer.state_dict(), f)
     state = {n: t.contiguous().clone() for n, t in be.named_weights()}
     if rank == 0 or args.every_rank:
         from safetensors.torch import save_file

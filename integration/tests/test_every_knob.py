@@ -113,13 +113,22 @@ def loss_probe(loss: Callable[[LossInputs], Any]) -> torch.Tensor:
 
 
 def estimator_probe(estimator: Callable[[AdvantageInputs], Any]) -> torch.Tensor:
-    """Advantages (and value targets) of two groups of three, with critic values and two steps each."""
+    """Advantages (and value targets) of two groups of three, with critic values, two steps and a role each.
+    A stateful estimator (RAE's running baselines) sees two other batches first, so that its update acts."""
     b = _batch()
-    out = estimator(AdvantageInputs(
-        rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.2]), mask=b["mask"],
-        group_index=torch.tensor([0, 0, 0, 1, 1, 1]), values=b["values"],
-        step_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.2], [1.0, -1.0], [0.3, 0.0], [0.0, 1.0], [0.7, 0.1]]),
-        step_ends=torch.tensor([[3, 7], [2, 5], [1, 3], [4, 7], [1, 2], [3, 6]])))
+
+    def run(rewards: list[float]) -> Any:
+        return estimator(AdvantageInputs(
+            rewards=torch.tensor(rewards), mask=b["mask"],
+            group_index=torch.tensor([0, 0, 0, 1, 1, 1]), values=b["values"],
+            step_rewards=torch.tensor([[0.5, 1.0], [0.0, 0.2], [1.0, -1.0], [0.3, 0.0], [0.0, 1.0], [0.7, 0.1]]),
+            step_ends=torch.tensor([[3, 7], [2, 5], [1, 3], [4, 7], [1, 2], [3, 6]]),
+            role_keys=["g/first", "g/second"] * 3))
+
+    if hasattr(estimator, "state_dict"):
+        run([0.0, 1.0, 0.3, 0.9, 0.1, 0.4])
+        run([1.0, 0.2, 0.0, 0.6, 0.5, 0.8])
+    out = run([1.0, 0.0, 0.5, 0.0, 1.0, 0.2])
     returns = out.returns if out.returns is not None else torch.zeros(0)
     return torch.cat([out.advantages.flatten(), returns.flatten()])
 

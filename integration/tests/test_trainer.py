@@ -199,4 +199,4 @@ def test_step_rewards_reach_the_estimator_at_the_positions_the_environment_gave(
     assert torch.allclose(adv[:, 0], norm.sum(1), atol=1e-5) and torch.allclose(adv[:, 5], norm[:, 1], atol=1e-5)
     plain = Trainer(be, TrainConfig(advantage=PluginRef(name="grpo")))
     adv_plain, _ = plain.advantages(samples)  # outcome only: the same advantage on every trained token
-    assert torch.allclose(adv_plain[0][:3], adv_plain[0][5:]) and plain._warned_steps  # said once: rewards ignored
+    assert torch.allclose(adv_plain[0][:3], adv_plain[0][5:]) and plain.adv.warned_steps  # said once: rewards ignored

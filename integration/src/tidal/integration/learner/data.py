@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal.core.episodes import ROLE_KEY
 from tidal.core.protocol import BASELINE_KEY, NO_VERSION, SamplingParams, Trajectory
 from tidal.rollout.engines.sampling import processed_entropy, processed_logprobs, unpack_kept_mask
 from tidal.seqpar.layout import ShardLayout
@@ -44,6 +45,9 @@ class Sample:
     # sampled); None = its producer did not record it
     kv_versions: np.ndarray | None = None
     baseline: bool = False  # its group's greedy baseline member (ReMax): scored, never trained
+    # "<task>/<role>" of a multi-role (self-play) episode's sample, e.g. "nim/first": the key of RAE's
+    # baselines; "" = no role (metadata tidal.role unset)
+    role_key: str = ""
 
     @property
     def length(self) -> int:
@@ -62,7 +66,8 @@ class Sample:
                    step_rewards=None if t.step_rewards is None else t.step_rewards.numpy(),
                    step_ends=None if t.step_ends is None else t.step_ends.numpy(),
                    kv_versions=None if t.kv_versions is None else t.kv_versions.numpy(),
-                   baseline=t.metadata.get(BASELINE_KEY) == "greedy")
+                   baseline=t.metadata.get(BASELINE_KEY) == "greedy",
+                   role_key=f"{t.task}/{role}" if (role := t.metadata.get(ROLE_KEY)) else "")
 
 
 @dataclass

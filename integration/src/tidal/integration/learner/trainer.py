@@ -3,7 +3,7 @@
     trainer = Trainer(backend, TrainConfig(loss=PluginRef(name="ppo")))
     metrics = trainer.step(samples)          # this rank's share of the batch
 
-Per step: advantages from the rewards (tidal-algos estimator by name, per group); sequences packed into
+Per step: advantages from the rewards (tidal-algos estimator by name: advantages.py); sequences packed into
 micro-batches of at most `micro_batch_tokens`; for each micro-batch the current logprobs are
 recomputed (temperature as sampled), the staleness correction (tidal-staleness, by name) gives
 importance weights and masks against the sampler's logprobs, and the tidal-algos loss (by name) is
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal.algos.estimators import AdvantageInputs
 from tidal.algos.types import LossInputs
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.data import Micro, Sample, kv_lags, pack, pad_rows, token_logprobs
+from tidal.integration.learner.advantages import Advantages
+from tidal.integration.learner.data import Micro, Sample, kv_lags, pack, token_logprobs
 from tidal.integration.learner.objective import Objective
 from tidal.integration.learner.parallel import SequenceParallel, Shard, average_grads
 from tidal.learner.config import TrainConfig
@@ -87,9 +87,8 @@ class Trainer:
             # the same attention kernel as the policy: KL(policy || reference) is exactly 0 when equal
             ref.set_attn_implementation(backend.attention)
         self.estimator = objective.estimator
+        self.adv = Advantages(self.estimator, cfg.advantage.name, sp)
         self.critic = objective.needs_values
-        self.uses_steps = bool(getattr(self.estimator, "uses_step_rewards", False))
-        self._warned_steps = False
         if self.critic and not getattr(backend.cfg, "value_head", False):
             raise ValueError(f"advantage {cfg.advantage.name!r} reads a critic's values: set "
                              f"learner.backend.options.value_head = true")
@@ -201,52 +200,15 @@ class Trainer:
     def advantages(self, samples: Sequence[Sample], values: list[torch.Tensor] | None = None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-sample advantages (and value targets in PPO mode, from the critic's `values`)."""
-        groups: dict[str, int] = {}
-        index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
-        width = max(len(s.completion) for s in samples)
-        mask = pad_rows([torch.from_numpy(s.loss_mask) for s in samples], width, False).bool()
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        v = pad_rows([x.float().cpu() for x in values], width) if values is not None else None
-        step_rewards, step_ends = self._steps(samples)
-        out = self.estimator(AdvantageInputs(rewards=rewards, mask=mask, group_index=index, values=v,
-                                             step_rewards=step_rewards, step_ends=step_ends,
-                                             baseline=self._baseline(samples)))
-        adv = [out.advantages[i, : len(s.completion)] for i, s in enumerate(samples)]
-        ret = [out.returns[i, : len(s.completion)] for i, s in enumerate(samples)] if out.returns is not None else None
-        return adv, ret
+        return self.adv(samples, values)
 
-    def _baseline(self, samples: Sequence[Sample]) -> torch.Tensor | None:
-        """[B] bool, the groups' greedy baseline members, for an estimator that reads them (ReMax's)."""
-        if getattr(self.estimator, "greedy_baseline", False):
-            return torch.tensor([s.baseline for s in samples], dtype=torch.bool)
-        if any(s.baseline for s in samples):
-            raise ValueError(f"the batch holds greedy baseline members (ReMax's), which advantage "
-                             f"{self.cfg.advantage.name!r} does not read: its groups were generated for advantage "
-                             f"\"remax\"; set learner.train.advantage = {{ name = \"remax\" }}")
-        return None
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the trainer beside the weights, JSON-able: the advantage estimator's
+        state (RAE's baselines) as of the last batch trained; {} when it has none."""
+        return self.adv.state_dict()
 
-    def _steps(self, samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Process rewards [B, S] and their end positions [B, S] (-1: no step) for an estimator that reads
-        them (`uses_step_rewards`); (None, None) for the others, which train on the outcome alone."""
-        with_steps = [s for s in samples if s.step_ends is not None and len(s.step_ends)]
-        if not with_steps:
-            return None, None
-        if not self.uses_steps:
-            if not self._warned_steps and any(np.any(s.step_rewards) for s in with_steps):
-                self._warned_steps = True
-                log.warning("samples carry step (process) rewards, but advantage estimator %r does not read "
-                            "them: training on the outcome reward only (advantage.name = \"grpo_process\" "
-                            "uses both)", self.cfg.advantage.name)
-            return None, None
-        width = max(len(s.step_ends) for s in with_steps)  # type: ignore[arg-type]
-        rewards = torch.zeros((len(samples), width), dtype=torch.float32)
-        ends = torch.full((len(samples), width), -1, dtype=torch.long)
-        for i, s in enumerate(samples):
-            if s.step_ends is not None and len(s.step_ends):
-                n = len(s.step_ends)
-                rewards[i, :n] = torch.tensor(np.asarray(s.step_rewards, np.float32))
-                ends[i, :n] = torch.tensor(np.asarray(s.step_ends, np.int64))
-        return rewards, ends
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.adv.load_state_dict(state)
 
     def _shard(self, micro: Any) -> tuple[Any, Shard | None]:
         """(what this rank's forward takes: the micro-batch, or under sequence parallelism its shard of
@@ -292,9 +254,12 @@ class Trainer:
 
     def prepare(self, samples: Sequence[Sample]) -> Prepared:
         """What a step does before its first forward and without the parameters: (an estimator without a
-        critic) the advantages, then leave out greedy baseline members, check the sampling and pack the
-        micro-batches. No collectives: the learner runs it for the next batch while this step trains."""
-        adv, returns = self.advantages(samples) if samples and not self.critic else (None, None)
+        critic or state) the advantages, then leave out greedy baseline members, check the sampling and pack
+        the micro-batches. No collectives: the learner runs it for the next batch while this step trains.
+        A stateful estimator's advantages wait for `step`: taken here, a batch prepared ahead would move its
+        state before the batch training now."""
+        ahead = samples and not self.critic and not self.adv.stateful
+        adv, returns = self.advantages(samples) if ahead else (None, None)
         if any(s.baseline for s in samples):  # greedy baseline members: their rewards were read, never trained
             keep = [i for i, s in enumerate(samples) if not s.baseline]
             samples = [samples[i] for i in keep]
@@ -317,8 +282,8 @@ class Trainer:
         old_values = self._old_values(samples, micros, n_micro) if self.critic else None
         if prepared.advantages is not None:
             adv, returns = prepared.advantages, prepared.returns
-        else:  # PPO mode: GAE reads the critic's values from just now
-            adv, returns = self.advantages(samples, old_values) if samples else ([], None)
+        else:  # PPO mode (GAE reads the critic's values from just now), or a stateful estimator, in batch order
+            adv, returns = self.advantages(samples, old_values) if samples or self.adv.synced else ([], None)
         sums: dict[str, float] = defaultdict(float)
         for k in range(n_micro):
             if k >= len(micros):  # this rank has no more data: a zero-weight forward keeps collectives in step

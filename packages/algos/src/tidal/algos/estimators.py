@@ -6,7 +6,10 @@ Each registered estimator is called as ``estimator(batch) -> AdvantageOutputs`` 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,6 +29,7 @@ class AdvantageInputs:
     step_rewards: Tensor | None = None  # [B, S] process rewards
     step_ends: Tensor | None = None  # [B, S] end (exclusive) token of each step, -1 = unused
     baseline: Tensor | None = None  # [B] bool: the greedy member of its group, not trained (ReMax's baseline)
+    role_keys: Sequence[str] | None = None  # [B] "<task>/<role>" of each sample (RAE's baselines), e.g. "nim/first"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,3 +174,106 @@ class ReMaxEstimator:
         g = _need(batch, "group_index", "remax")
         seq = adv.remax_advantages(batch.rewards, g, _need(batch, "baseline", "remax"))
         return AdvantageOutputs(advantages=adv.to_tokens(seq, batch.mask))
+
+
+@dataclass(slots=True)
+class RoleBaseline:
+    """One role key's running statistics: `baseline`, an exponential moving average over batches of the
+    key's mean reward; `var`, the variance of that same mixture of batches; `count`, samples seen."""
+
+    baseline: float
+    var: float
+    count: int
+
+
+# key -> this rank's rewards of it, in; key -> every data-parallel rank's rewards of it, out
+Sync = Callable[[dict[str, list[float]]], dict[str, list[float]]]
+
+
+class RoleBaselineEstimator:
+    """RAE, role-conditioned advantage estimation (registered as "rae"; SPIRAL, Liu et al. 2025, arXiv
+    2506.24119): A = r - b(key), b a running baseline per role key (`AdvantageInputs.role_keys`,
+    "<task>/<role>"), broadcast to tokens. In zero-sum self-play both seats of a game share a group whose
+    mean reward (GRPO's baseline) is 0 by construction, and a seat's structural edge (the first player's)
+    would be credited to its moves; a baseline per environment and role removes both.
+
+    Per batch: every advantage from the baselines as they were before the batch (a sample's reward never
+    enters its own baseline), then each key's baseline moves once towards the key's mean reward in the
+    batch, b <- decay * b + (1 - decay) * mean (SPIRAL's update). A batch mean, not one update per sample:
+    the result does not depend on the order of the samples, nor on how data-parallel ranks split them.
+    A key seen for the first time starts at its batch's mean (its first advantages are r - mean, Dr.GRPO
+    over the key): a start at 0 would lag a key whose mean reward is not 0 (the first player's, a 0/1
+    reward) for about 1 / (1 - decay) batches (at 0.95 half the gap is left after 14), and all that key's
+    advantages would share one sign meanwhile.
+
+    `normalize`: A / (std + 1e-6), with the key's running std (`RoleBaseline.var`, law of total variance
+    over the same mixture) taken after the batch: it holds the batch's own spread, so a reward unlike any
+    the key has had is not divided by a near-zero std (|A| <= sqrt(2n / (1 - decay) + 2 / (decay (1 -
+    decay))) for a key's n samples). It needs decay > 0 (with 0 the std is the batch's own alone).
+
+    Stateful: `state_dict()` / `load_state_dict()` (JSON-able) for checkpoints. `sync`, set by a learner
+    with several data-parallel ranks, gathers each key's rewards from every rank's share, so that each rank
+    updates the same baselines from the whole batch. A non-finite reward updates nothing (its advantage
+    is not finite: the learner skips such a step)."""
+
+    uses_role_keys = True  # the learner hands it AdvantageInputs.role_keys (Sample.role_key)
+    eps = 1e-6
+
+    def __init__(self, decay: float = 0.95, normalize: bool = False) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if normalize and decay == 0.0:
+            raise ValueError("normalize needs decay > 0: with decay 0 the std is the last batch's alone, 0 when a "
+                             "key's rewards in it are all equal, and its advantages would be divided by 1e-6")
+        self.decay, self.normalize = decay, normalize
+        self.keys: dict[str, RoleBaseline] = {}
+        self.sync: Sync | None = None
+
+    def __call__(self, batch: AdvantageInputs) -> AdvantageOutputs:
+        keys = batch.role_keys
+        if keys is None:
+            raise ValueError("advantage estimator 'rae' needs AdvantageInputs.role_keys, one \"<task>/<role>\" per "
+                             "sample: these samples carry no role. RAE is for multi-role (self-play) episodes, whose "
+                             "samples carry metadata tidal.role; use \"grpo\" for single-role ones")
+        rewards = batch.rewards.tolist()
+        if len(keys) != len(rewards):
+            raise ValueError(f"role_keys must hold one key per sample: {len(keys)} keys for {len(rewards)} rewards")
+        mine: dict[str, list[float]] = {}
+        for key, r in zip(keys, rewards, strict=True):
+            if math.isfinite(r):
+                mine.setdefault(key, []).append(r)
+        stats = {key: _mean_var(rs) for key, rs in (self.sync(mine) if self.sync else mine).items() if rs}
+        for key, (mean, var, _) in stats.items():
+            self.keys.setdefault(key, RoleBaseline(mean, var, 0))  # first seen: its batch's statistics
+        before = [self.keys[k].baseline if k in self.keys else math.nan for k in keys]
+        seq = batch.rewards.to(torch.float64) - torch.tensor(before, dtype=torch.float64, device=batch.rewards.device)
+        d = self.decay
+        for key, (mean, var, n) in stats.items():
+            s = self.keys[key]
+            s.var = d * s.var + (1 - d) * var + d * (1 - d) * (mean - s.baseline) ** 2
+            s.baseline = d * s.baseline + (1 - d) * mean
+            s.count += n
+        if self.normalize:
+            std = [math.sqrt(self.keys[k].var) if k in self.keys else math.nan for k in keys]
+            seq = seq / (torch.tensor(std, dtype=torch.float64, device=seq.device) + self.eps)
+        return AdvantageOutputs(advantages=adv.to_tokens(seq.to(batch.rewards.dtype), batch.mask))
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """key -> {baseline, var, count}: plain numbers, for a checkpoint's JSON."""
+        return {k: {"baseline": s.baseline, "var": s.var, "count": s.count} for k, s in sorted(self.keys.items())}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        keys = {}
+        for key, s in state.items():
+            try:
+                keys[key] = RoleBaseline(float(s["baseline"]), float(s["var"]), int(s["count"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"RAE state of key {key!r} must be {{baseline, var, count}}, got {s!r}") from e
+        self.keys = keys
+
+
+def _mean_var(values: list[float]) -> tuple[float, float, int]:
+    """(mean, population variance, n), summed exactly (math.fsum): the same for any order of `values`."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    return mean, math.fsum((v - mean) ** 2 for v in values) / n, n

@@ -60,6 +60,7 @@ ESTIMATORS: dict[str, tuple[str, bool]] = {
     "opo": ("GroupEstimator", True), "reinforce_pp": ("ReinforcePPEstimator", False), "gae": ("GAEEstimator", False),
     "grpo_process": ("ProcessEstimator", False), "oapl": ("OAPLEstimator", False),
     "gpg": ("GPGEstimator", False), "passk": ("PassKEstimator", False), "remax": ("ReMaxEstimator", False),
+    "rae": ("RoleBaselineEstimator", False),
 }
 
 # estimators whose groups carry a greedy member as their baseline (ReMax): read without torch by the
