@@ -279,7 +279,7 @@ def test_selfplay_groups_carry_their_opponent_and_the_gate_counts_every_seat(tmp
         assert granted == 12 * cfg.group_size  # every group is group_size samples, mirror games' too
         mirror = next(a for a in got if a.metadata[OPPONENT_KEY] == "live")
         played = next(a for a in got if a.metadata[OPPONENT_KEY] == "v0")
-        worker.send(Ack(kind="assignment", ids=[mirror.group_id], left_out=1))  # one game failed: its 2 samples
+        worker.send(Ack(kind="assignment", ids=[mirror.group_id], left_out=2))  # one game failed: its 2 seats' samples
         worker.send(Ack(kind="assignment", ids=[played.group_id], scores=[1.0] * 8))
         _step_until(ctl, lambda: ctl.gate.state.in_flight == granted - 16)
         assert ctl.gate.state.accepted == 6 + 8 and ctl.gate.state.rejected == 2

@@ -12,6 +12,7 @@ import pytest
 
 from tidal.core.config import PluginRef
 from tidal.core.episodes import snapshot_name
+from tidal.integration import selfplay
 from tidal.integration.selfplay import STATE, SelfPlay
 from tidal.rollout.envs.nim import Nim
 
@@ -27,7 +28,7 @@ def _snapshot(run_dir, version: int) -> None:
     (run_dir / "snapshots" / snapshot_name(version)).write_bytes(b"weights")  # the controller only lists names
 
 
-def test_snapshots_join_the_pool_and_the_unwanted_are_deleted(tmp_path):
+def test_snapshots_join_the_pool_and_the_unwanted_are_deleted(tmp_path, monkeypatch):
     sp = SelfPlay(POOL, "scripted", tmp_path, _domains(), seed=0)
     assert sp.games == {"nim": ("first", "second")}
     assert sp.opponent("arith", 0) is None and sp.eval_for("arith") is None and sp.eval_for("nim") == "scripted"
@@ -36,7 +37,11 @@ def test_snapshots_join_the_pool_and_the_unwanted_are_deleted(tmp_path):
         _snapshot(tmp_path, v)
     sp.scan()
     assert sp.sampler.snapshots() == [5, 10]  # size 2: the oldest left the pool...
-    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [snapshot_name(5), snapshot_name(10)]  # ...and its file
+    files = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert files == [snapshot_name(0), snapshot_name(5), snapshot_name(10)]  # its file stays a while (groups in flight)
+    monkeypatch.setattr(selfplay, "DELETE_AFTER_S", 0.0)
+    sp.scan()
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [snapshot_name(5), snapshot_name(10)]  # ...then goes
     assert {sp.opponent("nim", 12) for _ in range(50)} == {"v5", "v10"}
 
 

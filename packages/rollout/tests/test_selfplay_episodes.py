@@ -196,3 +196,27 @@ def test_snapshot_engines_keep_at_most_held_and_never_close_a_busy_one(snapshots
         assert list(engines.engines) == [SNAPSHOT] and engines.counters["evictions"] == 1  # 3 was idle: closed
     finally:
         engines.close()
+
+
+def test_a_seat_that_never_moved_is_counted_as_left_out(engine, tiny_model):
+    """nim with an untrained model: most first moves are illegal and end the game before the second
+    player moves. Delivered samples and samples left out add up to every seat of every game (what the
+    controller's depth gate granted)."""
+    tok = load_tokenizer(tiny_model)
+    pool = LocalEpisodes([Domain(env=PluginRef(name="nim"))])
+    mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
+    a = Assignment(group_id="nim-0000001", prompt_ids=Array.from_numpy(np.zeros(0, np.int32)), num_samples=4,
+                   task="nim", sampling=SAMPLING, prompt="nim 9 take:", metadata={OPPONENT_KEY: "live"})
+    mt.start(a, Task(prompt="nim 9 take:", domain="nim", metadata={"pile": "9", "max_take": "3", "seed": "1"}),
+             roles=("first", "second"))
+    deadline = time.monotonic() + 60
+    done = None
+    while done is None and time.monotonic() < deadline:
+        for reply in pool.poll(timeout=0):
+            done = mt.on_reply(reply) or done
+        for res in engine.poll(timeout=0.005):
+            mt.on_result(res)
+    assert done == a.group_id
+    trajs = mt.trajectories(a.group_id, "rollout-0")
+    assert mt.samples_left_out(a.group_id) > 0  # some game ended before its second player moved
+    assert len(trajs) + mt.samples_left_out(a.group_id) == 2 * a.num_samples

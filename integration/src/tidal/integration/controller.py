@@ -254,16 +254,17 @@ class Controller(Evaluations):
         self.drops.settled(msg.ok, msg.reason, msg.detail, msg.left_out if msg.ok else 0)
         if msg.ok and msg.scores and self.selfplay is not None and OPPONENT_KEY in a.metadata:
             self.selfplay.record(a.metadata[OPPONENT_KEY], list(msg.scores))
-        per = self._samples_per_episode(a)  # the gate counts samples: a mirror game's episode makes one per seat
+        # the gate counts samples: a mirror game's episode makes one per seat
+        granted = a.num_samples * self._samples_per_episode(a)
         if msg.ok:
-            left_out = min(max(msg.left_out, 0), a.num_samples)
-            if left_out < a.num_samples:
-                self.gate.accept((a.num_samples - left_out) * per)
+            left_out = min(max(msg.left_out, 0), granted)
+            if left_out < granted:
+                self.gate.accept(granted - left_out)
             if left_out:
-                self.gate.reject(left_out * per)
+                self.gate.reject(left_out)
             self.counts["groups_done"] += 1
         else:
-            self.gate.reject(a.num_samples * per)
+            self.gate.reject(granted)
             self.counts["groups_dropped"] += 1
             reason = msg.reason or "unspecified"
             # the first of each reason in full; the rest are counted (a run that cannot train drops many a

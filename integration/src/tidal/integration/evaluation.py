@@ -122,7 +122,7 @@ class Evaluations:
         """A held-out game's opponent (selfplay.eval_opponent) and the live policy's seat, which alternates
         over the held-out games (roles[i % len(roles)]); {} for a domain that is no game."""
         opponent = self.selfplay.eval_for(d.name) if self.selfplay is not None else None
-        if opponent is None:
+        if opponent is None or self.selfplay is None:
             return {}
         roles = self.selfplay.games[d.name]
         return {OPPONENT_KEY: opponent, SEAT_KEY: roles[i % len(roles)]}

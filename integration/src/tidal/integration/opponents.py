@@ -367,7 +367,7 @@ class PoolSampler(_Sampler):
         if version is None:
             return
         for score in scores:
-            ranks = [1, 2] if score > 0 else [2, 1] if score < 0 else [1, 1]  # lower rank is better
+            ranks = [1.0, 2.0] if score > 0 else [2.0, 1.0] if score < 0 else [1.0, 1.0]  # lower rank is better
             [live], [snap] = self._model.rate([[self._live], [self._pool[version]]], ranks=ranks)
             self._live, self._pool[version] = live, snap
         self._weights = None

@@ -64,6 +64,7 @@ _OPPONENT_CLASSES = {"mirror": "MirrorSampler", "lagged": "LaggedSampler", "pool
 
 def _opponent(name: str):
     def make(**options: Any) -> Any:
+        # imported when called, like the backends: scanning plugins does not load openskill
         from tidal.integration import opponents
 
         return getattr(opponents, _OPPONENT_CLASSES[name])(**options)

@@ -135,9 +135,8 @@ def plan(cfg: RunConfig, run_dir: Path, nproc_learner: int = 1, ports: PortReser
         security=sec["learner"],
         weights=_weights(msgspec.structs.replace(cfg.learner.weights, every=1) if sync else cfg.learner.weights,
                          sec["learner"], ipc_dir, ports.host if ports is not None else ""))
-    snapshots = _selfplay(cfg, run_dir)
-    if snapshots:  # self-play: the learner writes the opponents' snapshots there every N versions
-        learner = msgspec.structs.replace(learner, snapshot_every=snapshots[1], snapshot_dir=snapshots[0])
+    if snapshots := _selfplay(cfg, run_dir):  # self-play: the learner writes the opponents' snapshots there
+        learner = msgspec.structs.replace(learner, snapshot_dir=snapshots[0], snapshot_every=snapshots[1])
     check_lora(learner, nproc_learner)  # as the learner would at start, before any role starts
     if learner.parallel != ParallelConfig():  # the learner would refuse it at start: say so before any role starts
         check_parallel(learner.parallel, world=nproc_learner, config=model_config(learner.model),

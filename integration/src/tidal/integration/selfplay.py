@@ -28,6 +28,9 @@ log = logging.getLogger("tidal.selfplay")
 STATE = "selfplay.json"
 SNAPSHOTS = "snapshots"
 _SNAPSHOT = re.compile(r"v(\d+)\.safetensors")
+# a snapshot that left the pool is deleted this long after: groups handed out against it just before still
+# find it (a worker loads a snapshot when its first game against it starts)
+DELETE_AFTER_S = 120.0
 
 
 def roles_of(env: Any) -> tuple[str, ...]:
@@ -52,6 +55,7 @@ class SelfPlay:
         self.games = {d.name: roles_of(d.env) for d in domains if roles_of(d.env)}
         self.rng = random.Random(seed + 7919)
         self.known: set[int] = set()  # snapshot files seen in the folder
+        self._unwanted: dict[int, float] = {}  # snapshot -> when it left the pool (its file goes DELETE_AFTER_S later)
         self._dirty = False
         self._next_scan = 0.0
         if self.state_path.is_file():  # a resumed run: its pool and ratings
@@ -99,10 +103,15 @@ class SelfPlay:
                     log.info("self-play: snapshot of version %d joins the opponents (%s)", v, _summary(self.sampler))
         wanted = set(self.sampler.snapshots())
         newest = max(found, default=-1)
+        now = time.monotonic()
         for v in found:  # the newest stays: the sampler may take it next
-            if v not in wanted and v != newest:
+            if v in wanted or v == newest:
+                self._unwanted.pop(v, None)
+            elif now - self._unwanted.setdefault(v, now) >= DELETE_AFTER_S:
+                # a group picked against it just before it left the pool has had time to load it
                 (self.folder / snapshot_name(v)).unlink(missing_ok=True)
                 self.known.discard(v)
+                self._unwanted.pop(v, None)
 
     def save(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")

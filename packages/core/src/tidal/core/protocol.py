@@ -128,7 +128,8 @@ class Ack(_Msg):
     reason: str = ""
     version: int = -1  # kind "weights": the policy version applied (or refused); -1 = not about a version
     # kind "assignment" with ok True: samples of the group left out (failed episodes of a group trained on its
-    # survivors): settled, never delivered; `detail` then says why the first was left out
+    # survivors, each with every seat it would have trained; a game's seat that never moved): settled, never
+    # delivered; `detail` then says why the first failed episode was left out
     left_out: int = 0
     # kind "assignment" with ok True, a multi-role (self-play) group: the live policy's reward in each of its
     # episodes (1 a win, ...), which the controller's opponent sampler rates the group's opponent by

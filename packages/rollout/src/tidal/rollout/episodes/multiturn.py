@@ -33,15 +33,13 @@ import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 import msgspec
 import numpy as np
 
-from tidal.core.arrays import Array
 from tidal.core.config import ConfigStruct, Domain, PluginRef
-from tidal.core.episodes import AGENT, OPPONENT_KEY, ROLE_KEY, SCRIPTED_KEY, SEAT_KEY
+from tidal.core.episodes import AGENT, OPPONENT_KEY, SCRIPTED_KEY, SEAT_KEY
 from tidal.core.interfaces import GenerationRequest, GenerationResult, Task
 from tidal.core.plugins import registry
 from tidal.core.protocol import (
@@ -50,14 +48,14 @@ from tidal.core.protocol import (
     ChatMessage,
     EpisodeReply,
     SamplingParams,
-    ToolSpec,
     Trajectory,
-    segment_id,
     trajectory_id,
 )
 from tidal.rollout.engines.stops import split_stops
+from tidal.rollout.episodes.opponents import SnapshotEngines
 from tidal.rollout.episodes.pool import EnvPool
 from tidal.rollout.episodes.renderers import check_renderer
+from tidal.rollout.episodes.runs import EpisodeRun, Seat, Segment, arr, trajectory
 
 log = logging.getLogger("tidal.rollout.multiturn")
 
@@ -106,104 +104,6 @@ class EpisodesConfig(ConfigStruct):
     # self-play: snapshots a worker keeps loaded beside the live policy, each an embedded engine of its own;
     # past this the least recently used one with no turn in flight is closed
     snapshots_held: int = 4
-
-
-@dataclass
-class Segment:
-    """One trajectory's worth of an episode: a prompt and the completion tokens after it."""
-
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    # per token the oldest version in the KV cache it attended to (each turn is a fresh request, so the
-    # engine rebuilt the history's KV for it and reports it); None once a turn's engine could not tell
-    kv_versions: list[int] | None = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    step_rewards: list[float] = field(default_factory=list)
-    step_ends: list[int] = field(default_factory=list)
-    finish: str = ""
-
-    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, versions: Sequence[int] | None = None,
-            kv_versions: Sequence[int] | None = None) -> None:
-        """Append sampled tokens (with their logprobs, versions and KV versions) or, without them, rendered ones."""
-        self.ids.extend(ids)
-        if logprobs is None:
-            self.logprobs.extend([0.0] * len(ids))
-            self.versions.extend([NO_VERSION] * len(ids))
-            if self.kv_versions is not None:
-                self.kv_versions.extend([NO_VERSION] * len(ids))
-            self.mask.extend([0] * len(ids))
-        else:
-            self.logprobs.extend(logprobs)
-            self.versions.extend(versions or [])
-            if kv_versions is None:
-                self.kv_versions = None
-            elif self.kv_versions is not None:
-                self.kv_versions.extend(kv_versions)
-            self.mask.extend([1] * len(ids))
-
-
-@dataclass
-class Seat:
-    """One role of an episode as one player sees it: its own renderer, conversation and tokens."""
-
-    role: str = ""  # "" in a single-role episode
-    trained: bool = True  # played by the live policy: its segments are delivered
-    snapshot: int | None = None  # played by the frozen snapshot of this version (not trained)
-    renderer: Any = None
-    segments: list[Segment] = field(default_factory=list)
-    conversation: list[ChatMessage] = field(default_factory=list)
-    last_action: list[int] = field(default_factory=list)
-    turns: int = 0  # actions this seat took
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s.ids) for s in self.segments)
-
-
-@dataclass
-class EpisodeRun:
-    """One sample's episode as the worker drives it: one seat per role (a single-role episode has one)."""
-
-    group_id: str
-    index: int
-    id: str  # the sample's trajectory id, also the episode id the environment process knows
-    seats: dict[str, Seat] = field(default_factory=lambda: {"": Seat()})
-    role: str = ""  # the seat that acts now
-    live_role: str = ""  # multi-role: the seat the live policy plays (scored against the opponent)
-    opponent: str = ""  # multi-role: who plays the other seats ("live", "v<N>", "scripted")
-    tools: list[ToolSpec] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    max_turns: int = 1
-    turns: int = 0  # actions taken, every seat's (EpisodeStep seq of the last one)
-    outcome: float | None = None  # set when done (multi-role: the live seat's reward)
-    outcomes: dict[str, float] = field(default_factory=dict)  # multi-role: every role's reward
-    info: dict[str, float] = field(default_factory=dict)
-    retries: int = 0  # how many earlier episodes of this sample failed and were run again
-    failed: str = ""  # why it failed, its own text (the group goes on without it: on_error = "survivors")
-    turn_versions: list[int] = field(default_factory=list)  # each action's newest policy version (transcripts)
-
-    @property
-    def seat(self) -> Seat:
-        return self.seats[self.role]
-
-    # the acting seat's (a single-role episode's only seat's): what transcripts and tests read
-    @property
-    def segments(self) -> list[Segment]:
-        return self.seat.segments
-
-    @property
-    def conversation(self) -> list[ChatMessage]:
-        return self.seat.conversation
-
-    @property
-    def done(self) -> bool:
-        return self.outcome is not None
-
-    @property
-    def tokens(self) -> int:
-        return self.seat.tokens
 
 
 # failures of the machinery, not of the author's episode: retried whatever `on_error` says
@@ -533,6 +433,13 @@ class MultiTurn:
         """Why each failed sample of a group was left out (the failure's own text), in sample order."""
         return [f for f in (self._slot_run(eid).failed for eid in self.slots.get(group_id, [])) if f]
 
+    def samples_left_out(self, group_id: str) -> int:
+        """Samples the group was granted but does not deliver: each failed episode's trained seats, and a
+        game's trained seat that never moved (the game ended first: nothing to train on)."""
+        runs = [self._slot_run(eid) for eid in self.slots.get(group_id, [])]
+        return sum(sum(1 for seat in r.seats.values() if seat.trained and (r.failed or not seat.segments))
+                   for r in runs)
+
     def _slot_run(self, eid: str) -> EpisodeRun:
         return self.runs.get(eid) or self.failed_runs[eid]
 
@@ -562,7 +469,7 @@ class MultiTurn:
                 continue
             segments = [(seat, seg) for seat in run.seats.values() if seat.trained for seg in seat.segments]
             for k, (seat, seg) in enumerate(segments):
-                out.append(_trajectory(a, run, k, seg, source, seat))
+                out.append(trajectory(a, run, k, seg, source, seat))
         for t in out:
             t.group_size = len(out)
         return out
@@ -591,28 +498,6 @@ class MultiTurn:
         return out
 
 
-def _arr(values: Sequence[Any], dtype: Any) -> Array:
-    return Array.from_numpy(np.asarray(values, dtype))
-
-
-def _trajectory(a: Assignment, run: EpisodeRun, k: int, seg: Segment, source: str, seat: Seat) -> Trajectory:
-    info = {f"tidal.episode.{name}": f"{v:g}" for name, v in run.info.items()}
-    roles = {ROLE_KEY: seat.role, OPPONENT_KEY: run.opponent} if run.live_role else {}
-    reward = run.outcomes.get(seat.role, 0.0) if run.live_role else run.outcome
-    return Trajectory(
-        id=segment_id(run.id, k), group_id=a.group_id, sample_index=run.index, task=a.task,
-        prompt_ids=_arr(seg.prompt, np.int32), completion_ids=_arr(seg.ids, np.int32),
-        logprobs=_arr(seg.logprobs, np.float32), versions=_arr(seg.versions, np.int32),
-        kv_versions=None if seg.kv_versions is None else _arr(seg.kv_versions, np.int32),
-        reward=float(reward or 0.0), finish_reason=seg.finish or "stop",
-        step_rewards=_arr(seg.step_rewards, np.float32), step_ends=_arr(seg.step_ends, np.int32),
-        loss_mask=_arr(seg.mask, np.uint8),
-        metadata={**a.metadata, **info, **roles, "tidal.episode.turns": str(seat.turns if run.live_role else run.turns),
-                  "tidal.episode.segment": str(k)},
-        source=source, sampling=a.sampling,
-    )
-
-
 def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Sequence[Domain], engine: Any,
                     tokenizer: Any, model: str = "") -> MultiTurn:
     """A rollout worker's multi-turn driver: its environment processes started (serving the worker's
@@ -630,8 +515,6 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Sequence[Domain],
 
     snapshots = None
     if cfg.snapshot_dir:  # self-play: the opponent seats' frozen policies, served beside the live one
-        from tidal.rollout.episodes.opponents import SnapshotEngines
-
         snapshots = SnapshotEngines(cfg.snapshot_dir, model, held=cfg.snapshots_held, tokenizer=tokenizer)
     mt = MultiTurn(cfg, pool, engine, tokenizer, make, snapshots=snapshots)
     _check_renderer(worker, cfg.renderer.name, mt, make, tokenizer)
@@ -663,7 +546,7 @@ def run_episodes(engine: Any, tokenizer: Any, pool: Any, domain: str, tasks: Seq
     groups = [f"local-{i:05d}" for i in range(len(tasks))]
     for i, (gid, task) in enumerate(zip(groups, tasks, strict=True)):
         seat = {OPPONENT_KEY: "scripted", SEAT_KEY: roles[i % len(roles)]} if len(roles) > 1 else {}
-        mt.start(Assignment(group_id=gid, prompt_ids=_arr([], np.int32), num_samples=1, task=domain,
+        mt.start(Assignment(group_id=gid, prompt_ids=arr([], np.int32), num_samples=1, task=domain,
                             sampling=sampling, prompt=task.prompt, answer=task.answer, metadata=seat), task, roles)
     pending, failed = set(groups), set()
     deadline = time.monotonic() + timeout

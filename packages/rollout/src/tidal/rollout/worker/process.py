@@ -7,7 +7,7 @@ Talks to three peers, all through tidal.core channels:
 - the **controller** (DEALER -> its ROUTER): the worker says Hello, then asks for work with
   `WorkRequest(want=n)` (credit-based: it never holds more groups than `max_groups`), receives
   `Assignment`s, reports each group with `Ack(kind=ACK_ASSIGNMENT)` once the buffer has acknowledged every
-  sample (``ok=False`` with the reason when a group was dropped; ``left_out`` = its failed episodes when it
+  sample (``ok=False`` with the reason when a group was dropped; ``left_out`` = the samples of its failed episodes when it
   trained on its survivors), and sends `Heartbeat` and `Metrics`.
   A `Heartbeat` also goes out the moment new weights are applied: the controller's depth gate opens on
   it, so the version report never waits for the heartbeat period (that is for liveness only).
@@ -103,6 +103,7 @@ class _Group:
     episodic: bool = False  # multi-turn: its samples are episodes run by `RolloutWorker.multiturn`
     left_out: list[str] = field(default_factory=list)  # why each failed episode was left out (survivors)
     scores: list[float] = field(default_factory=list)  # self-play: the live seat's reward per episode (Ack.scores)
+    samples_left_out: int = 0  # granted samples not delivered: failed episodes' seats, game seats that never moved
 
 
 class RolloutWorker:
@@ -436,6 +437,7 @@ class RolloutWorker:
         gid = group.assignment.group_id
         members = self.multiturn.trajectories(gid, self.cfg.name)
         group.left_out = self.multiturn.left_out(gid)
+        group.samples_left_out = self.multiturn.samples_left_out(gid)
         group.scores = self.multiturn.scores(gid)
         if not group.eval:
             self.transcripts.write_episodes(group.assignment, self.multiturn.runs)
@@ -488,7 +490,7 @@ class RolloutWorker:
                 return
             if group.left_out:
                 self.counters["groups_trained_on_survivors"] += 1
-            self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], left_out=len(group.left_out),
+            self._send_ctl(Ack(kind=ACK_ASSIGNMENT, ids=[gid], left_out=group.samples_left_out,
                                detail=group.left_out[0] if group.left_out else "", scores=group.scores))
 
     # ------------------------------------------------------------------ reporting
