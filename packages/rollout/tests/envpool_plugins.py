@@ -18,6 +18,7 @@
 - ``duel``: two roles, "a" and "b", alternately `moves` turns each, any text accepted; "a" wins (+1, "b"
   -1) when its actions hold more characters in all. A role named in the task's ``tidal.scripted`` is played
   by the environment (it answers "x"); every action each role took is kept by role (`DuelEpisode.log`).
+  `name_roles=False`: its observations forget to say whose turn it is (an author's mistake).
 - ``flaky``: done after one step; the episodes this env object makes are numbered as opened, and those
   numbered in `fail` have an `outcome()` that raises (the author's text names the episode number).
 """
@@ -218,9 +219,9 @@ class Flaky(_Env):
 class DuelEpisode(_Episode):
     roles = ("a", "b")
 
-    def __init__(self, task: Task, moves: int) -> None:
+    def __init__(self, task: Task, moves: int, name_roles: bool = True) -> None:
         super().__init__(task)
-        self.moves, self.turn = moves, 0
+        self.moves, self.turn, self.name_roles = moves, 0, name_roles
         self.scripted = {r for r in task.metadata.get(SCRIPTED_KEY, "").split(",") if r}
         self.log: dict[str, list[str]] = {"a": [], "b": []}
 
@@ -229,7 +230,7 @@ class DuelEpisode(_Episode):
         while self.turn < 2 * self.moves:
             role = self.roles[self.turn % 2]
             if role not in self.scripted:
-                return Observation(text=f"{self.task.prompt} {role} {self.turn}:", role=role)
+                return Observation(text=f"{self.task.prompt} {role} {self.turn}:", role=role if self.name_roles else "")
             self.log[role].append("x")
             self.turn += 1
         return None
@@ -256,11 +257,11 @@ class DuelEpisode(_Episode):
 class Duel(_Env):
     roles = ("a", "b")
 
-    def __init__(self, moves: int = 2) -> None:
-        self.moves = moves
+    def __init__(self, moves: int = 2, name_roles: bool = True) -> None:
+        self.moves, self.name_roles = moves, name_roles
 
     def episode(self, task: Task) -> DuelEpisode:
-        return DuelEpisode(task, self.moves)
+        return DuelEpisode(task, self.moves, self.name_roles)
 
 
 class DiesOnOpen(_Env):

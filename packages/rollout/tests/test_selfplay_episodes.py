@@ -220,3 +220,13 @@ def test_a_seat_that_never_moved_is_counted_as_left_out(engine, tiny_model):
     trajs = mt.trajectories(a.group_id, "rollout-0")
     assert mt.samples_left_out(a.group_id) > 0  # some game ended before its second player moved
     assert len(trajs) + mt.samples_left_out(a.group_id) == 2 * a.num_samples
+
+
+def test_an_observation_that_names_no_role_fails_with_what_to_do(engine, tiny_model):
+    tok = load_tokenizer(tiny_model)
+    pool = LocalEpisodes([Domain(env=PluginRef(name="duel", options={"name_roles": False}))],
+                         plugins=["envpool_plugins"])
+    mt = MultiTurn(EpisodesConfig(max_tokens=200), pool, engine, tok, lambda: PlainRenderer(tok))
+    with pytest.raises(EpisodeFailed) as e:
+        _play(mt, _assignment("duel-0000007", "live", n=1))
+    assert e.value.reason == "env_error" and "set Observation.role" in str(e.value) and "['a', 'b']" in str(e.value)

@@ -229,6 +229,9 @@ class EpisodeHost:
             raise _Failed("env_error", f"starting the episode failed: {_describe(e)}") from e
         roles = tuple(str(r) for r in getattr(episode, "roles", ()))
         roles = roles if len(roles) > 1 else ()
+        if roles and obs.role not in roles:
+            self._close(episode, msg.episode_id)
+            raise _Failed("env_error", _no_role(obs.role, roles, "reset()"))
         self.episodes[msg.episode_id] = _Open(episode, env.max_turns, msg.domain, roles=roles)
         messages, text, dropped = self._capped(obs)
         return EpisodeReply(episode_id=msg.episode_id, seq=0, messages=messages, token_ids=obs.token_ids, text=text,
@@ -262,6 +265,8 @@ class EpisodeHost:
         done = bool(result.done)
         obs = result.observation
         if op.roles:  # each role's own actions count against max_turns
+            if not done and (obs is None or obs.role not in op.roles):
+                raise _Failed("env_error", _no_role(obs.role if obs else None, op.roles, f"step {msg.seq}"))
             op.role_turns[msg.role] = op.role_turns.get(msg.role, 0) + 1
             if not done and obs is not None and op.role_turns.get(obs.role, 0) >= op.max_turns:
                 done, info[MAX_TURNS_REACHED] = True, 1.0
@@ -311,6 +316,11 @@ class EpisodeHost:
     @staticmethod
     def _bad_reward(e: BadReward, step_reward: float) -> _Failed:
         return _Failed("verifier_error", str(e), step_reward, logged=True)
+
+
+def _no_role(role: str | None, roles: tuple[str, ...], where: str) -> str:
+    return (f"{where} of a multi-role episode returned an observation for role {role!r}: set Observation.role "
+            f"to the role whose turn it is, one of {list(roles)}")
 
 
 class EnvProcess:
