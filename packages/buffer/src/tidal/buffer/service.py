@@ -317,12 +317,12 @@ class BufferService(Ingest):
         chosen: list[Group] = []
         samples = tokens = 0
         for g in self.store.ready.values():
-            if self._step_full(samples, tokens):
+            if self._step_full(samples, tokens, len(chosen)):
                 break
             chosen.append(g)
             samples += len(g.members)
             tokens += g.tokens
-        if not chosen or not self._step_full(samples, tokens):
+        if not chosen or not self._step_full(samples, tokens, len(chosen)):
             return False
         seq = self.store.next_batch_seq
         for rank, share in enumerate(split_groups(chosen, world_size)):
@@ -337,10 +337,15 @@ class BufferService(Ingest):
         self.commits.within(0.0)
         return True  # durable with the next commit, before any share is sent
 
-    def _step_full(self, samples: int, tokens: int) -> bool:
+    def _step_full(self, samples: int, tokens: int, groups: int) -> bool:
+        """`batch_tokens`, else `batch_samples`, or as many groups as a step of whole groups of `group_size`
+        holds: a group that delivers fewer samples than it was granted (a failed episode left out, a game's
+        seat that never moved) makes its step short instead of pulling in one more group, so that a step
+        takes what the controller's depth gate granted per version and the gate never waits on a step the
+        buffer cannot fill."""
         if self.cfg.batch_tokens > 0:
             return tokens >= self.cfg.batch_tokens
-        return samples >= self.cfg.batch_samples
+        return samples >= self.cfg.batch_samples or groups >= -(-self.cfg.batch_samples // max(self.cfg.group_size, 1))
 
     def _drop_stale_ready(self) -> None:
         admission = self.admission
