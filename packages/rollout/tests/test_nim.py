@@ -91,6 +91,8 @@ def test_options_that_cannot_make_a_game_are_refused() -> None:
         Nim(piles=(6, 9))  # nothing to hold out
     with pytest.raises(ValueError, match="probability"):
         Nim(scripted="optimal", scripted_epsilon=1.5)
+    with pytest.raises(ValueError, match="illegal_reward must be at most -1"):
+        Nim(illegal_reward=0.0)
 
 
 # --------------------------------------------------------------------------- games
@@ -134,7 +136,7 @@ def test_an_illegal_move_ends_the_game_and_costs_only_the_offender(action: str) 
     assert not episode.step("2\n", "second").done  # 2 stones left: 3 is illegal now too
     result = episode.step(action, "first")
     assert result.done and result.observation is None and result.info == {"illegal_moves": 1.0}
-    assert episode.outcome() == {"first": -1.0, "second": 0.0}
+    assert episode.outcome() == {"first": -2.0, "second": 0.0}  # worse than a loss: never a way out of one
 
 
 def test_read_move_takes_the_first_integer() -> None:

@@ -8,7 +8,8 @@ taking 1..`max_take` (3) stones, and whoever takes the last stone wins. Roles, i
 Observation, the same for both roles (`Observation.text`, appended to the role's sample as it is, no
 separator): ``nim <pile> take:``, the pile the role to move faces. Action: the model's text; its first
 integer is the move (``2``, ``2\\n``). No integer, or one outside ``1..min(max_take, pile)``, is an illegal
-move: the game ends at once, the offender gets -1 and the other role 0 (step info ``illegal_moves``).
+move: the game ends at once, the offender gets `illegal_reward` (-2: worse than a loss, else a player in a
+lost position learns nothing against making illegal moves) and the other role 0 (step info ``illegal_moves``).
 Otherwise the winner gets +1 and the loser -1 (`outcome()`, a role -> reward mapping); step rewards are
 0. A turn ends at a newline (`NimEpisode.stop`).
 
@@ -87,7 +88,7 @@ class Nim:
     roles = ROLES
 
     def __init__(self, piles: tuple[int, int] = (5, 20), max_take: int = 3, scripted: str = "random",
-                 scripted_epsilon: float = 0.0) -> None:
+                 scripted_epsilon: float = 0.0, illegal_reward: float = -2.0) -> None:
         if max_take < 1:
             raise ValueError(f"max_take is the most stones a move takes, at least 1, got {max_take}")
         if len(piles) != 2 or not max_take < piles[0] <= piles[1]:
@@ -104,7 +105,11 @@ class Nim:
         if not self.eval_piles or not self.train_piles:
             raise ValueError(f"piles {piles!r} must hold both a multiple of {EVAL_EVERY} (held out for eval) "
                              f"and another size (trained on); widen the range")
+        if not illegal_reward <= -1.0:
+            raise ValueError(f"illegal_reward must be at most -1 (a loss), got {illegal_reward}: a player in a lost "
+                             f"position would then gain by making an illegal move")
         self.max_take, self.scripted, self.scripted_epsilon = max_take, scripted, scripted_epsilon
+        self.illegal_reward = float(illegal_reward)
         # every legal move takes a stone: a game has at most hi moves, however many roles are live
         self.max_turns = hi
 
@@ -192,7 +197,7 @@ class NimEpisode:
 
     def outcome(self) -> Mapping[str, float]:
         if self.offender is not None:
-            return {r: -1.0 if r == self.offender else 0.0 for r in ROLES}
+            return {r: self.env.illegal_reward if r == self.offender else 0.0 for r in ROLES}
         if self.winner is None:
             raise RuntimeError(f"outcome() before the game ended ({self.pile} stones left)")
         return {r: 1.0 if r == self.winner else -1.0 for r in ROLES}
