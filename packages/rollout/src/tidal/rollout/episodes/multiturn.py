@@ -512,7 +512,9 @@ def start_multiturn(worker: str, cfg: EpisodesConfig, domains: Sequence[Domain],
 
     snapshots = None
     if cfg.snapshot_dir:  # self-play: the opponent seats' frozen policies, served beside the live one
-        snapshots = SnapshotEngines(cfg.snapshot_dir, model, held=cfg.snapshots_held, tokenizer=tokenizer)
+        # on the live engine's device when it says (the embedded engine), else the CPU (vLLM keeps its own)
+        snapshots = SnapshotEngines(cfg.snapshot_dir, model, held=cfg.snapshots_held, tokenizer=tokenizer,
+                                    device=str(getattr(engine, "device", "cpu")))
     mt = MultiTurn(cfg, pool, engine, tokenizer, make, snapshots=snapshots)
     _check_renderer(worker, cfg.renderer.name, mt, make, tokenizer)
     return mt
