@@ -12,6 +12,7 @@ import pytest
 
 from tidal.core.config import PluginRef
 from tidal.core.episodes import snapshot_name
+from tidal.core.errors import ConfigError
 from tidal.integration import selfplay
 from tidal.integration.selfplay import STATE, SelfPlay
 from tidal.rollout.envs.nim import Nim
@@ -67,5 +68,6 @@ def test_a_restarted_driver_keeps_the_pool_and_its_ratings(tmp_path):
 
 def test_a_state_of_another_sampler_is_refused(tmp_path):
     (tmp_path / STATE).write_text(json.dumps({"sampler": "mirror", "picks": [], "results": []}))
-    with pytest.raises(ValueError, match="mirror"):
+    with pytest.raises(ConfigError, match="selfplay.json: the saved opponent state is of sampler 'mirror'") as e:
         SelfPlay(POOL, "scripted", tmp_path, _domains(), seed=0)
+    assert e.value.field == "selfplay.opponent"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.core.episodes import snapshot_name
+from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
 
 log = logging.getLogger("tidal.selfplay")
@@ -59,7 +60,10 @@ class SelfPlay:
         self._dirty = False
         self._next_scan = 0.0
         if self.state_path.is_file():  # a resumed run: its pool and ratings
-            self.sampler.load(json.loads(self.state_path.read_text()))
+            try:
+                self.sampler.load(json.loads(self.state_path.read_text()))
+            except (ValueError, KeyError, TypeError) as e:  # another sampler's state, or a damaged file
+                raise ConfigError(f"{self.state_path}: {e}", field="selfplay.opponent") from None
             log.info("self-play: opponent %s state restored from %s (%s)", opponent.name, self.state_path,
                      _summary(self.sampler))
 
