@@ -10,7 +10,7 @@ import pytest
 from tidal.core.protocol import ChatMessage
 from tidal.integration.cli import main
 from tidal.integration.samples import samples_dir, summary, to_tensorboard
-from tidal.rollout.episodes.multiturn import EpisodeRun, Segment
+from tidal.rollout.episodes.multiturn import EpisodeRun, Seat, Segment
 from tidal.rollout.worker.transcripts import (
     TranscriptsConfig,
     TranscriptWriter,
@@ -21,11 +21,11 @@ from tidal.rollout.worker.transcripts import (
 
 def _episode(n: int, version: int) -> EpisodeRun:
     seg = Segment(prompt=[1], versions=[version, version], step_rewards=[0.0, 1.0], finish="stop")
-    return EpisodeRun(group_id=f"unitconv-{n:07d}", index=0, id=f"unitconv-{n:07d}:0", segments=[seg],
-                      conversation=[ChatMessage(role="user", content=f"Convert {n} km to m"),
-                                    ChatMessage(role="assistant", content="<call>unit_factor km m</call>"),
-                                    ChatMessage(role="tool", content="<result>1000</result>", name="unit_factor"),
-                                    ChatMessage(role="assistant", content=f"{n}000\nthat is all")],
+    seat = Seat(segments=[seg], conversation=[ChatMessage(role="user", content=f"Convert {n} km to m"),
+                                              ChatMessage(role="assistant", content="<call>unit_factor km m</call>"),
+                                              ChatMessage(role="tool", content="<result>1000</result>", name="unit_factor"),
+                                              ChatMessage(role="assistant", content=f"{n}000\nthat is all")])
+    return EpisodeRun(group_id=f"unitconv-{n:07d}", index=0, id=f"unitconv-{n:07d}:0", seats={"": seat},
                       turns=2, outcome=1.0, turn_versions=[version, version])
 
 
