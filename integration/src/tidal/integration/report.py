@@ -320,7 +320,8 @@ def report(run_dir: str | Path) -> Path:
         a.grid(alpha=0.3)
     summary = _report_summary(run_dir, rows, evs, episodes)
     if sp:  # the sampler's last word: pool, ratings, win-rates
-        summary["selfplay"] = {k.removeprefix("selfplay/"): v[1][-1] for k, v in sp.items()}
+        end = max(t[-1] for t, _ in sp.values())  # the final row's keys: the pool as it ended, not every snapshot it held
+        summary["selfplay"] = {k.removeprefix("selfplay/"): v[1][-1] for k, v in sp.items() if v[0][-1] >= end}
     fig.suptitle(_report_title(run_dir, summary))
     fig.tight_layout()
     png = run_dir / "report.png"
