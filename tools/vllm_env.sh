@@ -63,7 +63,7 @@ fi
 echo "== installing the Tidal packages (editable, all in one pip call so that pip takes them from here) and the test tools"
 pkgs=()
 for p in packages/*/ integration/; do pkgs+=(-e "$p"); done
-"$PY" -m pip install --quiet "${pkgs[@]}" pytest pytest-timeout
+"$PY" -m pip install --quiet "${pkgs[@]}" pytest pytest-timeout pytest-xdist
 
 if ! why=$("$PY" -c "import vllm, torch; print(vllm.__version__, torch.__version__)" 2>&1); then
     banner "CANNOT RUN: vLLM does not import" "$(echo "$why" | tail -n 3)"
@@ -75,6 +75,7 @@ if [[ "${1:-}" == "--build-only" ]]; then
     exit 0
 fi
 
+# -n 0: one vLLM engine at a time (each holds its own KV cache; the root pytest options run tests side by side)
 echo "== vLLM tier tests"
 TIDAL_REQUIRE_VLLM=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}" \
-    "$PY" -m pytest -p no:cacheprovider -m vllm packages/rollout/tests/test_vllm.py integration/tests/test_vllm_run.py -v -s "$@"
+    "$PY" -m pytest -p no:cacheprovider -n 0 -m vllm packages/rollout/tests/test_vllm.py integration/tests/test_vllm_run.py -v -s "$@"

@@ -41,3 +41,11 @@ class TidalCLI:
 @pytest.fixture
 def tidal_cli() -> TidalCLI:
     return TidalCLI()
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory) -> Path:
+    """One folder for the whole test session, shared by side-by-side xdist workers (their base temp folders
+    are siblings), where warm starts are built once (`tidal.integration.sft.built_once`)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if base.name.startswith("popen-gw") else base) / "warm-starts"

@@ -50,7 +50,7 @@ class FaultyEpisode(ToolEpisode):
         if self.fault in ("hang", "flood") and self.turns == 0:
             self.turns += 1
             code = "import time; time.sleep(10**6)" if self.fault == "hang" else "print('x' * 10**8)"
-            result = self.env.python.run({"code": code})
+            result = (self.env.python if self.fault == "hang" else self.env.flooding).run({"code": code})
             self.env.mark(self.fault + ".done")
             # what the tiny model's characters can show of it (a character it lacks is a render_error)
             shown = "".join(c for c in self.env.parser.format_result(None, result) if c in TOOL_ALPHABET)[:40]
@@ -81,7 +81,10 @@ class Faulty(Multiply):
     def __init__(self, markers="", **options):
         super().__init__(**options)
         self.markers = markers
-        self.python = PythonTool(timeout_s=1.0)
+        self.python = PythonTool(timeout_s=1.0)  # the hang: cut by the wall clock
+        # the flood must be cut by the output cap, not the clock: on a loaded machine the sandbox alone can take
+        # a second to start, and a 1 s limit turned the flood into a timeout (seen with tests side by side)
+        self.flooding = PythonTool(timeout_s=60.0)
 
     def mark(self, name):
         try:

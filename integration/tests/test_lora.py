@@ -15,7 +15,7 @@ from tidal.core.errors import ConfigError
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
-from tidal.integration.learner.lora import check_lora
+from tidal.integration.learner.checks import check_lora
 from tidal.integration.learner.trainer import Trainer
 from tidal.learner.checkpoint import load_checkpoint, save_checkpoint
 from tidal.learner.config import (

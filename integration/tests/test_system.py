@@ -32,18 +32,21 @@ pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
+def sft_model(warm_cache):
     """A tiny model warm-started like the demo's: the carry drill from a demonstrator who forgets the
-    carry 60 % of the time (half a minute of SFT)."""
-    from tidal.integration.sft import SFTConfig, accuracy, sft
+    carry 60 % of the time (half a minute of SFT; built once per session, whichever worker asks first)."""
+    from tidal.integration.sft import accuracy, built_once
     from tidal.rollout.envs.tasks import Arithmetic
-    from tidal.rollout.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("system")
-    base = build_tiny_model(root / "base", seed=0)
-    env = Arithmetic(level=5)
-    sft(base, root / "sft", env, SFTConfig(steps=1000, batch=64, lr=1e-3, carry_slip=0.6))
-    start = accuracy(root / "sft", env, n=200, max_tokens=5)
+    def build(root):
+        from tidal.integration.sft import SFTConfig, sft
+        from tidal.rollout.tiny import build_tiny_model
+
+        base = build_tiny_model(root / "base", seed=0)
+        sft(base, root / "sft", Arithmetic(level=5), SFTConfig(steps=1000, batch=64, lr=1e-3, carry_slip=0.6))
+
+    root = built_once(warm_cache, {"test": "system"}, build)
+    start = accuracy(root / "sft", Arithmetic(level=5), n=200, max_tokens=5)
     assert 0.3 < start < 0.8, f"the warm start should be right on some problems and wrong on others: {start}"
     return root / "sft"
 
@@ -87,6 +90,10 @@ def test_async_run_raises_heldout_accuracy(tmp_path, sft_model):
     assert {r["source"] for r in rows} >= {"learner-0", "controller", "rollout-0", "rollout-1"}
     assert any(r["source"].startswith("buffer") for r in rows)
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    # the wait a user feels: from the roles' launch to the first trained step, in final.json and the console
+    assert 0 < final["launch_to_first_step_s"] < 600, final["launch_to_first_step_s"]
+    log = run_dir.with_suffix(".log").read_text()
+    assert f"first trained step {final['launch_to_first_step_s']:.1f} s after launch" in log, log[-2000:]
 
 
 def test_sequence_parallel_learner_on_two_ranks_raises_heldout_accuracy(tmp_path, sft_model):
@@ -272,6 +279,7 @@ def test_kill_9_of_each_role_loses_and_duplicates_nothing(tmp_path, sft_model):
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time on this machine: each starts its own head
 def test_ray_launcher_runs_the_readme_command_through_uv_run(tmp_path):
     """The README's Ray command line as written, `uv run ... tidal run RECIPE launcher.name=ray`, from
     the repository root: under `uv run`, Ray's uv hook would ship the folder to workers whose fresh
@@ -338,6 +346,7 @@ def two_nodes(monkeypatch):
         cluster.shutdown()
 
 
+@pytest.mark.xdist_group("ray")
 def test_two_node_ray_cluster_survives_losing_a_node(tmp_path, sft_model, two_nodes):
     """A run on a Ray cluster of two nodes, with the learner's 2 ranks and the 2 rollout workers spread over
     both (`placement = "spread"`), each node's worker fetching weights from the relay on its node

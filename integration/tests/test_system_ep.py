@@ -31,18 +31,21 @@ VERSIONS = 45
 
 
 @pytest.fixture(scope="module")
-def oss_sft(tmp_path_factory):
+def oss_sft(warm_cache):
     """A warm start like the demo's (the carry drill from a demonstrator who forgets the carry 60 % of the
-    time), on the GPT-OSS-like model."""
-    from tidal.integration.sft import SFTConfig, accuracy, sft
+    time), on the GPT-OSS-like model (built once per session)."""
+    from tidal.integration.sft import accuracy, built_once
     from tidal.rollout.envs.tasks import Arithmetic
-    from tidal.rollout.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("system-ep")
-    base = build_tiny_model(root / "base", arch="gpt_oss", experts=4, hidden=64, intermediate=64, seed=0)
-    env = Arithmetic(level=5)
-    sft(base, root / "sft", env, SFTConfig(steps=800, batch=64, lr=3e-3, carry_slip=0.6))
-    start = accuracy(root / "sft", env, n=200, max_tokens=5)
+    def build(root):
+        from tidal.integration.sft import SFTConfig, sft
+        from tidal.rollout.tiny import build_tiny_model
+
+        base = build_tiny_model(root / "base", arch="gpt_oss", experts=4, hidden=64, intermediate=64, seed=0)
+        sft(base, root / "sft", Arithmetic(level=5), SFTConfig(steps=800, batch=64, lr=3e-3, carry_slip=0.6))
+
+    root = built_once(warm_cache, {"test": "system-ep"}, build)
+    start = accuracy(root / "sft", Arithmetic(level=5), n=200, max_tokens=5)
     print(f"warm start: held-out accuracy {start:.3f}")
     assert 0.15 < start < 0.85, f"the warm start should be right on some problems and wrong on others: {start}"
     return root / "sft"

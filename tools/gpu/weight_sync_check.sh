@@ -262,7 +262,7 @@ if [[ $HAVE_CUDA == 1 ]]; then
     if (( $(left) < 60 )); then
         echo "the package's cuda_ipc tests: skipped (time budget spent)"
     elif "$PY" -c "import pytest" 2>/dev/null; then
-        timeout "$(limit 150)" "$PY" -m pytest -p no:cacheprovider -q -rs packages/weight-sync/tests/test_cuda_ipc.py \
+        timeout "$(limit 150)" "$PY" -m pytest -p no:cacheprovider -o addopts="" -q -rs packages/weight-sync/tests/test_cuda_ipc.py \
             packages/weight-sync/tests/test_transports.py -k "cuda" 2>&1 | tail -6
     else
         echo "pytest does not import here: the package's cuda_ipc tests were NOT run"

@@ -120,7 +120,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"tidal run: {e}", file=sys.stderr)
         return 2
     png = report(result.run_dir)
-    print(f"run {result.status}: {result.versions} versions in {result.wall_s / 60:.1f} min; report {png}")
+    first = f"; first trained step {result.first_step_s:.1f} s after launch" if result.first_step_s is not None else ""
+    print(f"run {result.status}: {result.versions} versions in {result.wall_s / 60:.1f} min{first}; report {png}")
     if result.status != "completed":
         print(f"continue it with: {resume_command(result.run_dir)}")
     return 0 if result.status == "completed" else 1

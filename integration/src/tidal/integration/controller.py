@@ -98,6 +98,7 @@ class Controller(Evaluations):
         self.learner_metrics_version = -1  # newest learner step whose metrics arrived
         self.learner_step_at = 0.0  # its wall clock
         self.learner_up_at = 0.0  # wall clock when the learner's first step (of this run) began
+        self.first_step_at = 0.0  # wall clock when it ended: the run's first trained samples
         self._trained: deque[tuple[float, float]] = deque(maxlen=512)  # (wall clock, samples trained) per step
         self._init_evals(run_dir)
         self.last: dict[str, dict[str, float]] = {}  # latest scalars by source
@@ -292,6 +293,7 @@ class Controller(Evaluations):
                     self.learner_step_at = msg.time  # wall clock of the newest learner step
                 if not self.learner_up_at:  # its first row: the step began as the learner's set-up ended
                     self.learner_up_at = msg.time - msg.scalars.get("train/step_s", 0.0)
+                    self.first_step_at = msg.time
                     self._trained.append((self.learner_up_at, msg.scalars.get("train/samples_total", 0.0)
                                           - msg.scalars.get("train/sequences", 0.0)))
                 if "train/samples_total" in msg.scalars:

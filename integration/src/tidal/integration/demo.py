@@ -132,6 +132,8 @@ def demo(out: str | Path, overrides: Sequence[str] = (), task: str = "arithmetic
               f"total {(time.monotonic() - t0) / 60:.1f} min; status {result.status}", flush=True)
     print(f"      RL phase: {result.samples} samples trained in {result.rl_s:.1f} s = {result.samples_per_s:.0f} "
           f"samples/s", flush=True)
+    if result.first_step_s is not None:
+        print(f"      first trained step {result.first_step_s:.1f} s after the roles were launched", flush=True)
     return 0 if result.status == "completed" else 1
 
 

@@ -55,7 +55,7 @@ from tidal.core.protocol import Metrics
 from tidal.core.security import ChannelSecurity, make_role_keys
 from tidal.integration.controller import Controller
 from tidal.integration.launch import Role, one_line
-from tidal.integration.learner.lora import check_lora
+from tidal.integration.learner.checks import check_lora
 from tidal.integration.learner.parallel import check_parallel, model_config
 from tidal.integration.monitor import Display, MetricsSink
 from tidal.integration.recipe import RunConfig, default_run_dir
@@ -82,6 +82,7 @@ class RunResult:
     rl_start: float = 0.0  # its start (time.time()): the first rollout worker connected and the learner
     # began its first step, whichever came last (the learner loads its model beside the other roles)
     worker_up: float = 0.0  # time.time() when the first rollout worker connected
+    first_step_s: float | None = None  # the roles' launch -> the learner's first step ended (None: no step)
 
     @property
     def samples_per_s(self) -> float:
@@ -470,6 +471,7 @@ def _run(cfg: RunConfig, run_dir: Path, nproc_learner: int, launcher: Any, ports
     log.info("run folder %s (%s mode, %d workers, launcher %s)", run_dir, cfg.mode, cfg.workers, cfg.launcher.name)
     try:
         try:
+            sup.launched_at = time.time()
             sup.handle = launcher.launch(roles, run_dir)
         except Exception as e:  # no role runs: say why in final.json, in one line
             sup.status = f"failed: the {cfg.launcher.name} launcher could not start the roles: {one_line(e)}"
@@ -520,7 +522,7 @@ def _run_result(run_dir: Path, sup: Supervisor, controller: Controller) -> RunRe
     return RunResult(run_dir=run_dir, status=sup.status, versions=controller.learner_version,
                      eval=controller.eval_results, restarts={k: v for k, v in sup.restarts.items() if v},
                      wall_s=time.monotonic() - sup.t0, samples=samples, rl_s=rl_s, rl_start=rl_start,
-                     worker_up=worker_up)
+                     worker_up=worker_up, first_step_s=sup.launch_to_first_step())
 
 
 def _samples_to_tensorboard(sink: MetricsSink, run_dir: Path, version: int) -> None:

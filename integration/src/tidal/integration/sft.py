@@ -8,10 +8,15 @@ never seen: the environments split train/eval by prompt hash.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import inspect
 import itertools
+import json
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -104,6 +109,35 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     seconds = time.perf_counter() - t0
     log.info("SFT: %d steps, final loss %.4f, %.1f s", cfg.steps, loss_value, seconds)
     return {"loss": loss_value, "seconds": seconds, "examples": float(cfg.steps * cfg.batch)}
+
+
+def built_once(root: str | Path, key: dict[str, Any], build: Callable[[Path], Any]) -> Path:
+    """The folder `build(folder)` fills (a warm-started model, say), built once per `key` under `root` and
+    reused by every process that asks for it after (side-by-side test workers wait for the first one).
+    The cache cannot go stale: its name is a hash of `key`, the source of `build`, the source files of the
+    code that builds models, tokenizers, tasks and warm starts (tidal.rollout, this module) and the torch and
+    transformers versions; a change to any of them builds a new folder."""
+    import transformers
+
+    import tidal.rollout
+
+    h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
+    h.update(inspect.getsource(build).encode())
+    h.update(f"{torch.__version__} {transformers.__version__}".encode())
+    for folder in tidal.rollout.__path__:
+        for f in sorted(Path(folder).rglob("*.py")):
+            h.update(f.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / h.hexdigest()[:20]
+    with open(root / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here for the first one's build
+        if not (final / ".complete").exists():
+            shutil.rmtree(final, ignore_errors=True)  # a build that died half-way
+            build(final)
+            (final / ".complete").write_text(json.dumps(key, sort_keys=True, default=str))
+    return final
 
 
 def _load_model(model_path: str | Path) -> Any:

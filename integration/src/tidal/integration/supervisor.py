@@ -113,6 +113,7 @@ class Supervisor:
     learner_done: bool = False
     done_at: float = 0.0
     rl_start: float | None = None  # wall clock of the starting evaluation: the RL phase begins
+    launched_at: float = 0.0  # wall clock when the launcher was asked to start the roles
     restarts: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # role -> the message it left when it last failed
     t0: float = field(default_factory=time.monotonic)
@@ -127,6 +128,7 @@ class Supervisor:
         self._next_status = 0.0
         self._rl_start_mono = 0.0  # monotonic time of rl_start: the clock of launch.no_trainable_group_s
         self._next_drop_warning = 0.0
+        self._first_step_logged = False
         if self.controller.resume is not None:  # elapsed time (and budget.minutes) carry on
             self.t0 -= self.controller.resume.elapsed_s
 
@@ -170,6 +172,7 @@ class Supervisor:
             self._on_exit(name, rc, now)
         self._reap_silent()
         self._report(now)
+        self._first_step()
         self._time_budget(now)
         self._watch_drops(now)
         return self._finished(now)
@@ -196,6 +199,11 @@ class Supervisor:
         elif now - self.t0 > self.cfg.launch.start_timeout_s:
             raise Stop(f"no rollout worker connected within {self.cfg.launch.start_timeout_s:.0f} s "
                        f"(see {self.run_dir / 'logs'})")
+
+    def _first_step(self) -> None:
+        if not self._first_step_logged and (s := self.launch_to_first_step()) is not None:
+            self._first_step_logged = True
+            log.info("first trained step %.1f s after the roles were launched", s)
 
     def _watch_progress(self, now: float) -> None:
         c = self.controller
@@ -330,11 +338,18 @@ class Supervisor:
             **({} if self.status == "completed" else {"resume": resume_command(self.run_dir)}),
             "resumed": c.resume.resumes + 1 if c.resume is not None else 0,
             "time_budget_reached": self.time_budget_hit, "final_eval": self.final_eval,
+            "launch_to_first_step_s": self.launch_to_first_step(),
             "errors": {**c.last_error, **self.errors},
             "restarts": {k: v for k, v in self.restarts.items() if v},
             "eval": c.eval_results, "eval_unscored": c.eval_unscored, "controller": c.status(), "buffer": final_buffer,
             "rollout": {k: v for k, v in sorted(c.last.items()) if k.startswith("rollout")}})
         self.sink(Metrics(source="controller", step=c.learner_version, time=time.time(), scalars=c.status()))
+
+    def launch_to_first_step(self) -> float | None:
+        """Seconds from the launch of the roles to the end of the learner's first step of this run (its first
+        trained samples): what a user waits before the run learns anything. None before that step."""
+        first = self.controller.first_step_at
+        return round(first - self.launched_at, 2) if first and self.launched_at else None
 
     def last_errors(self) -> str:
         """The latest error each role reported (or left when it exited), for a stall or timeout message."""

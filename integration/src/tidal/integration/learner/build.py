@@ -21,8 +21,8 @@ from tidal.core.errors import ConfigError
 from tidal.core.plugins import registry
 from tidal.core.protocol import Batch
 from tidal.integration.learner.backends import has_sinks, pick_attention
+from tidal.integration.learner.checks import check_lora
 from tidal.integration.learner.data import Sample
-from tidal.integration.learner.lora import check_lora
 from tidal.integration.learner.objective import Objective
 from tidal.integration.learner.parallel import (
     check_parallel,

@@ -14,7 +14,8 @@
 - checkpoints hold the trainable parameters only (`checkpoint_options`): the frozen base is the model
   folder, reloaded on resume.
 
-`check_lora` refuses what cannot train adapters yet, before the model loads.
+`check_lora` (learner/checks.py, torch-free: the driver runs it too) refuses what cannot train adapters
+yet, before the model loads.
 """
 
 from __future__ import annotations
@@ -25,26 +26,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from tidal.core.errors import ConfigError
-from tidal.learner.config import LearnerConfig, LoraOptions, ParallelConfig
+from tidal.learner.config import LoraOptions
 
 ADAPTER = "default"  # PEFT's name for the one adapter
-
-
-def check_lora(cfg: LearnerConfig, world: int) -> None:
-    """Refuse `learner.lora` where this learner cannot train adapters yet (before the model loads)."""
-    if cfg.lora is None:
-        return
-    why = []
-    if cfg.backend.name != "single":
-        why.append(f"the {cfg.backend.name!r} backend shards parameters, and its adapters are not wired to "
-                   f"PEFT here (use learner.backend.name = \"single\")")
-    if world > 1:
-        why.append(f"{world} learner ranks: the adapters are trained by one rank for now (--nproc 1)")
-    if cfg.parallel != ParallelConfig():
-        why.append("sequence or expert parallelism (learner.parallel) splits the model over ranks")
-    if why:
-        raise ConfigError("learner.lora cannot be used here: " + "; ".join(why) + ". Unset learner.lora for full "
-                          "fine-tuning, or change the layout.", field="learner.lora")
 
 
 def add_lora(module: torch.nn.Module, opts: LoraOptions) -> torch.nn.Module:
