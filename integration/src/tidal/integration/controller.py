@@ -55,6 +55,7 @@ from tidal.integration.evaluation import Evaluations
 from tidal.integration.recipe import RunConfig, check_env
 from tidal.integration.resume import NUMBERING, Numbering, NumberingJournal, ResumePoint
 from tidal.integration.selfplay import SelfPlay
+from tidal.integration.signal_watch import LearningSignal
 from tidal.integration.workers import WorkerState
 from tidal.rollout.engines.stops import split_stops
 from tidal.rollout.worker.process import EVAL_KEY
@@ -87,6 +88,7 @@ class Controller(Evaluations):
         self.eval_attempts: dict[str, int] = {}
         self.last_error: dict[str, str] = {}  # role name -> the latest error it reported, for status
         self.drops = Drops(window_s=cfg.launch.drop_rate_window_s)  # training groups trained or dropped, and why
+        self.signal = LearningSignal()  # whether the trained samples carry a learning signal (signal_watch)
         self.tasks_skipped: dict[str, int] = {}  # domain -> tasks whose prompt the tokenizer cannot encode
         # group numbers and tasks drawn, journaled before each assignment leaves: never handed out twice
         self.numbering = NumberingJournal(run_dir / NUMBERING)
@@ -299,6 +301,10 @@ class Controller(Evaluations):
                 if "train/samples_total" in msg.scalars:
                     self._trained.append((msg.time, msg.scalars["train/samples_total"]))
                 self.learner_metrics_version = max(self.learner_metrics_version, version)
+                if msg.source == "learner-0" and (warning := self.signal.observe(msg.scalars)):
+                    log.warning("%s", warning)  # once per run (the console shows the controller's warnings)
+                    self._record(Metrics(source="driver", step=version, time=msg.time,
+                                         scalars={"event/no_signal": 1.0}))
             self._record(msg)
 
     def trained_per_s(self, window_s: float = 10.0) -> float:

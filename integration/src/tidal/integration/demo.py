@@ -21,6 +21,7 @@ report plots the tool-call and tool-error rates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -141,7 +142,8 @@ def warm_start(cfg: RunConfig, opts: DemoOptions, out: Path) -> dict[str, Any]:
     """The demo's warm start at cfg.model (a tiny model, then SFT on the first domain), reused when
     OUT/model-sft.json says it was made with the same model, SFT, domain and seed; returns those settings."""
     # torch: the warm start's, loaded when it runs (demo_config and `tidal demo --help` need none)
-    from tidal.integration.sft import SFTConfig, sft
+    from tidal.integration.sft import SFTConfig
+    from tidal.integration.sft_stage import sft_stage
 
     domain = cfg.domains[0]
     env = registry.build("env", domain.env.name, domain.env.options, field="domains[0].env")
@@ -166,11 +168,14 @@ def warm_start(cfg: RunConfig, opts: DemoOptions, out: Path) -> dict[str, Any]:
                  else ""), flush=True)
         demonstrate = _tool_demonstrator(tool_rate) if tool_rate is not None else \
             nim_demonstration if domain.env.name == "nim" else None
-        stats = sft(base, cfg.model, env, sft_cfg, progress=_sft_progress(sft_cfg.steps), demonstrate=demonstrate)
+        # the first stage of `tidal sft RECIPE`, with the demo's demonstrators (tidal.integration.sft_stage)
+        stage = sft_stage(cfg, cfg.model, base=base, steps=sft_cfg.steps, batch=sft_cfg.batch, lr=sft_cfg.lr,
+                          demonstrate=demonstrate, sft_options=dataclasses.asdict(sft_cfg), measure=False,
+                          say=lambda line: None if "SFT:" in line or "SFT done" in line else print(line, flush=True))
         start_acc = _warm_accuracy(cfg, env)
-        print(f"      SFT done in {stats['seconds']:.0f} s: loss {stats['loss']:.3f}, held-out accuracy "
+        print(f"      SFT done in {stage.seconds:.0f} s: loss {stage.loss:.3f}, held-out accuracy "
               f"{100 * start_acc:.1f}% (greedy)", flush=True)
-        stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stats["seconds"]}))
+        stamp.write_bytes(msgspec.json.encode({"warm": warm, "accuracy": start_acc, "seconds": stage.seconds}))
     return warm
 
 
@@ -202,13 +207,3 @@ def _warm_accuracy(cfg: RunConfig, env) -> float:
         print(f"      warm start: {stats['tool_calls_per_episode']:.2f} tool calls per episode, tool errors "
               f"{100 * stats['tool_error_rate']:.1f}%, {stats['turns_per_episode']:.2f} turns", flush=True)
     return stats["accuracy"]
-
-
-def _sft_progress(total: int):
-    every = max(1, total // 10)
-
-    def show(step: int, loss: float) -> None:
-        if step % every == 0 or step == total:
-            print(f"      SFT step {step}/{total}  loss {loss:.3f}", flush=True)
-
-    return show

@@ -117,6 +117,8 @@ def run_health(run_dir: str | Path) -> dict[str, Any]:
                  if f"controller/gate_{k}" in controller},
         "buffer": {k: buffer[f"depth/{k}"] for k in ("ready_samples", "live_trajectories") if f"depth/{k}" in buffer},
         "processes": processes, "last_metrics_s": last_metrics_s,
+        "signal": {k.removeprefix("signal/"): v for k, v in learner.items() if k.startswith("signal/")
+                   and k.count("/") == 1},
         "resume": f"tidal run --resume {run_dir}" if state in RESUMABLE else "",
     }
 
@@ -138,6 +140,13 @@ def format_health(h: dict[str, Any]) -> list[str]:
         b = h["buffer"]
         lines.append(f"  buffer      depth {b.get('ready_samples', 0):.0f} ready samples"
                      + (f", {b['live_trajectories']:.0f} trajectories held" if "live_trajectories" in b else ""))
+    sig = h.get("signal") or {}
+    if "nonzero_adv_frac" in sig:
+        # what the last step could learn from: groups whose rewards are all equal give GRPO no direction
+        lines.append(f"  signal      {100 * sig['nonzero_adv_frac']:.0f} % of the last step's samples had a nonzero "
+                     f"advantage; groups with equal rewards {100 * sig.get('zero_variance_frac', 0.0):.0f} % "
+                     f"(all zero {100 * sig.get('all_zero_frac', 0.0):.0f} %, all at the best "
+                     f"{100 * sig.get('all_max_frac', 0.0):.0f} %)")
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(h["restarts"].items()) if v)
     lines.append(f"  restarts    {restarts or 'none'}")
     if h["processes"]:

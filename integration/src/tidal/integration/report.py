@@ -50,6 +50,7 @@ def summarize(rows: list[dict]) -> dict:
         "lag_mean": float(lags.mean()) if lags.size else 0.0,
         "lag_max": int(lags.max()) if lags.size else 0,
         "reward_last": float(learner[-1]["scalars"].get("reward/mean", 0.0)) if learner else 0.0,
+        "signal": _signal_summary(learner),
         # evaluations that scored no problem: no accuracy, listed apart (never a 0.0 beside the real ones)
         "eval_unscored": [int(r["scalars"]["eval/version"]) for r in rows
                           if r["source"] == "controller" and r["scalars"].get("eval/unscored")],
@@ -59,6 +60,22 @@ def summarize(rows: list[dict]) -> dict:
         out["eval_end"] = out["eval"][-1]["accuracy"]
         out["eval_best"] = max(e["accuracy"] for e in out["eval"])
     return out
+
+
+def _signal_summary(learner: list[dict]) -> dict[str, float]:
+    """What the run could learn from (tidal.integration.signal_watch): the share of trained samples with a
+    nonzero advantage over the run and over its last 10 steps, and of groups whose rewards were all equal."""
+    rows = [r["scalars"] for r in learner if "signal/nonzero_adv_frac" in r["scalars"]]
+    if not rows:
+        return {}
+    n = np.array([r.get("train/sequences", 0.0) for r in rows])
+    frac = np.array([r["signal/nonzero_adv_frac"] for r in rows])
+    zv = np.array([r.get("signal/zero_variance_frac", 0.0) for r in rows])
+    return {"samples_with_signal_frac": float((frac * n).sum() / n.sum()) if n.sum() else 0.0,
+            "samples_with_signal_frac_last10": float(frac[-10:].mean()),
+            "zero_variance_groups_frac": float(zv.mean()), "zero_variance_groups_frac_last10": float(zv[-10:].mean()),
+            "all_zero_groups_frac": float(np.mean([r.get("signal/all_zero_frac", 0.0) for r in rows])),
+            "all_max_groups_frac": float(np.mean([r.get("signal/all_max_frac", 0.0) for r in rows]))}
 
 
 EPISODE_COUNTERS = ("episodes", "finished_turns", "finished_tool_calls", "finished_tool_errors", "splits",
@@ -244,6 +261,11 @@ def _plot_training(ax, learner: list[dict], evals: list[dict]) -> None:
     es = [version_samples.get(int(r["scalars"]["eval/version"]), np.nan) for r in evals]
     ax[0, 0].plot(t, reward, lw=1, color="tab:blue")
     ax[0, 0].set(title="training reward (mean per step)", xlabel="wall-clock (min)", ylabel="reward")
+    signal = [100 * r["scalars"].get("signal/nonzero_adv_frac", np.nan) for r in learner]
+    if any(np.isfinite(signal)):  # what the steps could learn from: 0 % = every group's rewards equal
+        twin = ax[0, 0].twinx()
+        twin.plot(t, signal, lw=0.8, ls="--", color="tab:gray")
+        twin.set(ylabel="samples with signal (%)", ylim=(0, 105))
     ax[1, 0].plot(samples, reward, lw=1, color="tab:blue")
     ax[1, 0].set(title="training reward", xlabel="samples trained", ylabel="reward")
     ax[0, 1].plot(et, acc, "o-", color="tab:green")

@@ -33,6 +33,7 @@ import msgspec
 
 from tidal.buffer import wal
 from tidal.buffer.store import Store
+from tidal.integration.signal_watch import NOTHING_LEARNED
 
 NUMBERING = "numbering.jsonl"
 LOCK = "driver.lock"
@@ -286,7 +287,8 @@ def check_resumable(run_dir: Path, budget_versions: int) -> str:
         final = json.loads((run_dir / "final.json").read_text())
     except (OSError, ValueError):
         return ""  # the driver died before writing it (kill -9): resumable
-    if final.get("status") == "completed" and int(final.get("versions", 0)) >= budget_versions:
+    status = str(final.get("status", ""))
+    if (status == "completed" or status.startswith(NOTHING_LEARNED)) and int(final.get("versions", 0)) >= budget_versions:
         return (f"{run_dir} is completed ({final.get('versions')} of {final.get('budget_versions')} versions): "
                 f"nothing to resume. To train further, resume with a larger budget: "
                 f"tidal run --resume {run_dir} budget.versions=N")

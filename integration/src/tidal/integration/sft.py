@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
+import tidal.rollout
 from tidal.core.config import Domain, PluginRef
+from tidal.core.errors import ConfigError
 from tidal.core.interfaces import GenerationRequest
 from tidal.core.plugins import registry
 from tidal.core.protocol import SamplingParams
@@ -60,14 +63,19 @@ class SFTConfig:
 Demonstrator = Callable[[Any, random.Random], list[tuple[str, bool]]]
 
 
-def _answer_demonstrator(cfg: SFTConfig) -> Demonstrator:
-    """Single-turn: the prompt, then the reference answer and a newline (with the carry slip, if set)."""
+def answer_demonstrator(cfg: SFTConfig, end: str = "\n") -> Demonstrator:
+    """Single-turn: the prompt, then the reference answer and `end` (the run's stop string), with the carry
+    slip, if set. A task without a reference answer is a ConfigError (there is nothing to fit)."""
 
     def show(task: Any, rng: random.Random) -> list[tuple[str, bool]]:
-        shown = task.answer
+        shown = getattr(task, "answer", "")
+        if not shown:
+            raise ConfigError("the environment's tasks carry no reference answer (Task.answer) to fit: give "
+                              "demonstrations as JSONL instead (tidal sft RECIPE --data FILE.jsonl)",
+                              field="domains[0].env")
         if cfg.carry_slip and task.metadata.get("carry") == "1" and rng.random() < cfg.carry_slip:
             shown = str(int(task.answer) - 10)
-        return [(task.prompt, False), (shown + "\n", True)]
+        return [(task.prompt, False), (shown + end, True)]
 
     return show
 
@@ -87,7 +95,7 @@ def sft(model_path: str | Path, out: str | Path, env, cfg: SFTConfig,
     opt, sched = _optimizer(model, cfg)
     tasks = env.tasks("train", cfg.seed)
     rng = random.Random(cfg.seed + 1)
-    show = demonstrate or _answer_demonstrator(cfg)
+    show = demonstrate or answer_demonstrator(cfg)
     t0, loss_value = time.perf_counter(), float("nan")
     for step in range(cfg.steps):
         input_ids, position_ids, target = _packed_batch(tok, itertools.islice(tasks, cfg.batch), show, rng)
@@ -117,10 +125,6 @@ def built_once(root: str | Path, key: dict[str, Any], build: Callable[[Path], An
     The cache cannot go stale: its name is a hash of `key`, the source of `build`, the source files of the
     code that builds models, tokenizers, tasks and warm starts (tidal.rollout, this module) and the torch and
     transformers versions; a change to any of them builds a new folder."""
-    import transformers
-
-    import tidal.rollout
-
     h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
     h.update(inspect.getsource(build).encode())
     h.update(f"{torch.__version__} {transformers.__version__}".encode())

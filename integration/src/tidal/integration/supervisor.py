@@ -33,6 +33,7 @@ from tidal.core.protocol import Metrics
 from tidal.integration.controller import Controller
 from tidal.integration.recipe import RunConfig
 from tidal.integration.resume import resume_command
+from tidal.integration.signal_watch import NOTHING_LEARNED
 
 log = logging.getLogger("tidal.run")
 
@@ -333,12 +334,17 @@ class Supervisor:
         codes.update(self.handle.stop(["buffer"], timeout))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
 
+        if self.status == "completed" and (why := c.signal.learned_nothing()):
+            self.status = f"{NOTHING_LEARNED}: {why}"
+            log.error("the run %s", self.status)
         write_final(self.run_dir, {
             "status": self.status, "versions": c.learner_version, "budget_versions": self.cfg.budget.versions,
-            **({} if self.status == "completed" else {"resume": resume_command(self.run_dir)}),
+            **({} if self.status == "completed" or self.status.startswith(NOTHING_LEARNED)
+               else {"resume": resume_command(self.run_dir)}),
             "resumed": c.resume.resumes + 1 if c.resume is not None else 0,
             "time_budget_reached": self.time_budget_hit, "final_eval": self.final_eval,
             "launch_to_first_step_s": self.launch_to_first_step(),
+            "signal": c.signal.summary(),
             "errors": {**c.last_error, **self.errors},
             "restarts": {k: v for k, v in self.restarts.items() if v},
             "eval": c.eval_results, "eval_unscored": c.eval_unscored, "controller": c.status(), "buffer": final_buffer,
@@ -391,6 +397,10 @@ def summary(c: Controller, elapsed: float) -> dict[str, str]:
         "generated/s": f"{sum(w.get('rollout/samples_per_s', 0.0) for w in workers):.1f}",
         "gen tokens/s": f"{sum(w.get('rollout/tokens_per_s', 0.0) for w in workers):.0f}",
         "reward": f"{learner.get('reward/mean', float('nan')):.3f}",
+        # samples of the last step with a nonzero advantage; groups of equal rewards teach GRPO nothing
+        "signal": (f"{100 * learner['signal/nonzero_adv_frac']:.0f}% (equal-reward groups "
+                   f"{100 * learner.get('signal/zero_variance_frac', 0.0):.0f}%)"
+                   if "signal/nonzero_adv_frac" in learner else "-"),
         "eval acc": acc,
         "buffer depth": f"{buffer.get('depth/ready_samples', 0.0):.0f}",
         "lag": f"{learner.get('staleness/lag_mean', 0.0):.2f}",

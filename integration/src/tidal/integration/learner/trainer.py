@@ -324,7 +324,15 @@ class Trainer:
         metrics["train/tokens"] = totals.tokens
         metrics["train/sequences"] = totals.seqs
         metrics["train/micro_batches"] = float(n_micro)
+        metrics["signal/nonzero_adv_frac"] = self._signal_share(adv)
         return metrics
+
+    def _signal_share(self, adv: list) -> float:
+        """The share of the step's samples (all ranks) whose advantage is nonzero somewhere: the ones that
+        can move the policy (tidal.integration.signal_watch says what a run without any means)."""
+        moving = sum(1 for a in adv if bool((torch.as_tensor(a).abs() > 1e-8).any()))
+        moving_all, total = self._global([float(moving), float(len(adv))])
+        return moving_all / total if total else 0.0
 
     def _forward_backward(self, micro: Any, shard: Shard | None, routes: torch.Tensor | None,
                           samples: Sequence[Sample], adv: list, returns: list | None, old_values: list | None,

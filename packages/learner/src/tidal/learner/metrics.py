@@ -33,7 +33,38 @@ def step_metrics(metrics: dict[str, float], timing: dict[str, float], ready_to_s
         by_task.setdefault(t.task, []).append(float(t.reward))
     if len(by_task) > 1:
         out.update({f"reward/{task}": float(np.mean(r)) for task, r in by_task.items()})
+    out.update(group_signal(trajectories))
     return out, lags
+
+
+def group_signal(trajectories: list[Trajectory]) -> dict[str, float]:
+    """How many of the batch's groups can teach a group-relative estimator anything: the share of groups (of
+    two samples or more) whose rewards are all equal (`signal/zero_variance_frac`), all 0
+    (`signal/all_zero_frac`) and all at the batch's highest reward when that is above 0
+    (`signal/all_max_frac`); per task too (`signal/<task>/...`) when the batch holds several."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    best = max((float(t.reward) for t in trajectories), default=0.0)
+    counts: dict[str, list[int]] = {}  # task -> [groups, zero variance, all zero, all max]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rewards = [float(t.reward) for t in members]
+        flat = max(rewards) - min(rewards) <= 1e-9
+        row = [1, int(flat), int(flat and rewards[0] == 0.0), int(flat and best > 0 and rewards[0] >= best - 1e-9)]
+        for key in ("", members[0].task):
+            c = counts.setdefault(key, [0, 0, 0, 0])
+            for i, v in enumerate(row):
+                c[i] += v
+    out: dict[str, float] = {}
+    for key, (n, n_flat, zero, top) in counts.items():
+        if key and len(counts) <= 2:  # one task: its numbers are the batch's
+            continue
+        prefix = f"signal/{key}/" if key else "signal/"
+        out.update({f"{prefix}groups": float(n), f"{prefix}zero_variance_frac": n_flat / n,
+                    f"{prefix}all_zero_frac": zero / n, f"{prefix}all_max_frac": top / n})
+    return out
 
 
 def kv_lag_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
