@@ -82,7 +82,8 @@ def test_a_tool_that_hangs_or_floods_costs_one_episode_and_the_worker_lives(venv
     # would lose the group: a group of 8 untrained episodes meets a hang more often than not)
     rc, out, seconds = tidal_run(py, tmp, run_dir, *common(model), f'domains=[{{env={{name="unitconv", options={{{tools}}}}}}}]',
                                  "budget.versions=10000", "budget.minutes=1", "rollout.episodes.step_timeout_s=3",
-                                 'rollout.episodes.on_error="survivors"', "group_size=4", "batch_groups=2")
+                                 'rollout.episodes.on_error="survivors"', "group_size=4", "batch_groups=2",
+                                 "launch.fail_without_signal=false")  # untrained: checks the tools, not learning
     assert rc == 0, out[-4000:] + env_logs(run_dir)
     assert seconds < 60 + 60 + 10, f"a 1-minute budget took {seconds:.0f} s"
     final = json.loads((run_dir / "final.json").read_text())

@@ -72,7 +72,7 @@ def world(tmp_path_factory):
 def test_a_run_whose_groups_all_have_equal_rewards_warns_and_ends_learned_nothing(world, tmp_path, tidal_cli):
     run_dir = tmp_path / "run"
     rc, out = tidal_cli.run(world, run_dir, 'domains=[{env={name="words"}}]', "workers=1", "budget.versions=24",
-                            "eval.every=0", "sampling.max_tokens=3", timeout=420)
+                            "eval.every=0", "sampling.max_tokens=3", "launch.fail_without_signal=true", timeout=420)
     final = json.loads((run_dir / "final.json").read_text())
     assert rc == 3, out[-3000:] + tidal_cli.logs(run_dir)
     assert final["status"].startswith("learned nothing: 24 versions trained"), final["status"]

@@ -37,6 +37,11 @@ def test_a_few_samples_with_signal_keep_the_run_quiet():
     assert LearningSignal().learned_nothing() == "" and not LearningSignal().observe({"loss/total": 1.0})
 
 
+def test_a_run_shorter_than_the_first_window_is_not_judged():
+    s = LearningSignal()
+    assert not any(s.observe(_row(0.0)) for _ in range(FIRST - 1)) and s.learned_nothing() == ""
+
+
 def _t(group: str, reward: float, task: str = "arith") -> Trajectory:
     ids = Array.from_numpy(np.zeros(2, np.int32))
     return Trajectory(id=f"{group}-{reward}-{np.random.rand()}", group_id=group, sample_index=0, task=task,

@@ -102,6 +102,10 @@ class LaunchConfig(ConfigStruct):
     # this long after the first worker connected: the run ends "failed: no group could be scored in N s: ..."
     # with the top cause; 0 = never
     no_trainable_group_s: float = 60.0
+    # a run that completed with almost no trained sample carrying a learning signal (every group's rewards
+    # equal: tidal.integration.signal_watch) ends "learned nothing: ..." and `tidal run` exits 3; false: it
+    # ends "completed" (the console's warning still comes), for runs that test plumbing on an untrained model
+    fail_without_signal: bool = True
     # more than this share of the training groups dropped over `drop_rate_window_s` is a warning in the
     # driver log with its top cause, and a `drop_rate` event in metrics.jsonl (once per window)
     max_drop_rate: float = 0.5

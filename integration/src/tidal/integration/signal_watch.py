@@ -9,7 +9,8 @@ highest reward); the controller hands every learner row to `LearningSignal.obser
 
 It warns once, in the console, when almost no sample (`QUIET` share) carried a signal for the first
 `FIRST` versions or for `STREAK` versions in a row, saying what it means and what to try; at the end a run
-in which almost no sample ever carried one is `learned nothing: ...` in final.json (`tidal run` exits 3).
+of `FIRST` versions or more in which almost no sample carried one is `learned nothing: ...` in final.json
+(`tidal run` exits 3; `launch.fail_without_signal = false` keeps it `completed`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class LearningSignal:
         return self.with_signal / self.samples if self.samples else 0.0
 
     def learned_nothing(self) -> str:
-        """Why the run learned nothing (almost no trained sample ever carried a signal), or "" when it could."""
-        if self.versions == 0 or self.share() >= QUIET:
+        """Why the run learned nothing (over at least `FIRST` versions, almost no trained sample carried a
+        signal), or "" when it could or was too short to tell."""
+        if self.versions < FIRST or self.share() >= QUIET:  # a smoke run of a few versions is not judged
             return ""
         return f"{self.versions} versions trained, but {self.describe()}. {ADVICE[0].upper()}{ADVICE[1:]}"
 

@@ -334,7 +334,7 @@ class Supervisor:
         codes.update(self.handle.stop(["buffer"], timeout))
         log.info("roles stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()) or "none running")
 
-        if self.status == "completed" and (why := c.signal.learned_nothing()):
+        if self.status == "completed" and self.cfg.launch.fail_without_signal and (why := c.signal.learned_nothing()):
             self.status = f"{NOTHING_LEARNED}: {why}"
             log.error("the run %s", self.status)
         write_final(self.run_dir, {
