@@ -13,8 +13,9 @@ import pytest
 from tidal.buffer.config import BufferConfig
 from tidal.buffer.service import BufferService
 from tidal.buffer.store import body_of, decode_samples, encode_trajectory
-from tidal.buffer.validate import check_all_values, check_values
+from tidal.buffer.validate import Refusal, check_all_values, check_values
 from tidal.core.arrays import Array
+from tidal.core.config import PluginRef
 from tidal.core.reliable import AckedPusher
 from tidal.core.testing import free_endpoint, make_group, make_trajectory
 
@@ -154,3 +155,19 @@ def test_kv_versions_pass_through_and_a_misshapen_one_is_refused(as_sample):
     for bad in (np.zeros(n - 1, np.int32), np.zeros(n, np.int64)):
         t.kv_versions = Array.from_numpy(bad)
         assert "kv_versions" in (validate(read(t)) or "")
+
+
+def test_a_resent_trajectory_the_admission_refused_is_refused_again_and_counted_once(tmp_path):
+    cfg = BufferConfig(ingest=free_endpoint(), serve=free_endpoint(), publish=free_endpoint(),
+                       wal_dir=str(tmp_path / "wal"), fsync="never", vocab_size=VOCAB,
+                       admission=PluginRef(name="version_rejection", options={"max_lag": 1}))
+    svc = BufferService(cfg)
+    try:
+        svc.learner_version, svc._learner_known = 10, True
+        t = make_trajectory(0)
+        t.versions = Array.from_numpy(np.zeros(len(t.completion_ids.numpy()), np.int32))  # 10 versions behind
+        first, again = svc.accept(t), svc.accept(t)  # the second: a resend whose negative ack was late
+        assert isinstance(first, Refusal) and isinstance(again, Refusal) and str(again) == str(first)
+        assert svc.store.drops == {"admission:stale": 1}
+    finally:
+        svc.close()

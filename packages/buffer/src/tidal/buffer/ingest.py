@@ -58,6 +58,9 @@ _GROUPS = (*GROUP_TYPES, TrajectoryGroup)
 LOGGED_ERRORS = 100
 
 
+REMEMBER_REFUSED = 65_536  # ids of refused trajectories kept to refuse a resend without counting it again
+
+
 class Ingest:
     """What the buffer service takes in; `BufferService` is the one class built on it."""
 
@@ -75,6 +78,7 @@ class Ingest:
         _ingested_since: int
         protocol_errors: int
         refused_by: dict[str, int]
+        admission_refused: dict[str, str]
 
         def backpressured(self) -> bool: ...
         def maybe_compact(self) -> None: ...
@@ -182,10 +186,16 @@ class Ingest:
         """The admission policy's verdict on `t`: why it is refused (or None), and the token mask it keeps
         (None: all of it; else the stored encoding is made again with the narrowed loss mask)."""
         assert self.admission is not None and self.cfg.admission is not None  # called only with a policy
+        if (known := self.admission_refused.get(t.id)) is not None:  # a resend: refused again, counted once
+            return known, None
         adm = self.admission.admit(t.versions.numpy(), self.learner_version)
         if not adm.admit:
             self.store.drops[f"admission:{adm.reason}"] = self.store.drops.get(f"admission:{adm.reason}", 0) + 1
-            return f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})", None
+            why = f"refused by {self.cfg.admission.name}: {adm.reason} (learner at version {self.learner_version})"
+            self.admission_refused[t.id] = why
+            if len(self.admission_refused) > REMEMBER_REFUSED:  # the oldest first (dicts keep insertion order)
+                del self.admission_refused[next(iter(self.admission_refused))]
+            return why, None
         return None, adm.token_mask
 
     def accept_group(self, g: Any, frame: bytes | memoryview | None = None) -> tuple[str | None, dict[str, str]]:

@@ -104,6 +104,9 @@ class BufferService(Ingest):
         self.protocol_errors = 0
         self.protocol_errors_by: dict[str, int] = {}  # ProtocolError.reason -> count (ingest and serve)
         self.refused_by: dict[str, int] = {}  # Refusal.reason -> trajectories / groups refused
+        # id -> why, of trajectories the admission policy refused (the newest REMEMBER_REFUSED): a producer that
+        # resends one (its ack was late or lost) is refused again with the same reason, counted once
+        self.admission_refused: dict[str, str] = {}
         self.rejected = 0
         self._stop = False
         self._ingested_since = 0
