@@ -63,7 +63,8 @@ def recipe(model: Path, run_dir: Path, n: int, a: argparse.Namespace) -> RunConf
                     "backend": {"options": {"optim": {"lr": 1e-5}}},
                     # version-only workers never fetch the last version: do not wait for them to
                     "weights": {"final_wait_s": 30.0 if a.fetch_weights else 0.0}},
-        "launch": {"start_timeout_s": 600.0, "heartbeat_timeout_s": 120.0},
+        # the simulated engine learns nothing by design: this measures the control plane, not learning
+        "launch": {"start_timeout_s": 600.0, "heartbeat_timeout_s": 120.0, "fail_without_signal": False},
         "monitor": {"progress": "off", "tensorboard": False},
     }, RunConfig, source="control-plane bench")
 
